@@ -1,0 +1,51 @@
+# Two commands a new user types: `make demo` (the main job) and `make test` (the CPU test-suite).
+# Both build a local virtual environment first; nothing has to be installed by hand.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# A CPU build of torch where there is no NVIDIA GPU (several GB smaller than the CUDA build).
+# Set TORCH_CPU_PIP_ARGS to point pip at a CPU wheel index if yours has none; the CUDA build is the fallback.
+TORCH_CPU_SPEC ?= torch==2.13.0+cpu
+TORCH_CPU_PIP_ARGS ?=
+HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+
+.PHONY: venv test test-gpu demo bench clean
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifeq ($(HAS_NVIDIA),1)
+	$(PIP) install -q torch
+else
+	$(PIP) install -q $(TORCH_CPU_PIP_ARGS) "$(TORCH_CPU_SPEC)" || $(PIP) install -q torch
+endif
+	touch $@
+
+$(VENV)/.lik-test: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+$(VENV)/.lik-demo: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e ".[demo]" || { echo "lik: the demo encoder could not be installed; the demo will use synthetic embeddings and say so"; $(PIP) install -q -e .; }
+	touch $@
+
+venv: $(VENV)/.lik-test
+
+# Kernels run on the CPU through Triton's interpreter; the `gpu` marker is excluded by default (see pyproject).
+test: $(VENV)/.lik-test
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# On a machine with a CUDA GPU: real compilation, tensor cores, atomics, 64-bit offsets.
+test-gpu: $(VENV)/.lik-test
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+demo: $(VENV)/.lik-demo
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m lik.cli demo $(DEMO_ARGS)
+
+bench: $(VENV)/.lik-test
+	$(PIP) install -q -e ".[bench]"
+	$(PY) -m lik.cli bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

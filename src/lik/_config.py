@@ -1,0 +1,135 @@
+"""Deterministic launch heuristics (no autotuning on the hot path), overridable in tests.
+
+A launch configuration is a pure function of the architecture, the dtype, ``d``, the query length bucket and a few
+flags, so the number of compiled variants is bounded and a call never pays for a benchmark sweep. Batch sizes and
+sequence lengths are runtime arguments of the kernels: changing them never recompiles.
+
+Tests (and users chasing the last percent) can force a configuration::
+
+    with lik._config.override(maxsim_forward=MaxSimForwardConfig(group_rows=16, groups=2, block_n=16)):
+        lik.maxsim(Q, D)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = [
+    "MaxSimForwardConfig",
+    "MaxSimBackwardConfig",
+    "maxsim_forward_config",
+    "maxsim_backward_config",
+    "override",
+    "interpreting",
+    "next_power_of_2",
+]
+
+_OVERRIDES: dict[str, object] = {}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _arch(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return (0, 0)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@dataclass(frozen=True)
+class MaxSimForwardConfig:
+    """Tile shape of the forward kernel.
+
+    A program owns ``groups`` query-row groups of ``group_rows`` rows each (``group_rows`` is the power-of-two
+    bucket of ``Lq``, capped; a longer query is split into several groups whose partial sums are added) and one
+    document, whose tokens it streams in tiles of ``block_n``.
+    """
+
+    group_rows: int
+    groups: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def block_m(self) -> int:
+        return self.group_rows * self.groups
+
+
+@dataclass(frozen=True)
+class MaxSimBackwardConfig:
+    """Tiles of the backward kernels: query rows per program (dQ, atomic dD) and document rows per program
+    (deterministic dD)."""
+
+    block_rows: int
+    block_doc_rows: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def maxsim_forward_config(
+    *, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, per_query: bool, device: torch.device
+) -> MaxSimForwardConfig:
+    """Pick the forward tiles for ``n_queries`` queries of ``q_len`` tokens."""
+    forced = _OVERRIDES.get("maxsim_forward")
+    if forced is not None:
+        return replace(forced, groups=1) if per_query else forced
+    block_d = max(16, next_power_of_2(dim))
+    if interpreting():
+        max_rows, block_n, warps, stages = 32, 16, 4, 1
+    else:
+        wide = dtype == torch.float32 or block_d > 128
+        max_rows = 64 if wide else 128
+        block_n, warps, stages = (32 if block_d > 256 else 64), (8 if max_rows >= 128 else 4), (2 if wide else 3)
+    group_rows = min(max(16, next_power_of_2(q_len)), max_rows)
+    groups = 1
+    if not per_query:
+        # Stack several short queries against one document tile: fuller tensor-core tiles, fewer doc re-reads.
+        n_groups_total = n_queries * -(-q_len // group_rows)
+        groups = max(1, min(max_rows // group_rows, next_power_of_2(n_groups_total)))
+    block_k = block_d if interpreting() else min(block_d, 256)
+    return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages)
+
+
+def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device) -> MaxSimBackwardConfig:
+    forced = _OVERRIDES.get("maxsim_backward")
+    if forced is not None:
+        return forced
+    block_d = max(16, next_power_of_2(dim))
+    if interpreting():
+        return MaxSimBackwardConfig(block_rows=16, block_doc_rows=16, block_k=block_d)
+    block_k = min(block_d, 128)
+    return MaxSimBackwardConfig(block_rows=32, block_doc_rows=64, block_k=block_k, num_warps=4, num_stages=1)
+
+
+@contextlib.contextmanager
+def override(**configs):
+    """Force launch configurations inside a ``with`` block (keys: ``maxsim_forward``, ``maxsim_backward``)."""
+    unknown = set(configs) - {"maxsim_forward", "maxsim_backward"}
+    if unknown:
+        raise ValueError(f"unknown config keys: {sorted(unknown)}")
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(configs)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)

@@ -1,0 +1,234 @@
+"""MaxSim backward from the argmax saved by the forward.
+
+With ``w[n, j] = dL/dscore[n, j]`` and ``t* = argmax[n, j, s]`` (-1: no gradient):
+
+* ``dQ[n, s] = sum_j w[n, j] * D[set(n), j, t*]`` -- a gather; each program owns a block of query rows, so it
+  is deterministic.
+* ``dD[set, j, t] = sum_{n, s : t* = t} w[n, j] * Q[n, s]`` -- a scatter. Two ways:
+
+  - ``"fast"``: one fp32 atomic add per (row, feature) into an fp32 buffer, cast to the input dtype after;
+  - ``"deterministic"``: each program owns a tile of document rows and sums, query by query, a one-hot
+    product ``onehot(t* == t)^T @ Q`` (exact: the one-hot is 0/1 in the input dtype, accumulation is fp32),
+    scaled by ``w`` in fp32. No atomics, the same bits on every run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._config import maxsim_backward_config, next_power_of_2
+from .forward import dot_precision, set_strides
+
+__all__ = [
+    "maxsim_bwd_dq_kernel",
+    "maxsim_bwd_dd_atomic_kernel",
+    "maxsim_bwd_dd_owned_kernel",
+    "maxsim_backward_dq",
+    "maxsim_backward_dd",
+    "BACKWARD_MODES",
+]
+
+BACKWARD_MODES = ("auto", "fast", "deterministic")
+
+
+@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks"])
+def maxsim_bwd_dq_kernel(
+    d_ptr, grad_ptr, argmax_ptr, dq_ptr,
+    q_len, n_docs, n_row_blocks, n_k_blocks,
+    stride_dn, stride_db, stride_dl, stride_dk,
+    stride_gn, stride_gb,
+    stride_an, stride_ab, stride_al,
+    stride_dqn, stride_dql, stride_dqk,
+    DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    k_block = pid % n_k_blocks
+    row_block = (pid // n_k_blocks) % n_row_blocks
+    query = pid // (n_k_blocks * n_row_blocks)
+    tokens = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    token_ok = tokens < q_len
+    kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = kk < DIM
+    doc_set_ptr = d_ptr + query * stride_dn
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_K), tl.float32)
+    for doc in range(0, n_docs):
+        winner = tl.load(argmax_ptr + query * stride_an + doc * stride_ab + tokens * stride_al, mask=token_ok, other=-1)
+        weight = tl.load(grad_ptr + query * stride_gn + doc * stride_gb)
+        has_grad = winner >= 0
+        rows = tl.load(
+            doc_set_ptr + doc * stride_db + winner.to(tl.int64)[:, None] * stride_dl + kk[None, :] * stride_dk,
+            mask=has_grad[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        acc += weight * rows.to(tl.float32)
+    tl.store(
+        dq_ptr + query * stride_dqn + tokens[:, None] * stride_dql + kk[None, :] * stride_dqk,
+        acc.to(dq_ptr.dtype.element_ty),
+        mask=token_ok[:, None] & k_ok[None, :],
+    )
+
+
+@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks"])
+def maxsim_bwd_dd_atomic_kernel(
+    q_ptr, grad_ptr, argmax_ptr, dd_ptr,
+    q_len, n_docs, n_row_blocks, n_k_blocks,
+    stride_qn, stride_ql, stride_qk,
+    stride_gn, stride_gb,
+    stride_an, stride_ab, stride_al,
+    stride_ddn, stride_ddb, stride_ddl, stride_ddk,
+    DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    k_block = pid % n_k_blocks
+    rest = pid // n_k_blocks
+    doc = rest % n_docs
+    row_block = (rest // n_docs) % n_row_blocks
+    query = rest // (n_docs * n_row_blocks)
+    tokens = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    token_ok = tokens < q_len
+    kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = kk < DIM
+    winner = tl.load(argmax_ptr + query * stride_an + doc * stride_ab + tokens * stride_al, mask=token_ok, other=-1)
+    has_grad = winner >= 0
+    weight = tl.load(grad_ptr + query * stride_gn + doc * stride_gb)
+    rows = tl.load(
+        q_ptr + query * stride_qn + tokens[:, None] * stride_ql + kk[None, :] * stride_qk,
+        mask=has_grad[:, None] & k_ok[None, :],
+        other=0.0,
+    )
+    tl.atomic_add(
+        dd_ptr + query * stride_ddn + doc * stride_ddb + winner.to(tl.int64)[:, None] * stride_ddl
+        + kk[None, :] * stride_ddk,
+        weight * rows.to(tl.float32),
+        mask=has_grad[:, None] & k_ok[None, :],
+        sem="relaxed",
+    )
+
+
+@triton.jit(do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks"])
+def maxsim_bwd_dd_owned_kernel(
+    q_ptr, grad_ptr, argmax_ptr, dd_ptr,
+    n_queries, q_len, n_docs, doc_len, n_doc_blocks, n_k_blocks,
+    stride_qn, stride_ql, stride_qk,
+    stride_gn, stride_gb,
+    stride_an, stride_ab, stride_al,
+    stride_ddn, stride_ddb, stride_ddl, stride_ddk,
+    DIM: tl.constexpr,
+    PER_QUERY: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_DOC_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    k_block = pid % n_k_blocks
+    rest = pid // n_k_blocks
+    doc_block = rest % n_doc_blocks
+    rest = rest // n_doc_blocks
+    doc = rest % n_docs
+    doc_set = rest // n_docs
+    positions = doc_block * BLOCK_DOC_ROWS + tl.arange(0, BLOCK_DOC_ROWS)
+    kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = kk < DIM
+    if PER_QUERY:
+        first_query = doc_set
+        last_query = doc_set + 1
+    else:
+        first_query = doc_set * 0
+        last_query = n_queries
+    acc = tl.zeros((BLOCK_DOC_ROWS, BLOCK_K), tl.float32)
+    for query in range(first_query, last_query):
+        per_query = tl.zeros((BLOCK_DOC_ROWS, BLOCK_K), tl.float32)
+        for start in range(0, q_len, BLOCK_ROWS):
+            tokens = start + tl.arange(0, BLOCK_ROWS)
+            winner = tl.load(
+                argmax_ptr + query * stride_an + doc * stride_ab + tokens * stride_al, mask=tokens < q_len, other=-1
+            )
+            rows = tl.load(
+                q_ptr + query * stride_qn + tokens[:, None] * stride_ql + kk[None, :] * stride_qk,
+                mask=(winner >= 0)[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            one_hot = (positions[:, None] == winner[None, :]).to(rows.dtype)
+            per_query = tl.dot(one_hot, rows, per_query, input_precision=DOT_PRECISION)
+        acc += tl.load(grad_ptr + query * stride_gn + doc * stride_gb) * per_query
+    tl.store(
+        dd_ptr + doc_set * stride_ddn + doc * stride_ddb + positions[:, None] * stride_ddl + kk[None, :] * stride_ddk,
+        acc.to(dd_ptr.dtype.element_ty),
+        mask=(positions < doc_len)[:, None] & k_ok[None, :],
+    )
+
+
+def _k_blocks(dim: int, block_k: int) -> tuple[int, int]:
+    block_k = min(block_k, max(16, next_power_of_2(dim)))
+    return block_k, triton.cdiv(dim, block_k)
+
+
+def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor, q_shape, dtype) -> torch.Tensor:
+    """``dQ [Nq, Lq, dim]`` in the input dtype from ``grad [Nq, B]`` (fp32) and the saved argmax."""
+    n_q, l_q, dim = q_shape
+    n_docs = d.shape[1]
+    dq = torch.zeros((n_q, l_q, dim), dtype=dtype, device=grad.device)
+    if dq.numel() == 0 or n_docs == 0:
+        return dq
+    cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
+    block_k, n_k_blocks = _k_blocks(dim, cfg.block_k)
+    n_row_blocks = triton.cdiv(l_q, cfg.block_rows)
+    maxsim_bwd_dq_kernel[(n_q * n_row_blocks * n_k_blocks,)](
+        d, grad, argmax, dq,
+        l_q, n_docs, n_row_blocks, n_k_blocks,
+        *set_strides(d), *grad.stride(), *argmax.stride(), *dq.stride(),
+        DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dq
+
+
+def maxsim_backward_dd(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    argmax: torch.Tensor,
+    d_shape,
+    dtype,
+    *,
+    deterministic: bool,
+    per_query: bool,
+) -> torch.Tensor:
+    """``dD [n_sets, B, Ld, dim]`` in the input dtype; ``deterministic`` selects the atomic-free kernel.
+
+    ``per_query``: documents were ``[Nq, B, Ld, d]`` (set ``n`` is scored by query ``n`` only).
+    """
+    n_sets, n_docs, l_d, dim = d_shape
+    n_q, l_q, _ = q.shape
+    if dim == 0 or n_docs == 0 or l_d == 0 or n_q == 0 or l_q == 0:
+        return torch.zeros(d_shape, dtype=dtype, device=grad.device)
+    cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
+    block_k, n_k_blocks = _k_blocks(dim, cfg.block_k)
+    if deterministic:
+        dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
+        n_doc_blocks = triton.cdiv(l_d, cfg.block_doc_rows)
+        maxsim_bwd_dd_owned_kernel[(n_sets * n_docs * n_doc_blocks * n_k_blocks,)](
+            q, grad, argmax, dd,
+            n_q, l_q, n_docs, l_d, n_doc_blocks, n_k_blocks,
+            *q.stride(), *grad.stride(), *argmax.stride(), *dd.stride(),
+            DIM=dim, PER_QUERY=per_query, BLOCK_ROWS=max(16, cfg.block_rows), BLOCK_DOC_ROWS=cfg.block_doc_rows,
+            BLOCK_K=block_k, DOT_PRECISION=dot_precision(dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return dd
+    dd32 = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
+    n_row_blocks = triton.cdiv(l_q, cfg.block_rows)
+    maxsim_bwd_dd_atomic_kernel[(n_q * n_row_blocks * n_docs * n_k_blocks,)](
+        q, grad, argmax, dd32,
+        l_q, n_docs, n_row_blocks, n_k_blocks,
+        *q.stride(), *grad.stride(), *argmax.stride(), *set_strides(dd32),
+        DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dd32.to(dtype)

@@ -1,0 +1,181 @@
+"""Fused MaxSim forward: query rows against streamed document tiles; only scores (and argmax) are written.
+
+Query rows are addressed as *groups*: a group is ``group_rows`` consecutive tokens of one query (the power-of-two
+bucket of ``Lq``, capped by the config), so a short query is one padded group and a long one is several groups
+whose partial sums are added afterwards (exact: the score is a sum over query tokens). A program owns ``groups``
+consecutive groups (several short queries stacked into one tall tile when documents are shared) and one document.
+Lengths and batch sizes are runtime arguments and are not specialised on, so they never trigger a recompile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._config import maxsim_forward_config, next_power_of_2
+from .tile import NO_KEY, maxsim_doc_rows
+from .validation import MaxSimInputs
+
+__all__ = ["maxsim_fwd_kernel", "maxsim_forward", "dot_precision", "set_strides"]
+
+_RUNTIME_INTS = ["n_queries", "q_len", "doc_len", "n_chunks", "n_row_blocks"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def maxsim_fwd_kernel(
+    q_ptr,
+    d_ptr,
+    q_mask_ptr,
+    d_mask_ptr,
+    partial_ptr,  # fp32 [n_chunks, Nq, B]
+    argmax_ptr,  # int32 [Nq, B, Lq]
+    n_queries,
+    q_len,
+    doc_len,
+    n_chunks,
+    n_row_blocks,
+    stride_qn, stride_ql, stride_qk,
+    stride_dn, stride_db, stride_dl, stride_dk,
+    stride_qmn, stride_qml,
+    stride_dmn, stride_dmb, stride_dml,
+    stride_pc, stride_pn, stride_pb,
+    stride_an, stride_ab, stride_al,
+    DIM: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_K: tl.constexpr,
+    HAS_Q_MASK: tl.constexpr,
+    HAS_D_MASK: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    STORE_ARGMAX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
+    pid = tl.program_id(0).to(tl.int64)
+    row_block = pid % n_row_blocks
+    doc = pid // n_row_blocks
+
+    rows = tl.arange(0, BLOCK_M)
+    group = row_block * GROUPS + rows // GROUP_ROWS
+    query = group // n_chunks
+    token = (group % n_chunks) * GROUP_ROWS + rows % GROUP_ROWS
+    row_in_range = (query < n_queries) & (token < q_len)
+    row_valid = row_in_range
+    if HAS_Q_MASK:
+        q_flags = tl.load(q_mask_ptr + query * stride_qmn + token * stride_qml, mask=row_in_range, other=0)
+        row_valid = row_in_range & (q_flags != 0)
+    q_row_ptrs = q_ptr + query * stride_qn + token * stride_ql
+    offs_k = tl.arange(0, BLOCK_K)
+    if NUM_K == 1:
+        q_rows = tl.load(
+            q_row_ptrs[:, None] + offs_k[None, :] * stride_qk,
+            mask=row_valid[:, None] & (offs_k[None, :] < DIM),
+            other=0.0,
+        )
+    else:
+        q_rows = tl.zeros((BLOCK_M, BLOCK_K), q_ptr.dtype.element_ty)
+
+    # Shared documents have stride_dn == 0; per-query documents run with GROUPS == 1, so the first group's
+    # query is every row's query.
+    doc_set = (row_block * GROUPS) // n_chunks
+    best, key, n_valid = maxsim_doc_rows(
+        q_rows, q_row_ptrs, row_valid, stride_qk,
+        d_ptr + doc_set * stride_dn + doc * stride_db,
+        d_mask_ptr + doc_set * stride_dmn + doc * stride_dmb,
+        doc_len, stride_dl, stride_dk, stride_dml,
+        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, DOT_PRECISION,
+    )
+    row_counts = row_valid
+    if EXCLUDE:
+        row_counts = row_valid & (n_valid > 0)
+    best = tl.where(row_counts, best, 0.0)
+    group_sums = tl.sum(tl.reshape(best, (GROUPS, GROUP_ROWS)), axis=1)
+    groups = row_block * GROUPS + tl.arange(0, GROUPS)
+    tl.store(
+        partial_ptr + (groups % n_chunks) * stride_pc + (groups // n_chunks) * stride_pn + doc * stride_pb,
+        group_sums,
+        mask=(groups // n_chunks) < n_queries,
+    )
+    if STORE_ARGMAX:
+        has_grad = row_counts & (key != NO_KEY) & ((key & 1) == 0)
+        index = tl.where(has_grad, key >> 1, -1)
+        tl.store(argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al, index, mask=row_in_range)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs follow ``torch.get_float32_matmul_precision()``: "highest" means true fp32 products."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "ieee"
+
+
+def set_strides(x: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a canonical ``[n_sets, ...]`` tensor, with the set stride 0 when the set is shared."""
+    return (0 if x.shape[0] == 1 else x.stride(0), *x.stride()[1:])
+
+
+def _mask_arg(mask: torch.Tensor | None, fallback: torch.Tensor, ndim: int):
+    if mask is None:
+        return fallback, (0,) * ndim
+    return mask.view(torch.uint8), mask.stride()
+
+
+def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel on canonical inputs.
+
+    Returns fp32 scores ``[Nq, B]`` and, if ``store_argmax``, int32 ``[Nq, B, Lq]`` winner indices (-1 where a
+    row gets no gradient: masked query token, empty document, or a masked winner in ``mask_mode="zero"``).
+    """
+    q, d = inputs.q, inputs.d
+    n_q, l_q, dim = q.shape
+    n_sets, n_docs, l_d, _ = d.shape
+    device = q.device
+    argmax = torch.empty((n_q, n_docs, l_q), dtype=torch.int32, device=device) if store_argmax else None
+    if min(n_q, n_docs, l_q, l_d, dim) == 0:
+        if argmax is not None:
+            argmax.fill_(-1)
+        return torch.zeros((n_q, n_docs), dtype=torch.float32, device=device), argmax
+
+    cfg = maxsim_forward_config(
+        q_len=l_q,
+        n_queries=n_q,
+        dim=dim,
+        dtype=q.dtype,
+        per_query=inputs.per_query_documents,
+        device=device,
+    )
+    n_chunks = triton.cdiv(l_q, cfg.group_rows)
+    n_row_blocks = triton.cdiv(n_q * n_chunks, cfg.groups)
+    partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device)
+    block_d = max(16, next_power_of_2(dim))
+    block_k = min(cfg.block_k, block_d)
+    q_mask, q_mask_strides = _mask_arg(inputs.q_mask, q, 2)
+    d_mask, d_mask_strides = _mask_arg(inputs.d_mask, d, 3)
+    d_strides = set_strides(d)
+    d_mask_strides = (0 if n_sets == 1 else d_mask_strides[0], *d_mask_strides[1:])
+    argmax_arg = argmax if argmax is not None else partial
+    argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
+    grid = (n_row_blocks * n_docs,)
+    maxsim_fwd_kernel[grid](
+        q, d, q_mask, d_mask, partial, argmax_arg,
+        n_q, l_q, l_d, n_chunks, n_row_blocks,
+        *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides,
+        DIM=dim,
+        GROUP_ROWS=cfg.group_rows,
+        GROUPS=cfg.groups,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        NUM_K=triton.cdiv(block_d, block_k),
+        HAS_Q_MASK=inputs.q_mask is not None,
+        HAS_D_MASK=inputs.d_mask is not None,
+        EXCLUDE=inputs.mask_mode == "exclude",
+        STORE_ARGMAX=store_argmax,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    scores = partial[0] if n_chunks == 1 else partial.sum(dim=0)
+    return scores, argmax

@@ -1,0 +1,104 @@
+"""``lik.maxsim``: the autograd Function over the fused kernels, and the public entry point."""
+
+from __future__ import annotations
+
+import torch
+
+from ..._config import interpreting
+from .backward import BACKWARD_MODES, maxsim_backward_dd, maxsim_backward_dq
+from .forward import maxsim_forward
+from .reference import maxsim_reference_canonical
+from .validation import MaxSimInputs
+
+__all__ = ["maxsim", "MaxSimFunction", "uses_kernels", "resolve_backward"]
+
+
+def uses_kernels(x: torch.Tensor) -> bool:
+    """Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``; float64 is reference-only."""
+    if x.dtype == torch.float64:
+        return False
+    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreting())
+
+
+def resolve_backward(backward: str) -> bool:
+    """Return True for the deterministic (atomic-free) backward."""
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward must be one of {BACKWARD_MODES}, got {backward!r}")
+    if backward == "auto":
+        return torch.are_deterministic_algorithms_enabled()
+    return backward == "deterministic"
+
+
+class MaxSimFunction(torch.autograd.Function):
+    """Autograd over canonical inputs: ``q [Nq, Lq, d]``, ``d [n_sets, B, Ld, d]`` -> fp32 ``[Nq, B]``."""
+
+    @staticmethod
+    def forward(ctx, q, d, q_mask, d_mask, mask_mode, per_query, deterministic):
+        inputs = MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query)
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        scores, argmax = maxsim_forward(inputs, store_argmax=needs_grad)
+        if needs_grad:
+            ctx.save_for_backward(q, d, argmax)
+            ctx.per_query = per_query
+            ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(*[m for m in (q_mask, d_mask) if m is not None])
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        q, d, argmax = ctx.saved_tensors
+        grad_scores = grad_scores.float().contiguous()
+        dq = dd = None
+        if ctx.needs_input_grad[0]:
+            dq = maxsim_backward_dq(grad_scores, d, argmax, q.shape, q.dtype)
+        if ctx.needs_input_grad[1]:
+            dd = maxsim_backward_dd(
+                grad_scores, q, argmax, d.shape, d.dtype,
+                deterministic=ctx.deterministic, per_query=ctx.per_query,
+            )
+        return dq, dd, None, None, None, None, None
+
+
+def maxsim(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    mask_mode: str = "exclude",
+    backward: str = "auto",
+) -> torch.Tensor:
+    """Late-interaction (ColBERT / ColPali) scores: ``score[i, j] = sum_s max_t <Q[i, s], D[j, t]>``.
+
+    Args:
+        Q: queries, ``[Lq, d]`` or ``[Nq, Lq, d]``; float16, bfloat16 or float32 (float64 runs the reference).
+        D: documents, ``[B, Ld, d]`` shared by all queries, or ``[Nq, B, Ld, d]`` (one candidate set per query,
+            e.g. hard negatives for distillation). Same dtype and device as ``Q``.
+        q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real query tokens (integer 0/1 accepted).
+        d_mask: optional bool ``[B, Ld]`` / ``[Nq, B, Ld]``, True for real document tokens.
+        mask_mode: ``"exclude"`` (default): masked document tokens never take part in the max, masked query
+            tokens add 0, a document with no valid token scores 0. ``"zero"``: PyLate's convention, a masked
+            position's similarity is 0 and does take part in the max.
+        backward: ``"auto"`` (deterministic when ``torch.are_deterministic_algorithms_enabled()``), ``"fast"``
+            (fp32 atomics for dD) or ``"deterministic"`` (no atomics; bitwise repeatable).
+
+    Returns:
+        float32 scores, ``[B]`` for 2-D ``Q`` and ``[Nq, B]`` for 3-D ``Q`` (float64 for float64 inputs).
+        Gradients flow to ``Q`` and ``D`` in their dtype; masked positions get exactly 0.
+
+    CUDA tensors run the fused Triton kernels; CPU tensors run :func:`lik.maxsim_reference` (memory-bounded),
+    or the real kernels through Triton's interpreter when ``TRITON_INTERPRET=1``.
+
+    Example:
+        >>> Q = torch.nn.functional.normalize(torch.randn(32, 128), dim=-1).half().cuda()
+        >>> D = torch.nn.functional.normalize(torch.randn(1000, 300, 128), dim=-1).half().cuda()
+        >>> lik.maxsim(Q, D).shape          # torch.Size([1000]), float32
+    """
+    deterministic = resolve_backward(backward)
+    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True)
+    if not uses_kernels(inputs.q):
+        return inputs.finish(maxsim_reference_canonical(inputs))
+    scores = MaxSimFunction.apply(
+        inputs.q, inputs.d, inputs.q_mask, inputs.d_mask, mask_mode, inputs.per_query_documents, deterministic
+    )
+    return inputs.finish(scores)

@@ -1,0 +1,97 @@
+"""Pure-PyTorch MaxSim: the specification every kernel is tested against, and the CPU path.
+
+``score[n, j] = sum_s max_t <Q[n, s], D[n or 0, j, t]>`` under the masking rules of DESIGN.md. The
+similarities are computed in chunks of documents so that no more than ``budget_bytes`` of them exist at once:
+a CPU user scoring 10 000 ColPali pages never allocates ``[Nq, B, Lq, Ld]``. Autograd flows through it (the
+gradient of ``torch.max`` goes to the first maximal index, the tie rule of the kernels), and masked or padded
+positions get exactly zero gradient because they are replaced by zeros before any product is taken.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .validation import MaxSimInputs
+
+__all__ = ["maxsim_reference", "maxsim_reference_canonical", "DEFAULT_BUDGET_BYTES"]
+
+DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def maxsim_reference_canonical(
+    inputs: MaxSimInputs, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> torch.Tensor:
+    """Reference on canonical (validated, 3-D / 4-D) inputs; returns ``[Nq, B]`` in the accumulation dtype."""
+    q, d = inputs.q, inputs.d
+    n_q, l_q, _ = q.shape
+    n_sets, n_docs, l_d, _ = d.shape
+    acc = _accumulation_dtype(q.dtype)
+    if n_q == 0 or n_docs == 0 or l_q == 0 or l_d == 0:
+        # An empty sum is 0; multiplying by the inputs keeps autograd connected (zero gradients).
+        return q.sum() * 0 + d.sum() * 0 + torch.zeros(n_q, n_docs, dtype=acc, device=q.device)
+
+    q_valid = inputs.q_mask  # [Nq, Lq] bool or None
+    d_valid = inputs.d_mask  # [n_sets, B, Ld] bool or None
+    # Zeros in place of masked tokens: garbage (inf, NaN) there can reach neither the scores nor the gradients.
+    q_clean = q.to(acc) if q_valid is None else torch.where(q_valid[..., None], q, 0).to(acc)
+    exclude = inputs.mask_mode == "exclude"
+
+    per_doc_bytes = max(1, n_q * l_q * l_d * torch.finfo(acc).bits // 8)
+    chunk = max(1, min(n_docs, budget_bytes // per_doc_bytes))
+    out = []
+    for start in range(0, n_docs, chunk):
+        stop = min(n_docs, start + chunk)
+        d_chunk = d[:, start:stop]  # [n_sets, b, Ld, dim]
+        if d_valid is not None:
+            d_chunk = torch.where(d_valid[:, start:stop, :, None], d_chunk, 0)
+        d_chunk = d_chunk.to(acc)
+        if n_sets == 1:
+            sim = torch.einsum("nsk,btk->nbst", q_clean, d_chunk[0])
+        else:
+            sim = torch.einsum("nsk,nbtk->nbst", q_clean, d_chunk)
+        if exclude and d_valid is not None:
+            valid = d_valid[:, start:stop, None, :]  # [n_sets, b, 1, Ld]
+            sim = torch.where(valid, sim, float("-inf"))
+        best = sim.max(dim=-1).values  # [Nq, b, Lq]
+        if exclude and d_valid is not None:
+            has_token = d_valid[:, start:stop].any(dim=-1)[..., None]  # [n_sets, b, 1]
+            best = torch.where(has_token, best, 0)
+        if q_valid is not None:
+            best = torch.where(q_valid[:, None, :], best, 0)
+        out.append(best.sum(dim=-1))
+    return torch.cat(out, dim=1)
+
+
+def maxsim_reference(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    mask_mode: str = "exclude",
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> torch.Tensor:
+    """MaxSim in plain PyTorch, with the semantics and shapes of :func:`lik.maxsim`.
+
+    Args:
+        Q: ``[Lq, d]`` or ``[Nq, Lq, d]``, float16 / bfloat16 / float32 / float64.
+        D: ``[B, Ld, d]`` (shared by all queries) or ``[Nq, B, Ld, d]`` (one candidate set per query).
+        q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real tokens.
+        d_mask: optional bool ``[B, Ld]`` / ``[Nq, B, Ld]``.
+        mask_mode: ``"exclude"`` or ``"zero"`` (see DESIGN.md).
+        budget_bytes: most bytes of similarities held at once.
+
+    Returns:
+        ``[B]`` for 2-D ``Q`` else ``[Nq, B]``; float32, or float64 for float64 inputs.
+
+    Example:
+        >>> Q, D = torch.randn(32, 128), torch.randn(10, 300, 128)
+        >>> maxsim_reference(Q, D).shape
+        torch.Size([10])
+    """
+    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True)
+    return inputs.finish(maxsim_reference_canonical(inputs, budget_bytes))
