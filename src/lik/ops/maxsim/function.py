@@ -14,10 +14,15 @@ __all__ = ["maxsim", "MaxSimFunction", "uses_kernels", "resolve_backward"]
 
 
 def uses_kernels(x: torch.Tensor) -> bool:
-    """Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``; float64 is reference-only."""
+    """Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+
+    float64 is reference-only. Triton's interpreter has no bfloat16 arithmetic, so CPU bfloat16 runs the
+    reference even under the interpreter (bfloat16 kernels are covered by the GPU tests)."""
     if x.dtype == torch.float64:
         return False
-    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreting())
+    if x.device.type == "cuda":
+        return True
+    return x.device.type == "cpu" and interpreting() and x.dtype != torch.bfloat16
 
 
 def resolve_backward(backward: str) -> bool:
