@@ -24,6 +24,10 @@ __all__ = [
     "MaxSimBackwardConfig",
     "maxsim_forward_config",
     "maxsim_backward_config",
+    "MsdaForwardConfig",
+    "MsdaBackwardConfig",
+    "msda_forward_config",
+    "msda_backward_config",
     "override",
     "interpreting",
     "next_power_of_2",
@@ -120,10 +124,67 @@ def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device
     return MaxSimBackwardConfig(block_rows=32, block_doc_rows=64, block_k=block_k, num_warps=4, num_stages=1)
 
 
+@dataclass(frozen=True)
+class MsdaForwardConfig:
+    """Tile of the deformable-attention forward: ``block_rows`` (query, head) rows by ``block_d`` channels."""
+
+    block_rows: int
+    block_d: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+@dataclass(frozen=True)
+class MsdaBackwardConfig:
+    """Tiles of the deformable-attention backward: the sample-side kernel (``block_rows`` rows) and the
+    deterministic value-gradient gather (``gather_rows`` value rows)."""
+
+    block_rows: int
+    block_d: int
+    gather_rows: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _msda_tile(n_rows: int, dim: int, max_rows: int, device: torch.device) -> tuple[int, int]:
+    # One program covers every channel of a head up to 128 (wider heads split over a grid axis). Rows shrink
+    # until there are a few programs per SM: the decoder has only N * 300 * M rows.
+    full_d = next_power_of_2(max(dim, 1))
+    block_d = min(full_d, 128)
+    block_rows = max(1, min(max_rows, 4096 // block_d))
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        while block_rows > 16 and -(-n_rows // block_rows) * (full_d // block_d) < 4 * sms:
+            block_rows //= 2
+    return block_rows, block_d
+
+
+def msda_forward_config(*, n_rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> MsdaForwardConfig:
+    """Forward tile for ``n_rows`` = N * Lq * M (query, head) rows of ``dim`` channels."""
+    forced = _OVERRIDES.get("msda_forward")
+    if forced is not None:
+        return forced
+    if interpreting():
+        return MsdaForwardConfig(block_rows=16, block_d=min(next_power_of_2(max(dim, 1)), 128))
+    block_rows, block_d = _msda_tile(n_rows, dim, 64, device)
+    return MsdaForwardConfig(block_rows, block_d, num_warps=4, num_stages=1)
+
+
+def msda_backward_config(*, n_rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> MsdaBackwardConfig:
+    forced = _OVERRIDES.get("msda_backward")
+    if forced is not None:
+        return forced
+    if interpreting():
+        return MsdaBackwardConfig(block_rows=16, block_d=min(next_power_of_2(max(dim, 1)), 128), gather_rows=16)
+    block_rows, block_d = _msda_tile(n_rows, dim, 32, device)
+    return MsdaBackwardConfig(block_rows, block_d, gather_rows=32, num_warps=4, num_stages=1)
+
+
 @contextlib.contextmanager
 def override(**configs):
-    """Force launch configurations inside a ``with`` block (keys: ``maxsim_forward``, ``maxsim_backward``)."""
-    unknown = set(configs) - {"maxsim_forward", "maxsim_backward"}
+    """Force launch configurations inside a ``with`` block (keys: ``maxsim_forward``, ``maxsim_backward``,
+    ``msda_forward``, ``msda_backward``)."""
+    unknown = set(configs) - {"maxsim_forward", "maxsim_backward", "msda_forward", "msda_backward"}
     if unknown:
         raise ValueError(f"unknown config keys: {sorted(unknown)}")
     saved = dict(_OVERRIDES)

@@ -1,0 +1,94 @@
+"""Fused deformable-attention forward: bilinear gathers, weighted and summed in registers.
+
+A program owns ``BLOCK_R`` consecutive (batch, query, head) rows (64 rows = 8 queries with all their 8 heads) and
+``BLOCK_D`` channels of them. For every level and point it loads each row's location and weight once and gathers
+the four corner rows of ``value`` as wide channel vectors; the only write is the ``[N, Lq, M*D]`` result. Nothing
+of size ``N * Lq * M * L * P * D`` (what ``grid_sample`` materialises) ever exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._config import msda_forward_config
+from .sampling import corner_setup, gather_corners, level_geometry, load_sample, query_rows
+
+__all__ = ["msda_fwd_kernel", "msda_forward", "RUNTIME_INTS"]
+
+# Batch, query count, heads, levels and points vary per call and never trigger a recompile.
+RUNTIME_INTS = ["n_rows", "n_queries", "n_heads", "n_levels", "n_points"]
+
+
+@triton.jit(do_not_specialize=RUNTIME_INTS)
+def msda_fwd_kernel(
+    value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, out_ptr,
+    n_rows, n_queries, n_heads, n_levels, n_points,
+    stride_vn, stride_vs, stride_vm, stride_vd,
+    stride_sl, stride_sc, stride_st,
+    stride_ln, stride_lq, stride_lm, stride_ll, stride_lp, stride_lc,
+    stride_an, stride_aq, stride_am, stride_al, stride_ap,
+    stride_on, stride_oq, stride_oc,
+    DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows, row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
+    chan = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    chan_ok = chan < DIM
+    value_rows = value_ptr + batch * stride_vn + head * stride_vm
+    chan_off = chan.to(tl.int64) * stride_vd
+    loc_rows = loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm
+    attn_rows = attn_ptr + batch * stride_an + query * stride_aq + head * stride_am
+
+    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    for level in range(n_levels):
+        height, width, start = level_geometry(shapes_ptr, starts_ptr, level, stride_sl, stride_sc, stride_st)
+        for point in range(n_points):
+            loc_x, loc_y, weight = load_sample(
+                loc_rows, attn_rows, row_ok, level, point, stride_ll, stride_lp, stride_lc, stride_al, stride_ap
+            )
+            x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = corner_setup(loc_x, loc_y, height, width)
+            v00, v01, v10, v11 = gather_corners(
+                value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
+            )
+            top = v00 + fx[:, None] * (v01 - v00)
+            bottom = v10 + fx[:, None] * (v11 - v10)
+            acc += weight[:, None] * (top + fy[:, None] * (bottom - top))
+
+    out = out_ptr + batch * stride_on + query * stride_oq + (head * DIM) * stride_oc
+    tl.store(out[:, None] + (chan * stride_oc)[None, :], acc, mask=row_ok[:, None] & chan_ok[None, :])
+
+
+def level_strides(shapes: torch.Tensor, starts: torch.Tensor) -> tuple[int, int, int]:
+    return shapes.stride(0), shapes.stride(1), starts.stride(0)
+
+
+def msda_forward(
+    value: torch.Tensor,
+    shapes: torch.Tensor,
+    starts: torch.Tensor,
+    loc: torch.Tensor,
+    attn: torch.Tensor,
+) -> torch.Tensor:
+    """Launch the forward on validated inputs (any strides); returns ``[N, Lq, M*D]`` in ``value``'s dtype."""
+    n, _, heads, dim = value.shape
+    _, n_queries, _, n_levels, n_points, _ = loc.shape
+    out = torch.empty((n, n_queries, heads * dim), dtype=value.dtype, device=value.device)
+    n_rows = n * n_queries * heads
+    if n_rows == 0 or dim == 0:
+        return out.zero_()
+    cfg = msda_forward_config(n_rows=n_rows, dim=dim, dtype=value.dtype, device=value.device)
+    grid = (triton.cdiv(n_rows, cfg.block_rows), triton.cdiv(dim, cfg.block_d))
+    msda_fwd_kernel[grid](
+        value, shapes, starts, loc, attn, out,
+        n_rows, n_queries, heads, n_levels, n_points,
+        *value.stride(), *level_strides(shapes, starts), *loc.stride(), *attn.stride(), *out.stride(),
+        DIM=dim,
+        BLOCK_R=cfg.block_rows,
+        BLOCK_D=cfg.block_d,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out

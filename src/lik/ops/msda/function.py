@@ -1,0 +1,156 @@
+"""``lik.ms_deform_attn``: the autograd Function over the kernels, its Deformable-DETR / mmcv aliases, and the
+stateless module with the signature of HF transformers' ``MultiScaleDeformableAttention``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..._config import interpreting
+from .backward import msda_backward
+from .forward import msda_forward
+from .reference import ms_deform_attn_reference
+from .validation import KERNEL_DTYPES, check_inputs
+
+__all__ = [
+    "ms_deform_attn",
+    "MSDeformAttnFunction",
+    "MultiScaleDeformableAttnFunction",
+    "MultiScaleDeformableAttention",
+]
+
+
+def _uses_kernels(*tensors: torch.Tensor) -> bool:
+    """CUDA tensors run the kernels, CPU tensors under ``TRITON_INTERPRET=1`` too; float64 is reference-only,
+    and so is CPU bfloat16 (Triton's interpreter has no bfloat16 arithmetic)."""
+    dtypes = {t.dtype for t in tensors}
+    if not dtypes <= set(KERNEL_DTYPES):
+        return False
+    device = tensors[0].device
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and interpreting() and torch.bfloat16 not in dtypes
+
+
+class MSDeformAttnFunction(torch.autograd.Function):
+    """``MSDeformAttnFunction.apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+    attention_weights, im2col_step)``: the Deformable-DETR autograd Function, drop-in.
+
+    Inputs the kernels do not take (float64, or CPU without the interpreter) run the ``grid_sample`` reference,
+    whose backward is recomputed under autograd; everything else runs the Triton kernels. The backward is the
+    deterministic, atomic-free one when ``torch.are_deterministic_algorithms_enabled()``.
+    """
+
+    @staticmethod
+    def forward(ctx, value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+                im2col_step=64):
+        check_inputs(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+                     im2col_step)
+        ctx.kernels = _uses_kernels(value, sampling_locations, attention_weights)
+        ctx.save_for_backward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                              attention_weights)
+        ctx.mark_non_differentiable(value_spatial_shapes, value_level_start_index)
+        if ctx.kernels:
+            return msda_forward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                                attention_weights)
+        return ms_deform_attn_reference(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                                        attention_weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        value, shapes, starts, loc, attn = ctx.saved_tensors
+        wanted = ctx.needs_input_grad
+        if ctx.kernels:
+            grads = msda_backward(grad_output, value, shapes, starts, loc, attn,
+                                  deterministic=torch.are_deterministic_algorithms_enabled())
+        else:
+            with torch.enable_grad():
+                inputs = [t.detach().requires_grad_(w) for t, w in ((value, wanted[0]), (loc, wanted[3]),
+                                                                   (attn, wanted[4]))]
+                out = ms_deform_attn_reference(inputs[0], shapes, starts, inputs[1], inputs[2])
+                leaves = [t for t in inputs if t.requires_grad]
+                found = iter(torch.autograd.grad(out, leaves, grad_output, allow_unused=True))
+                grads = [next(found) if t.requires_grad else None for t in inputs]
+        grad_value, grad_loc, grad_attn = grads
+        return (grad_value if wanted[0] else None, None, None, grad_loc if wanted[3] else None,
+                grad_attn if wanted[4] else None, None)
+
+
+# mmcv's name for the same Function.
+MultiScaleDeformableAttnFunction = MSDeformAttnFunction
+
+
+def ms_deform_attn(
+    value: torch.Tensor,
+    value_spatial_shapes: torch.Tensor,
+    value_level_start_index: torch.Tensor,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+    im2col_step: int = 64,
+) -> torch.Tensor:
+    """Multi-scale deformable attention (Deformable DETR, DINO, Mask2Former, RT-DETR, BEVFormer), differentiable.
+
+    ``out[n, q, m*D:(m+1)*D] = sum_{l, p} attention_weights[n, q, m, l, p] * bilinear(value_l[n, :, m, :],
+    sampling_locations[n, q, m, l, p])`` with ``grid_sample(bilinear, zeros, align_corners=False)`` semantics:
+    pixel = location * size - 0.5, each corner outside its map reads zero.
+
+    Args:
+        value: ``[N, S, M, D]`` float16 / bfloat16 / float32 (float64 runs the reference), S = sum of H * W.
+        value_spatial_shapes: int32 or int64 ``[L, 2]``, (H, W) of each level.
+        value_level_start_index: int32 or int64 ``[L]``, offset of each level along S.
+        sampling_locations: ``[N, Lq, M, L, P, 2]``, normalised (x, y), any float dtype.
+        attention_weights: ``[N, Lq, M, L, P]``, any float dtype (mixed dtypes as autocast produces them work).
+        im2col_step: accepted for compatibility and ignored (no divisibility rule).
+
+    Returns:
+        ``[N, Lq, M * D]`` in ``value``'s dtype. Coordinates and accumulation are fp32 whatever the dtypes;
+        gradients come back in each input's dtype. Under ``torch.use_deterministic_algorithms(True)`` the backward
+        uses no atomics and is bitwise repeatable. Any strides are accepted; addressing is 64-bit.
+
+    CUDA tensors run the Triton kernels; CPU tensors run the ``grid_sample`` reference (or the kernels through
+    Triton's interpreter when ``TRITON_INTERPRET=1``).
+
+    Example:
+        >>> shapes = torch.tensor([[100, 167], [50, 84], [25, 42], [13, 21]], device="cuda")
+        >>> starts = torch.cat([shapes.new_zeros(1), shapes.prod(1).cumsum(0)[:-1]])
+        >>> value = torch.randn(4, int(shapes.prod(1).sum()), 8, 32, device="cuda")
+        >>> loc = torch.rand(4, 300, 8, 4, 4, 2, device="cuda")
+        >>> weights = torch.rand(4, 300, 8, 4, 4, device="cuda").softmax(-1)
+        >>> lik.ms_deform_attn(value, shapes, starts, loc, weights).shape     # torch.Size([4, 300, 256])
+    """
+    if not _uses_kernels(value, sampling_locations, attention_weights):
+        return ms_deform_attn_reference(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                                        attention_weights, im2col_step)
+    return MSDeformAttnFunction.apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                                      attention_weights, im2col_step)
+
+
+class MultiScaleDeformableAttention(nn.Module):
+    """Stateless module with the forward signature of HF transformers' ``MultiScaleDeformableAttention``
+    (Deformable DETR, Grounding DINO, Mask2Former, OneFormer, RT-DETR...), backed by :func:`ms_deform_attn`.
+
+    Example (swap it into a loaded transformers model):
+        >>> for module in model.modules():
+        ...     if hasattr(module, "attn") and type(module.attn).__name__ == "MultiScaleDeformableAttention":
+        ...         module.attn = lik.MultiScaleDeformableAttention()
+    """
+
+    def forward(
+        self,
+        value: torch.Tensor,
+        value_spatial_shapes: torch.Tensor,
+        value_spatial_shapes_list: list[tuple[int, int]],
+        level_start_index: torch.Tensor,
+        sampling_locations: torch.Tensor,
+        attention_weights: torch.Tensor,
+        im2col_step: int = 64,
+    ) -> torch.Tensor:
+        # value_spatial_shapes_list is the host copy transformers keeps to avoid a sync; the kernels read the
+        # device tensor, so it is only checked for agreement in length.
+        if len(value_spatial_shapes_list) != value_spatial_shapes.shape[0]:
+            raise ValueError(
+                f"value_spatial_shapes_list has {len(value_spatial_shapes_list)} levels but value_spatial_shapes "
+                f"has {value_spatial_shapes.shape[0]}"
+            )
+        return ms_deform_attn(value, value_spatial_shapes, level_start_index, sampling_locations,
+                              attention_weights, im2col_step)
