@@ -1,0 +1,132 @@
+"""Sweep MaxSim forward tilings on the GPU: the evidence behind the heuristic in ``lik._config``.
+
+For each canonical shape (DESIGN.md, fp16, d = 128) it times the heuristic's choice, a grid of forced
+configurations and fp16 eager einsum, reports each as % of the floor (measured ceilings of this machine) and
+writes everything as JSON. Usage on the device::
+
+    PYTHONPATH=src python3 benchmarks/tune_maxsim.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+import triton
+
+import lik
+from lik import _config
+
+SHAPES = {  # name: (Nq, Lq, B, Ld)
+    "textual": (1, 32, 1000, 300),
+    "long-doc": (1, 32, 1000, 1024),
+    "medium": (1, 128, 1000, 1024),
+    "visual": (1, 512, 1000, 1024),
+    "colpali": (1, 1024, 1000, 1024),
+    "multi-textual": (32, 32, 1024, 300),
+    "multi-long-doc": (32, 32, 1024, 1024),
+    "multi-colpali": (32, 1024, 128, 1024),
+}
+DIM = 128
+
+
+def ceilings() -> tuple[float, float]:
+    """(bytes/s of a large device copy counting read + write, fp16 cuBLAS FLOP/s)."""
+    src = torch.empty(2 * 1024**3 // 2, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    bandwidth = 2 * src.numel() * 2 / (ms * 1e-3)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return bandwidth, 2 * 8192**3 / (ms * 1e-3)
+
+
+def floor_ms(shape, bandwidth, flops) -> float:
+    n_q, l_q, n_docs, l_d = shape
+    work = 2.0 * n_q * l_q * n_docs * l_d * DIM
+    moved = 2.0 * (n_q * l_q * DIM + n_docs * l_d * DIM) + 4.0 * n_q * n_docs
+    return max(work / flops, moved / bandwidth) * 1e3
+
+
+def candidates(l_q: int, n_q: int):
+    """The two largest row groups the query fills, stacked to 128 / 256 rows when there are many queries."""
+    bucket = max(16, triton.next_power_of_2(l_q))
+    rows = [r for r in (16, 32, 64, 128, 256) if r <= bucket][-2:]
+    for group_rows, total, block_n, warps, stages in itertools.product(
+        rows, (0, 128, 256), (64, 128), (4, 8), (2, 3, 4)
+    ):
+        total = total or group_rows
+        if total < group_rows or (total > group_rows and n_q == 1):
+            continue
+        if total * block_n > 256 * 64 or (total >= 128 and warps == 4):
+            continue
+        yield _config.MaxSimForwardConfig(group_rows, total // group_rows, block_n, DIM, warps, stages)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--top", type=int, default=5)
+    args = parser.parse_args()
+    bandwidth, flops = ceilings()
+    print(f"ceilings: {bandwidth / 1e12:.2f} TB/s copy, {flops / 1e12:.0f} TFLOP/s fp16 cuBLAS", flush=True)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "bandwidth": bandwidth, "flops": flops, "shapes": {}}
+    summary = []
+    for name in args.shapes.split(","):
+        n_q, l_q, n_docs, l_d = shape = SHAPES[name]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        Q = torch.nn.functional.normalize(torch.randn(n_q, l_q, DIM, device="cuda", generator=gen), dim=-1).half()
+        D = torch.nn.functional.normalize(torch.randn(n_docs, l_d, DIM, device="cuda", generator=gen), dim=-1).half()
+        floor = floor_ms(shape, bandwidth, flops)
+        ref = lik.maxsim(Q, D)
+
+        def bench(fn):
+            return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+        heuristic = bench(lambda: lik.maxsim(Q, D))
+        try:
+            einsum = bench(lambda: torch.einsum("nsh,bth->nbst", Q, D).amax(-1).float().sum(-1))
+        except torch.OutOfMemoryError:
+            einsum = float("nan")
+        rows = []
+        for cfg in candidates(l_q, n_q):
+            with _config.override(maxsim_forward=cfg):
+                try:
+                    out = lik.maxsim(Q, D)
+                    ok = torch.allclose(out, ref, rtol=1e-3, atol=1e-2)
+                    ms = bench(lambda: lik.maxsim(Q, D))
+                except Exception as exc:  # out of shared memory / registers: record and go on
+                    rows.append({"config": cfg.__dict__, "error": type(exc).__name__})
+                    continue
+            rows.append({"config": cfg.__dict__, "ms": ms, "pct_floor": 100 * floor / ms, "correct": ok})
+        timed = sorted((r for r in rows if "ms" in r and r["correct"]), key=lambda r: r["ms"])
+        results["shapes"][name] = {"shape": shape, "floor_ms": floor, "heuristic_ms": heuristic,
+                                   "einsum_ms": einsum, "configs": rows}
+        best = timed[0] if timed else None
+        summary.append((name, floor, heuristic, einsum, best))
+        print(f"{name}: floor {floor:.3f} ms, heuristic {heuristic:.3f} ({100 * floor / heuristic:.0f}%), "
+              f"einsum {einsum:.3f}", flush=True)
+        for r in timed[: args.top]:
+            print(f"    {r['ms']:.3f} ms {r['pct_floor']:.0f}%  {r['config']}", flush=True)
+        bad = [r for r in rows if "correct" in r and not r["correct"]]
+        if bad:
+            print(f"    WRONG RESULTS from {len(bad)} configs, e.g. {bad[0]['config']}", flush=True)
+        del Q, D
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "tune_maxsim.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\n{'shape':16s} {'floor':>8s} {'lik':>8s} {'%floor':>7s} {'best':>8s} {'%floor':>7s} {'einsum':>8s}")
+    for name, floor, heuristic, einsum, best in summary:
+        b = best["ms"] if best else float("nan")
+        print(f"{name:16s} {floor:8.3f} {heuristic:8.3f} {100 * floor / heuristic:6.0f}% {b:8.3f} "
+              f"{100 * floor / b:6.0f}% {einsum:8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""GPU-only checks (`pytest -m gpu` on the device): real compilation, tensor cores, atomics, 64-bit offsets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lik
+from lik.ops.maxsim.forward import maxsim_fwd_kernel
+
+from .helpers import rel_err
+
+pytestmark = pytest.mark.gpu
+
+CUDA = "cuda"
+
+
+def _problem(n_q, l_q, n_docs, l_d, dim, dtype, *, per_query=False, seed=0):
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    Q = torch.nn.functional.normalize(torch.randn(n_q, l_q, dim, device=CUDA, generator=gen), dim=-1)
+    shape_d = ((n_q,) if per_query else ()) + (n_docs, l_d, dim)
+    D = torch.nn.functional.normalize(torch.randn(shape_d, device=CUDA, generator=gen), dim=-1)
+    q_mask = torch.rand(n_q, l_q, device=CUDA, generator=gen) > 0.2
+    d_mask = torch.rand(shape_d[:-1], device=CUDA, generator=gen) > 0.2
+    return Q.to(dtype), D.to(dtype), q_mask, d_mask
+
+
+def _grads(Q, D, q_mask, d_mask, grad, **kw):
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    s = lik.maxsim(Qg, Dg, q_mask, d_mask, **kw)
+    dq, dd = torch.autograd.grad(s, (Qg, Dg), grad)
+    return s, dq, dd
+
+
+def _reference(Q, D, q_mask, d_mask, grad, mask_mode="exclude"):
+    Q64, D64 = Q.double().requires_grad_(), D.double().requires_grad_()
+    s = lik.maxsim_reference(Q64, D64, q_mask, d_mask, mask_mode=mask_mode)
+    dq, dd = torch.autograd.grad(s, (Q64, D64), grad.double())
+    return s, dq, dd
+
+
+TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 32, 50, 300, 128), (2, 300, 7, 1030, 128), (5, 7, 9, 65, 96)])
+@pytest.mark.parametrize("backward", ["fast", "deterministic"])
+@pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
+def test_kernels_match_float64(dtype, shape, backward, mask_mode):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        Q, D, qm, dm = _problem(*shape, dtype)
+        grad = torch.randn(shape[0], shape[2], device=CUDA)
+        s, dq, dd = _grads(Q, D, qm, dm, grad, mask_mode=mask_mode, backward=backward)
+        rs, rdq, rdd = _reference(Q, D, qm, dm, grad, mask_mode)
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    assert dq.dtype == dtype and dd.dtype == dtype and s.dtype == torch.float32
+    tol = TOL[dtype]
+    assert rel_err(s, rs) < tol
+    assert rel_err(dq, rdq) < tol
+    assert rel_err(dd, rdd) < tol
+    assert torch.all(dq[~qm] == 0) and torch.all(dd[~dm] == 0)
+
+
+@pytest.mark.parametrize("backward", ["fast", "deterministic"])
+def test_per_query_candidates(backward):
+    Q, D, qm, dm = _problem(4, 32, 8, 180, 128, torch.float16, per_query=True)
+    grad = torch.randn(4, 8, device=CUDA)
+    s, dq, dd = _grads(Q, D, qm, dm, grad, backward=backward)
+    rs, rdq, rdd = _reference(Q, D, qm, dm, grad)
+    assert rel_err(s, rs) < 1e-3 and rel_err(dq, rdq) < 1e-3 and rel_err(dd, rdd) < 1e-3
+
+
+def test_tf32_follows_matmul_precision():
+    Q, D, _, _ = _problem(2, 64, 40, 256, 128, torch.float32)
+    ref = lik.maxsim_reference(Q.double(), D.double())
+    prev = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        exact = lik.maxsim(Q, D)
+        torch.set_float32_matmul_precision("high")
+        tf32 = lik.maxsim(Q, D)
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    assert rel_err(exact, ref) < 1e-6
+    assert 1e-6 < rel_err(tf32, ref) < 2e-3  # TF32 products really were used
+
+
+def test_deterministic_backward_is_bitwise_repeatable_under_contention():
+    """Many queries whose maxima land on the same few document tokens: atomics would reorder sums."""
+    Q, D, _, _ = _problem(64, 32, 16, 8, 128, torch.float16, seed=1)
+    grad = torch.randn(64, 16, device=CUDA)
+    runs = [_grads(Q, D, None, None, grad, backward="deterministic") for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    torch.use_deterministic_algorithms(True)
+    try:
+        auto = _grads(Q, D, None, None, grad)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(runs[0], auto):
+        assert torch.equal(a, b)
+
+
+def test_nan_and_empty_document_on_gpu():
+    Q, D, _, _ = _problem(2, 32, 4, 64, 128, torch.float16)
+    D[1, 10, 3] = float("nan")
+    dm = torch.ones(4, 64, dtype=torch.bool, device=CUDA)
+    dm[3] = False
+    s = lik.maxsim(Q, D, None, dm)
+    assert torch.isnan(s[:, 1]).all() and not torch.isnan(s[:, [0, 2, 3]]).any()
+    assert torch.all(s[:, 3] == 0)
+
+
+def _compiled_variants(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in kernel.cache.values())
+
+
+def test_no_recompile_when_batch_or_lengths_change():
+    Q, D, _, _ = _problem(2, 30, 64, 300, 128, torch.float16)
+    lik.maxsim(Q, D)
+    before = _compiled_variants(maxsim_fwd_kernel)
+    for n_q, l_q, n_docs, l_d in [(3, 29, 17, 301), (1, 17, 1000, 64), (7, 32, 5, 17)]:
+        Q2, D2, _, _ = _problem(n_q, l_q, n_docs, l_d, 128, torch.float16)
+        lik.maxsim(Q2, D2)
+    assert _compiled_variants(maxsim_fwd_kernel) == before
+
+
+def test_64bit_offsets_colpali_twenty_thousand_pages():
+    """[20 000, 1024, 128] fp16 has 2.6e9 elements: offsets past 2**31 must not wrap."""
+    n_docs, l_d, dim = 20_000, 1024, 128
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    D = torch.empty(n_docs, l_d, dim, device=CUDA, dtype=torch.float16)
+    for start in range(0, n_docs, 2000):
+        block = torch.randn(2000, l_d, dim, device=CUDA, generator=gen)
+        D[start:start + 2000] = torch.nn.functional.normalize(block, dim=-1).half()
+    assert D.numel() > 2**31
+    Q = torch.nn.functional.normalize(torch.randn(1024, dim, device=CUDA, generator=gen), dim=-1).half()
+    Q.requires_grad_()
+    s = lik.maxsim(Q, D)
+    spots = torch.tensor([0, 1, 9_999, 16_777, 19_998, 19_999], device=CUDA)
+    ref = lik.maxsim_reference(Q.detach().double(), D[spots].double())
+    assert rel_err(s[spots], ref) < 1e-3
+    # The gradient gathers winners from the far end of D as well.
+    grad = torch.zeros(n_docs, device=CUDA)
+    grad[spots] = 1.0
+    (dq,) = torch.autograd.grad(s, Q, grad)
+    Q64 = Q.detach().double().requires_grad_()
+    (rdq,) = torch.autograd.grad(lik.maxsim_reference(Q64, D[spots].double()).sum(), Q64)
+    assert rel_err(dq, rdq) < 1e-3
