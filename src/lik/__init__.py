@@ -4,6 +4,8 @@ Public functions (see README.md for shapes and semantics):
 
 * :func:`lik.maxsim` -- ColBERT / ColPali MaxSim scores with a training backward.
 * :func:`lik.maxsim_reference` -- the pure-PyTorch specification (CPU path, tests).
+* :func:`lik.maxsim_varlen` / :func:`lik.maxsim_packed` -- packed variable-length MaxSim (ragged pairs, ragged
+  corpora, no padding); :func:`lik.pack` / :func:`lik.unpack` build and split the packed layout.
 * :func:`lik.search` -- exact top-k MaxSim search over a corpus, in memory-bounded chunks.
 """
 
@@ -12,3 +14,7 @@ from .ops.maxsim import maxsim, maxsim_reference
 __version__ = "0.1.0"
 
 __all__ = ["maxsim", "maxsim_reference", "__version__"]
+
+from .ops.maxsim import maxsim_packed, maxsim_varlen, pack, unpack  # noqa: E402
+
+__all__ += ["maxsim_varlen", "maxsim_packed", "pack", "unpack"]
