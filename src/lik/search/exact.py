@@ -1,0 +1,141 @@
+"""Exact top-k MaxSim search over a corpus resident on the queries' device.
+
+The corpus is scored in chunks of documents with :func:`lik.maxsim` (fused kernels on CUDA, the memory-bounded
+reference on CPU), and a running top-k is merged on the device after each chunk. Neither the similarities
+``[Nq, B, Lq, Ld]`` nor the full score matrix ``[Nq, B]`` is ever held: the working set is one chunk of scores
+plus the ``k`` best so far.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..ops.maxsim import maxsim
+from ..ops.maxsim.validation import MaxSimInputs
+
+__all__ = ["search", "DEFAULT_BUDGET_BYTES"]
+
+DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
+
+# Per (query, document) pair of a chunk: the fp32 score, the int64 candidate index, and the sort's keys,
+# permutation and gathered copies (about four more 8-byte words), rounded up.
+_BYTES_PER_CANDIDATE = 64
+
+
+def _check_k(k, n_docs: int) -> int:
+    if isinstance(k, bool):
+        raise TypeError(f"k must be an integer, got {k!r}")
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise TypeError(f"k must be an integer, got {type(k).__name__}") from None
+    if k < 0 or k > n_docs:
+        raise ValueError(f"k must be in [0, B] = [0, {n_docs}] (B = number of documents in D), got k={k}")
+    return k
+
+
+def _check_chunk_size(chunk_size, n_queries: int) -> int:
+    if chunk_size is None:
+        return max(1, DEFAULT_BUDGET_BYTES // (max(1, n_queries) * _BYTES_PER_CANDIDATE))
+    if isinstance(chunk_size, bool):
+        raise TypeError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+    try:
+        chunk_size = operator.index(chunk_size)
+    except TypeError:
+        raise TypeError(f"chunk_size must be a positive integer or None, got {type(chunk_size).__name__}") from None
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer or None, got chunk_size={chunk_size}")
+    return chunk_size
+
+
+def _rank(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` best entries of each row: descending score, NaN last, ties by lower position.
+
+    ``torch.topk`` leaves the order of ties unspecified, so two stable sorts give the total order instead:
+    first by score with NaN mapped to -inf, then by "is NaN", which moves NaN behind every number
+    (-inf included) while keeping everything else in place.
+    """
+    is_nan = scores.isnan()
+    by_score = torch.where(is_nan, float("-inf"), scores).sort(dim=-1, descending=True, stable=True).indices
+    nan_last = is_nan.gather(-1, by_score).to(torch.uint8).sort(dim=-1, stable=True).indices
+    return by_score.gather(-1, nan_last)[:, :k]
+
+
+@torch.no_grad()
+def search(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    k: int,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    mask_mode: str = "exclude",
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k MaxSim search: the ``k`` documents of ``D`` with the highest :func:`lik.maxsim` score.
+
+    Args:
+        Q: queries, ``[Lq, d]`` or ``[Nq, Lq, d]``; float16, bfloat16, float32 (or float64: reference only).
+        D: the corpus, ``[B, Ld, d]``, same dtype and device as ``Q`` (CUDA: fused kernels; CPU: reference).
+        k: number of results per query, ``0 <= k <= B``.
+        q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real query tokens.
+        d_mask: optional bool ``[B, Ld]``, True for real document tokens (padding False).
+        mask_mode: ``"exclude"`` (default) or ``"zero"``, as in :func:`lik.maxsim`.
+        chunk_size: documents scored per :func:`lik.maxsim` call; by default as many as keep the chunk's
+            scores and merge buffers within 256 MB.
+
+    Returns:
+        ``(scores, indices)``: float32 scores (float64 for float64 inputs) and int64 document indices into ``D``,
+        ``[k]`` for 2-D ``Q`` and ``[Nq, k]`` for 3-D ``Q``. Rows are ordered by descending score, ties by
+        lower document index, NaN scores last. The scores carry no gradient (rescore the hits with
+        :func:`lik.maxsim` to train through them).
+
+    Raises:
+        ValueError / TypeError naming the argument: bad shapes, dtypes, devices or masks (as :func:`lik.maxsim`),
+        ``D`` with a per-query ``[Nq, B, Ld, d]`` layout, ``k`` outside ``[0, B]``, ``chunk_size < 1``.
+
+    Example:
+        >>> Q = torch.nn.functional.normalize(torch.randn(4, 32, 128), dim=-1).half().cuda()
+        >>> D = torch.nn.functional.normalize(torch.randn(10_000, 300, 128), dim=-1).half().cuda()
+        >>> scores, indices = lik.search(Q, D, k=10)     # [4, 10] float32, [4, 10] int64
+    """
+    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True)
+    if inputs.per_query_documents:
+        raise ValueError(
+            f"D must be a shared corpus [B, Ld, d] for search, got shape {list(D.shape)}; "
+            "score per-query candidate sets with lik.maxsim"
+        )
+    corpus = inputs.d[0]
+    corpus_mask = None if inputs.d_mask is None else inputs.d_mask[0]
+    n_queries, n_docs = inputs.q.shape[0], corpus.shape[0]
+    k = _check_k(k, n_docs)
+    chunk_size = _check_chunk_size(chunk_size, n_queries)
+
+    score_dtype = torch.float64 if inputs.q.dtype == torch.float64 else torch.float32
+    if k == 0 or n_queries == 0:
+        empty_scores = torch.empty(n_queries, k, dtype=score_dtype, device=corpus.device)
+        empty_indices = torch.empty(n_queries, k, dtype=torch.int64, device=corpus.device)
+        return inputs.finish(empty_scores), inputs.finish(empty_indices)
+
+    best_scores = torch.empty(n_queries, 0, dtype=score_dtype, device=corpus.device)
+    best_indices = torch.empty(n_queries, 0, dtype=torch.int64, device=corpus.device)
+    for start in range(0, n_docs, chunk_size):
+        stop = min(n_docs, start + chunk_size)
+        chunk_scores = maxsim(
+            inputs.q,
+            corpus[start:stop],
+            inputs.q_mask,
+            None if corpus_mask is None else corpus_mask[start:stop],
+            mask_mode=mask_mode,
+        )
+        chunk_indices = torch.arange(start, stop, device=corpus.device).expand(n_queries, -1)
+        # The running best come first, already in rank order and with indices below every index of this
+        # chunk, so a stable rank of the concatenation breaks ties by document index.
+        candidates = torch.cat([best_scores, chunk_scores], dim=1)
+        candidate_indices = torch.cat([best_indices, chunk_indices], dim=1)
+        keep = _rank(candidates, k)
+        best_scores = candidates.gather(1, keep)
+        best_indices = candidate_indices.gather(1, keep)
+    return inputs.finish(best_scores), inputs.finish(best_indices)
