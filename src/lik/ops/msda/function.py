@@ -118,6 +118,8 @@ def ms_deform_attn(
         >>> weights = torch.rand(4, 300, 8, 4, 4, device="cuda").softmax(-1)
         >>> lik.ms_deform_attn(value, shapes, starts, loc, weights).shape     # torch.Size([4, 300, 256])
     """
+    check_inputs(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+                 im2col_step)
     if not _uses_kernels(value, sampling_locations, attention_weights):
         return ms_deform_attn_reference(value, value_spatial_shapes, value_level_start_index, sampling_locations,
                                         attention_weights, im2col_step)
