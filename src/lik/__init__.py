@@ -10,11 +10,19 @@ Public functions (see README.md for shapes and semantics):
 """
 
 from .ops.maxsim import maxsim, maxsim_reference
+from .search import search
 
 __version__ = "0.1.0"
 
-__all__ = ["maxsim", "maxsim_reference", "__version__"]
+__all__ = ["maxsim", "maxsim_reference", "search", "__version__"]
 
-from .ops.maxsim import maxsim_packed, maxsim_varlen, pack, unpack  # noqa: E402
+from .ops.maxsim import (  # noqa: E402
+    maxsim_packed,
+    maxsim_packed_reference,
+    maxsim_varlen,
+    maxsim_varlen_reference,
+    pack,
+    unpack,
+)
 
-__all__ += ["maxsim_varlen", "maxsim_packed", "pack", "unpack"]
+__all__ += ["maxsim_varlen", "maxsim_packed", "maxsim_varlen_reference", "maxsim_packed_reference", "pack", "unpack"]

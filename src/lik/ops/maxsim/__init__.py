@@ -1,7 +1,7 @@
 """MaxSim (ColBERT / ColPali late interaction): fused Triton kernels and their PyTorch reference."""
 
 from .function import maxsim
-from .pack import pack, unpack
+from .packing import pack, unpack
 from .reference import maxsim_reference
 from .reference_varlen import maxsim_packed_reference, maxsim_varlen_reference
 from .varlen import maxsim_packed, maxsim_varlen

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .pack import PackedInputs
+from .packing import PackedInputs
 from .reference import maxsim_reference
 
 __all__ = ["maxsim_varlen_reference", "maxsim_packed_reference", "packed_reference"]

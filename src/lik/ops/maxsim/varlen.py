@@ -26,7 +26,7 @@ from ..._config import maxsim_backward_config, maxsim_forward_config, next_power
 from .backward import _k_blocks, maxsim_backward_dq, maxsim_bwd_dd_atomic_kernel
 from .forward import dot_precision
 from .function import resolve_backward, uses_kernels
-from .pack import PackedInputs
+from .packing import PackedInputs
 from .reference_varlen import packed_reference
 from .tile import NO_KEY, maxsim_doc_rows
 

@@ -197,7 +197,8 @@ class PackedInputs:
                 "maxsim_varlen scores pairs (query i, document i)"
             )
         max_seqlen_q = _check_hint("max_seqlen_q", max_seqlen_q)
-        check_values = read_values or max_seqlen_q is None or _check_hint("max_seqlen_d", max_seqlen_d) is None
+        max_seqlen_d = _check_hint("max_seqlen_d", max_seqlen_d)
+        check_values = read_values or max_seqlen_q is None or max_seqlen_d is None
         if check_values:
             # One synchronisation for both tensors; the caller's own dtype, so an int64 value past int32 fails.
             stats = torch.cat([cu_seqlens_stats(cu_seqlens_q), cu_seqlens_stats(cu_seqlens_d)]).tolist()
@@ -214,7 +215,7 @@ class PackedInputs:
         d = _check_embeddings("d", d, (2,), "[total_d_tokens, dim]", allow_float64)
         _check_pair_types(Q, d, q_name="Q")
         cu_d = check_cu_seqlens("cu_seqlens_d", cu_seqlens_d, Q.device)
-        check_values = read_values or _check_hint("max_seqlen_d", max_seqlen_d) is None
+        check_values = _check_hint("max_seqlen_d", max_seqlen_d) is None or read_values
         q_mask = check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), Q.device)
         squeeze = Q.dim() == 2
         q = Q.unsqueeze(0) if squeeze else Q
