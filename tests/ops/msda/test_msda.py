@@ -342,7 +342,7 @@ def test_gpu_64bit_offsets(rng):
     """value has more than 2**31 elements; the samples read its far end (batch 1, last level)."""
     big, small = (2048, 2100), (4, 4)
     shapes, starts, n_pixels = level_tensors([big, small], device="cuda")
-    n, m, d, lq, p = 2, 8, 72, 16, 2
+    n, m, d, lq, p = 2, 8, 32, 16, 2
     assert n * n_pixels * m * d > 2**31
     value = torch.empty(n, n_pixels, m, d, dtype=torch.float16, device="cuda").normal_()
     loc = torch.rand(n, lq, m, 2, p, 2, device="cuda", generator=None)
