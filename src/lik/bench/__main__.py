@@ -1,0 +1,7 @@
+"""``python -m lik.bench``: the same as ``lik bench``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,172 @@
+"""Measurement primitives: inputs, timing, peak memory and the machine's ceilings.
+
+On CUDA, times are :func:`triton.testing.do_bench` medians (``return_mode="median"``): it runs a warm-up,
+then times each call with device events after clearing the L2 cache. On a CPU (``--smoke``) a
+``time.perf_counter`` loop takes the median instead, so the plumbing is testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .roofline import Ceilings
+from .shapes import Shape
+
+__all__ = [
+    "Timer",
+    "InputSets",
+    "make_inputs",
+    "peak_memory_bytes",
+    "measure_ceilings",
+    "free_memory",
+    "is_oom",
+]
+
+
+@dataclass(frozen=True)
+class Timer:
+    """Median wall time of a callable: do_bench on CUDA, a perf_counter loop on the CPU.
+
+    Attributes:
+        device: where the work runs.
+        warmup_ms: warm-up time before timing (milliseconds, do_bench's convention).
+        rep_ms: total timed time (milliseconds); at least 3 runs on the CPU.
+    """
+
+    device: torch.device
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+
+    def median_ms(self, fn: Callable[[], object]) -> float:
+        """Median milliseconds of one call of ``fn``."""
+        if self.device.type == "cuda":
+            import triton.testing
+
+            return float(
+                triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+            )
+        fn()
+        times = []
+        deadline = time.perf_counter() + self.rep_ms / 1e3
+        while len(times) < 3 or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+
+
+class InputSets:
+    """Several copies of a shape's inputs, handed out in turn, so that timing never re-reads a warm cache.
+
+    One set when the inputs are larger than the rotation budget (several times the L2 cache); otherwise
+    enough copies to exceed it, at most ``max_sets``.
+    """
+
+    def __init__(self, sets: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.sets = sets
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.sets)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``(Q, D)`` in rotation."""
+        pair = self.sets[self._next]
+        self._next = (self._next + 1) % len(self.sets)
+        return pair
+
+
+def _normalised(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    x = torch.randn(shape, device=device, dtype=torch.float32, generator=gen)
+    return torch.nn.functional.normalize(x, dim=-1).to(dtype)
+
+
+def make_inputs(
+    shape: Shape,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    seed: int = 0,
+    rotate_bytes: int = 0,
+    max_sets: int = 8,
+    requires_grad: bool = False,
+) -> InputSets:
+    """L2-normalised random ``(Q, D)`` for ``shape``, rotated when one set is smaller than ``rotate_bytes``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    per_set = (math.prod(shape.q_shape) + math.prod(shape.d_shape)) * torch.finfo(dtype).bits // 8
+    count = max(1, min(max_sets, math.ceil(rotate_bytes / max(per_set, 1))))
+    sets = []
+    for _ in range(count):
+        q = _normalised(shape.q_shape, dtype, device, gen).requires_grad_(requires_grad)
+        d = _normalised(shape.d_shape, dtype, device, gen).requires_grad_(requires_grad)
+        sets.append((q, d))
+    return InputSets(sets)
+
+
+def free_memory(device: torch.device) -> None:
+    """Collect garbage and return cached blocks to the driver (so one method's cache cannot hurt the next)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` means the device ran out of memory."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Peak bytes allocated by one call of ``fn`` above what was allocated before it (``None`` on CPU).
+
+    A fresh measurement: caches are emptied and the peak counter reset first. The result of ``fn`` is held
+    until after the peak is read, so the outputs are part of the figure.
+    """
+    if device.type != "cuda":
+        return None
+    free_memory(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return int(peak)
+
+
+def measure_ceilings(timer: Timer, *, copy_bytes: int, matmul_n: int) -> tuple[Ceilings, dict]:
+    """Measure the machine's bandwidth (device copy, read + write) and fp16 matmul rate in this process.
+
+    On the CPU (``--smoke``) the matmul is float32, as half-precision matmuls there are not a ceiling
+    anyone hits. Returns the ceilings and a record of how they were measured.
+    """
+    device = timer.device
+    gen = torch.Generator(device=device).manual_seed(1)
+    src = torch.randn(copy_bytes // 2, device=device, dtype=torch.float16, generator=gen)
+    dst = torch.empty_like(src)
+    copy_ms = timer.median_ms(lambda: dst.copy_(src))
+    del src, dst
+
+    mm_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    a = torch.randn(matmul_n, matmul_n, device=device, dtype=mm_dtype, generator=gen)
+    b = torch.randn(matmul_n, matmul_n, device=device, dtype=mm_dtype, generator=gen)
+    mm_ms = timer.median_ms(lambda: a @ b)
+    del a, b
+    free_memory(device)
+
+    ceilings = Ceilings(
+        bandwidth_bytes_per_s=2 * copy_bytes / (copy_ms / 1e3),
+        matmul_flops_per_s=2 * matmul_n**3 / (mm_ms / 1e3),
+    )
+    record = {
+        "copy": {"bytes_each_way": copy_bytes, "median_ms": copy_ms},
+        "matmul": {"m_n_k": matmul_n, "dtype": str(mm_dtype).removeprefix("torch."), "median_ms": mm_ms},
+    }
+    return ceilings, record

@@ -1,0 +1,175 @@
+"""The method registry: every implementation the benchmark times, as a builder of a score function.
+
+A method's builder takes a :class:`~lik.bench.shapes.Shape` and returns ``score(Q, D) -> scores`` with
+``Q`` of ``shape.q_shape`` and ``D [B, Ld, d]``, scores fp32 ``[B]`` (2-D ``Q``) or ``[Nq, B]``. For the
+``train`` suite the same function must be differentiable; the runner wraps it in the step (cross-entropy on
+the in-batch scores, then the gradients of ``Q`` and ``D``).
+
+Peers are optional imports: a missing package, or a machine without CUDA, makes the method *unavailable*
+(recorded with the reason), never an error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .shapes import SUITES, Shape
+
+__all__ = [
+    "Method",
+    "METHODS",
+    "CHUNK_SIZES",
+    "einsum_maxsim",
+    "chunked_einsum_maxsim",
+    "peer_versions",
+    "select_methods",
+]
+
+ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Documents per chunk swept for the chunked eager method (only sizes below B are run).
+CHUNK_SIZES = (16, 64, 256, 1024)
+
+# Distribution names of the optional peers, for version records.
+_PEER_DISTRIBUTIONS = ("flash-maxsim", "late-interaction-kernels")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One implementation under test.
+
+    Attributes:
+        name: identifier in the JSON and the table.
+        suites: the suites it runs in.
+        build: ``build(shape) -> score(Q, D)``; imports happen here, at build time.
+        module: optional package it needs (a peer); its absence makes the method unavailable.
+        needs_cuda: unavailable on a machine without CUDA (peers, ``torch.compile``).
+        sweep: name of the swept group it belongs to (the table shows the best of a sweep).
+        applies: whether it runs at a given shape (the chunked sweep skips chunks >= B).
+    """
+
+    name: str
+    suites: tuple[str, ...]
+    build: Callable[[Shape], ScoreFn]
+    module: str | None = None
+    needs_cuda: bool = False
+    sweep: str | None = None
+    applies: Callable[[Shape], bool] = field(default=lambda shape: True)
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """Why the method cannot run here, or ``None`` when it can."""
+        if self.needs_cuda and device.type != "cuda":
+            return "needs a CUDA device"
+        if self.module is not None:
+            try:
+                importlib.import_module(self.module)
+            except Exception as exc:  # an ImportError, or a peer failing at import time
+                return f"import {self.module} failed: {type(exc).__name__}: {exc}"
+        return None
+
+
+def einsum_maxsim(Q: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """MaxSim the way PyTorch users write it: the full similarity tensor in the input dtype, max, fp32 sum."""
+    if Q.dim() == 2:
+        sim = torch.einsum("sh,bth->bst", Q, D)
+    else:
+        sim = torch.einsum("nsh,bth->nbst", Q, D)
+    return sim.max(dim=-1).values.sum(dim=-1, dtype=torch.float32)
+
+
+def chunked_einsum_maxsim(chunk: int) -> ScoreFn:
+    """The usual production workaround: :func:`einsum_maxsim` over ``chunk`` documents at a time."""
+
+    def score(Q: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+        parts = [einsum_maxsim(Q, D[start : start + chunk]) for start in range(0, D.shape[0], chunk)]
+        return torch.cat(parts, dim=-1)
+
+    return score
+
+
+def _lik(backward: str) -> Callable[[Shape], ScoreFn]:
+    def build(shape: Shape) -> ScoreFn:
+        import lik
+
+        return lambda Q, D: lik.maxsim(Q, D, backward=backward)
+
+    return build
+
+
+def _flash_maxsim(shape: Shape) -> ScoreFn:
+    # flash_maxsim(Q [Lq, d], D [B, Ld, d]) -> [B]; flash_maxsim_batched(Q [Nq, Lq, d], D) -> [Nq, B];
+    # training: flash_maxsim_batched_train(Q, D, shared_docs=True) with autograd.
+    import flash_maxsim
+
+    if shape.suite == "train":
+        return lambda Q, D: flash_maxsim.flash_maxsim_batched_train(Q, D, shared_docs=True)
+    if shape.suite == "forward":
+        return flash_maxsim.flash_maxsim
+    return flash_maxsim.flash_maxsim_batched
+
+
+def _late_interaction_kernels(shape: Shape) -> ScoreFn:
+    # maxsim(Q [Lq, d] or [Nq, Lq, d], D [B, Ld, d]) -> [B] / [Nq, B]; autograd when inputs require grad,
+    # backward="auto" (its default) picks between its atomic "unified" and its "lowmem" backward.
+    import late_interaction_kernels
+
+    return late_interaction_kernels.maxsim
+
+
+def _compiled(shape: Shape) -> ScoreFn:
+    # One static-shape graph per benchmark shape; the limit on recompilations of one function is raised so
+    # that a long run never falls back to eager silently.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    return torch.compile(einsum_maxsim, dynamic=False)
+
+
+def _chunk_method(chunk: int) -> Method:
+    return Method(
+        name=f"eager-chunked-{chunk}",
+        suites=("forward", "multi"),
+        build=lambda shape: chunked_einsum_maxsim(chunk),
+        sweep="eager-chunked",
+        applies=lambda shape: chunk < shape.b,
+    )
+
+
+METHODS: tuple[Method, ...] = (
+    Method("lik", ("forward", "multi"), _lik("auto")),
+    Method("lik-fast", ("train",), _lik("fast")),
+    Method("lik-deterministic", ("train",), _lik("deterministic")),
+    Method("flash-maxsim", SUITES, _flash_maxsim, module="flash_maxsim", needs_cuda=True),
+    Method(
+        "late-interaction-kernels", SUITES, _late_interaction_kernels,
+        module="late_interaction_kernels", needs_cuda=True,
+    ),
+    Method("eager", SUITES, lambda shape: einsum_maxsim),
+    *(_chunk_method(c) for c in CHUNK_SIZES),
+    Method("compile", SUITES, _compiled, needs_cuda=True),
+)
+
+
+def select_methods(names: list[str] | None) -> list[Method]:
+    """Methods whose name or sweep is in ``names`` (all methods when ``names`` is None), in registry order."""
+    if names is None:
+        return list(METHODS)
+    known = {m.name for m in METHODS} | {m.sweep for m in METHODS if m.sweep}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {sorted(known)}")
+    return [m for m in METHODS if m.name in names or m.sweep in names]
+
+
+def peer_versions() -> dict[str, str | None]:
+    """Installed versions of the optional peers (``None`` where not installed)."""
+    versions: dict[str, str | None] = {}
+    for dist in _PEER_DISTRIBUTIONS:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    return versions

@@ -1,0 +1,125 @@
+"""The shape registry: every problem size the benchmark knows, grouped into suites.
+
+A :class:`Shape` is one MaxSim problem. ``suite`` says how it is run:
+
+* ``forward``: one 2-D query ``[Lq, d]`` against ``B`` documents ``[B, Ld, d]`` (reranking), scores only;
+* ``multi``: ``Nq`` queries ``[Nq, Lq, d]`` against one shared corpus ``[B, Ld, d]``, scores only;
+* ``train``: in-batch contrastive step, ``Q [B, Lq, d]`` against ``D [B, Ld, d]``: the ``[B, B]`` scores,
+  cross-entropy against the diagonal, and the gradients of ``Q`` and ``D``.
+
+The canonical sizes are those of DESIGN.md ("How performance is judged") and issues 3 and 4; ``quick`` marks
+the subset that ``--quick`` runs. ``--smoke`` runs :data:`SMOKE_SHAPES`, tiny versions of each suite that run
+on a CPU in well under a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Shape", "SUITES", "CANONICAL_SHAPES", "SMOKE_SHAPES", "FAMILIES", "select_shapes"]
+
+SUITES = ("forward", "multi", "train")
+
+# family -> (Lq, Ld): the canonical MaxSim geometries of DESIGN.md, all at d = 128.
+FAMILIES = {
+    "textual": (32, 300),
+    "long-doc": (32, 1024),
+    "medium": (128, 1024),
+    "visual": (512, 1024),
+    "colpali": (1024, 1024),
+    "colbert-train": (32, 180),
+    "colpali-train": (1024, 1024),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark problem.
+
+    Attributes:
+        suite: ``"forward"``, ``"multi"`` or ``"train"`` (see the module docstring).
+        family: geometry name, a key of :data:`FAMILIES` (or ``"smoke"``).
+        nq: number of queries (1 for ``forward``, where the query is 2-D; ``b`` for ``train``).
+        lq, ld, b, d: query length, document length, number of documents, embedding width.
+        quick: part of the ``--quick`` subset.
+    """
+
+    suite: str
+    family: str
+    nq: int
+    lq: int
+    ld: int
+    b: int
+    d: int = 128
+    quick: bool = True
+
+    @property
+    def name(self) -> str:
+        """Stable identifier used in the JSON, e.g. ``forward/textual/B1000`` or ``multi/colpali/Nq32xB128``."""
+        size = f"B{self.b}" if self.suite != "multi" else f"Nq{self.nq}xB{self.b}"
+        return f"{self.suite}/{self.family}/{size}"
+
+    @property
+    def q_shape(self) -> tuple[int, ...]:
+        """Shape of the query tensor: 2-D for ``forward``, 3-D otherwise."""
+        if self.suite == "forward":
+            return (self.lq, self.d)
+        return (self.nq, self.lq, self.d)
+
+    @property
+    def d_shape(self) -> tuple[int, int, int]:
+        """Shape of the (shared) document tensor ``[B, Ld, d]``."""
+        return (self.b, self.ld, self.d)
+
+    @property
+    def score_count(self) -> int:
+        """Number of fp32 scores produced (``Nq * B``)."""
+        return self.nq * self.b
+
+
+def _forward(family: str, b: int, quick: bool) -> Shape:
+    lq, ld = FAMILIES[family]
+    return Shape("forward", family, 1, lq, ld, b, quick=quick)
+
+
+def _multi(family: str, b: int) -> Shape:
+    lq, ld = FAMILIES[family]
+    return Shape("multi", family, 32, lq, ld, b)
+
+
+def _train(family: str, b: int, quick: bool) -> Shape:
+    lq, ld = FAMILIES[family]
+    return Shape("train", family, b, lq, ld, b, quick=quick)
+
+
+CANONICAL_SHAPES: tuple[Shape, ...] = (
+    # Issue 3: single-query reranking at B = 1 000 and 10 000.
+    *(_forward(f, 1000, True) for f in ("textual", "long-doc", "medium", "visual", "colpali")),
+    *(_forward(f, 10000, f in ("textual", "colpali")) for f in ("textual", "long-doc", "medium", "visual", "colpali")),
+    # Issue 3: 32 queries against a shared corpus.
+    _multi("textual", 1024),
+    _multi("long-doc", 1024),
+    _multi("colpali", 128),
+    # Issue 4: in-batch training; the bars at 128 / 512 and 32 / 64, scale at 2048 and 128.
+    _train("colbert-train", 128, True),
+    _train("colbert-train", 512, True),
+    _train("colbert-train", 2048, False),
+    _train("colpali-train", 32, True),
+    _train("colpali-train", 64, True),
+    _train("colpali-train", 128, False),
+)
+
+SMOKE_SHAPES: tuple[Shape, ...] = (
+    Shape("forward", "smoke", 1, 8, 24, 40, d=32),
+    Shape("multi", "smoke", 3, 8, 24, 20, d=32),
+    Shape("train", "smoke", 6, 8, 12, 6, d=32),
+)
+
+
+def select_shapes(suites: list[str], *, quick: bool = False, smoke: bool = False) -> list[Shape]:
+    """The shapes of the requested suites, in registry order (``quick`` keeps the quick subset)."""
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {unknown}; choose from {SUITES}")
+    pool = SMOKE_SHAPES if smoke else CANONICAL_SHAPES
+    return [s for s in pool if s.suite in suites and (s.quick or not quick)]

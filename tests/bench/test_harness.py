@@ -1,0 +1,130 @@
+"""The benchmark harness on the CPU: registry, floor arithmetic, and the whole --smoke run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lik.bench import CANONICAL_SHAPES, Ceilings, Method, Shape, floor, flop_count, main, min_bytes, select_methods
+from lik.bench.measure import Timer
+from lik.bench.methods import chunked_einsum_maxsim, einsum_maxsim
+from lik.bench.report import format_table
+from lik.bench.runner import run_shape
+from lik.bench.shapes import select_shapes
+
+
+def test_registry_covers_the_canonical_shapes():
+    names = {s.name for s in CANONICAL_SHAPES}
+    for family in ("textual", "long-doc", "medium", "visual", "colpali"):
+        assert {f"forward/{family}/B1000", f"forward/{family}/B10000"} <= names
+    assert {"multi/textual/Nq32xB1024", "multi/long-doc/Nq32xB1024", "multi/colpali/Nq32xB128"} <= names
+    for b in (128, 512, 2048):
+        assert f"train/colbert-train/B{b}" in names
+    for b in (32, 64, 128):
+        assert f"train/colpali-train/B{b}" in names
+    assert len(names) == len(CANONICAL_SHAPES) == 19
+    quick = select_shapes(["forward", "multi", "train"], quick=True)
+    assert 0 < len(quick) < 19 and all(s.quick for s in quick)
+    assert all(s.d == 128 for s in CANONICAL_SHAPES)
+    with pytest.raises(ValueError, match="unknown suite"):
+        select_shapes(["fwd"])
+
+
+def test_method_selection():
+    assert [m.name for m in select_methods(["eager-chunked"])] == [
+        "eager-chunked-16", "eager-chunked-64", "eager-chunked-256", "eager-chunked-1024"
+    ]
+    assert [m.name for m in select_methods(["lik-fast", "eager"])] == ["lik-fast", "eager"]
+    with pytest.raises(ValueError, match="unknown method"):
+        select_methods(["cublas"])
+
+
+def test_floor_memory_bound_by_hand():
+    shape = Shape("forward", "textual", 1, 32, 300, 1000)
+    # 2 * 1 * 1000 * 32 * 300 * 128
+    assert flop_count(shape) == 2_457_600_000
+    # Q 32*128*2 + D 1000*300*128*2 + scores 1000*4
+    assert min_bytes(shape, 2) == 8_192 + 76_800_000 + 4_000
+    fl = floor(shape, 2, Ceilings(bandwidth_bytes_per_s=3e12, matmul_flops_per_s=800e12))
+    assert fl.compute_ms == pytest.approx(0.003072)
+    assert fl.memory_ms == pytest.approx(0.025604064)
+    assert fl.ms == fl.memory_ms and fl.bound == "memory"
+
+
+def test_floor_compute_bound_by_hand():
+    shape = Shape("forward", "colpali", 1, 1024, 1024, 1000)
+    fl = floor(shape, 2, Ceilings(bandwidth_bytes_per_s=4e12, matmul_flops_per_s=1e15))
+    assert fl.flops == 268_435_456_000
+    assert fl.bytes == 262_144 + 262_144_000 + 4_000
+    assert fl.compute_ms == pytest.approx(0.268435456)
+    assert fl.memory_ms == pytest.approx(0.065602536)
+    assert fl.bound == "compute" and fl.ms == fl.compute_ms
+
+
+def test_floor_training_step_by_hand():
+    shape = Shape("train", "colbert-train", 128, 32, 180, 128)
+    # forward 2*128*128*32*180*128, plus the dQ and dD gathers 2 * (2*128*128*32*128)
+    assert flop_count(shape) == 24_159_191_040 + 268_435_456
+    # read Q and D, write dQ and dD: 2 * (1_048_576 + 5_898_240); scores written and read back: 2 * 65_536
+    assert min_bytes(shape, 2) == 13_893_632 + 131_072
+
+
+def test_chunked_eager_matches_eager():
+    gen = torch.Generator().manual_seed(0)
+    Q, D = torch.randn(3, 5, 8, generator=gen), torch.randn(11, 7, 8, generator=gen)
+    torch.testing.assert_close(chunked_einsum_maxsim(4)(Q, D), einsum_maxsim(Q, D))
+    torch.testing.assert_close(chunked_einsum_maxsim(4)(Q[0], D), einsum_maxsim(Q[0], D))
+
+
+def _run_one(method: Method, shape: Shape) -> dict:
+    return run_shape(
+        shape, [method], {}, dtype=torch.float32, device=torch.device("cpu"),
+        timer=Timer(torch.device("cpu"), warmup_ms=0, rep_ms=1), ceilings=Ceilings(1e10, 1e10),
+        rounds=2, rotate_bytes=0, log=lambda line: None,
+    )
+
+
+def test_wrong_method_is_marked_and_still_timed():
+    wrong = Method("wrong", ("forward",), lambda shape: lambda Q, D: einsum_maxsim(Q, D) * 1.01)
+    cell = _run_one(wrong, Shape("forward", "smoke", 1, 4, 6, 9, d=8))["cells"]["wrong"]
+    assert cell["status"] == "mismatch" and cell["rel_err"] == pytest.approx(0.01, rel=1e-3)
+    assert len(cell["round_ms"]) == 2 and cell["median_ms"] > 0
+
+
+def test_out_of_memory_is_recorded():
+    def build(shape):
+        def score(Q, D):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 GiB")
+
+        return score
+
+    cell = _run_one(Method("hungry", ("train",), build), Shape("train", "smoke", 4, 4, 6, 4, d=8))["cells"]["hungry"]
+    assert cell["status"] == "OOM" and "median_ms" not in cell
+
+
+def test_smoke_run_end_to_end(tmp_path, capsys, monkeypatch):
+    # The plumbing, not the kernels: lik takes its CPU reference path here (the interpreted kernels are
+    # tested in tests/ops, and would make this run take a minute).
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {"device", "torch", "triton", "peers", "git_commit", "source_sha256"} <= set(results["meta"])
+    assert results["ceilings"]["bandwidth_bytes_per_s"] > 0 and results["ceilings"]["matmul_flops_per_s"] > 0
+    assert [e["shape"]["suite"] for e in results["shapes"]] == ["forward", "multi", "train"]
+    for entry in results["shapes"]:
+        cells = entry["cells"]
+        lik_name = "lik-deterministic" if entry["shape"]["suite"] == "train" else "lik"
+        for name in (lik_name, "eager"):
+            assert cells[name]["status"] == "ok", cells[name]
+            assert cells[name]["median_ms"] > 0 and cells[name]["pct_of_floor"] > 0
+        assert cells["flash-maxsim"]["status"] == "unavailable"
+        ratios = entry["ratios"]
+        assert ratios[lik_name]["eager"] * ratios["eager"][lik_name] == pytest.approx(1.0)
+    assert results["shapes"][2]["cells"]["lik-deterministic"]["repeatable"] is True
+    assert "eager-chunked" in results["shapes"][0]["sweeps"]
+    table = (tmp_path / "table.txt").read_text()
+    assert "[forward]" in table and "[train]" in table
+    assert capsys.readouterr().out.rstrip().endswith(table.rstrip().splitlines()[-1])
+    assert format_table(results) == table.rstrip("\n")
