@@ -17,7 +17,7 @@ import triton.language as tl
 
 __all__ = ["nan_max", "maxsim_doc_rows", "NO_KEY"]
 
-NO_KEY = 2147483647  # int32 max: "no token chosen yet"
+NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
 
 
 @triton.jit

@@ -1,0 +1,127 @@
+"""Every kernel launch compiles for Hopper (sm_90) -- checked on a CPU-only machine.
+
+Triton's interpreter accepts code the real compiler rejects (a non-constexpr global, a dtype clash in a
+``tl.where``), so CI would not see it. Here each workload runs once under the interpreter with the GPU launch
+heuristics, every launch is recorded, and each distinct (kernel, signature, constants, options) is compiled to
+a cubin for ``sm_90`` with Triton's own toolchain, no GPU needed. Launches are recorded, not executed: only
+the argument types and constants matter here, and the kernels' numbers are tested elsewhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+import lik
+from lik import _config
+
+triton_interpreter = pytest.importorskip("triton.runtime.interpreter")
+
+_DTYPES = {
+    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+    torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1",
+}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+def _record_launches(monkeypatch, workload):
+    launches = []
+    real_run = triton_interpreter.InterpretedFunction.run
+
+    def record(self, *args, grid, **kwargs):
+        launches.append((self.fn, args, dict(kwargs)))
+
+    monkeypatch.setattr(triton_interpreter.InterpretedFunction, "run", record)
+    # The GPU heuristics, not the interpreter's small tiles: those are the variants users compile.
+    monkeypatch.setattr(_config, "interpreting", lambda: False)
+    workload()
+    monkeypatch.undo()
+    return launches
+
+
+def _describe(fn, args, kwargs) -> dict:
+    """The kernel's module and name, its compiler signature, its constants and launch options."""
+    params = list(inspect.signature(fn).parameters.values())
+    values = dict(zip((p.name for p in params), args))
+    values.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
+    signature, constants = {}, {}
+    for p in params:
+        value = values[p.name]
+        if "constexpr" in str(p.annotation):
+            signature[p.name] = "constexpr"
+            constants[p.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[p.name] = "*" + _DTYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[p.name] = "i1"
+        elif isinstance(value, int):
+            signature[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            signature[p.name] = "fp32"
+    return {
+        "module": fn.__module__, "name": fn.__name__, "signature": list(signature.items()), "constants": constants,
+        "options": {k: kwargs[k] for k in _OPTIONS if k in kwargs},
+    }
+
+
+# Runs in a fresh interpreter: once Triton's interpreter has run, it has patched triton.language in-process.
+_COMPILER = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+for job in json.load(sys.stdin):
+    kernel = getattr(importlib.import_module(job["module"]), job["name"])
+    signature = dict(job["signature"])  # a list of pairs: the parameter order matters
+    names = list(signature)
+    constants = {(names.index(k),): v for k, v in job["constants"].items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=job["options"])
+    assert compiled.asm["cubin"], job["name"]
+    print(job["name"], "ok", flush=True)
+"""
+
+
+def _maxsim_workload():
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.float32):
+        for n_q, l_q, n_docs, l_d, dim, per_query in [(2, 32, 3, 70, 128, False), (1, 300, 2, 65, 128, False),
+                                                     (2, 20, 2, 40, 96, True), (1, 8, 2, 30, 640, False)]:
+            Q = torch.randn(n_q, l_q, dim, generator=gen).to(dtype).requires_grad_()
+            D = torch.randn(((n_q,) if per_query else ()) + (n_docs, l_d, dim), generator=gen).to(dtype)
+            D.requires_grad_()
+            q_mask = torch.rand(n_q, l_q, generator=gen) > 0.2
+            for backward in ("fast", "deterministic"):
+                lik.maxsim(Q, D, q_mask, mask_mode="zero", backward=backward).sum().backward()
+            lik.maxsim(Q.detach(), D.detach())
+    torch.set_float32_matmul_precision("high")
+    try:
+        lik.maxsim(torch.randn(2, 32, 128), torch.randn(3, 40, 128))
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+WORKLOADS = {"maxsim": _maxsim_workload}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_every_launch_compiles_for_sm90(monkeypatch, name):
+    if not _config.interpreting():
+        pytest.skip("records launches through Triton's interpreter (TRITON_INTERPRET=1)")
+    launches = _record_launches(monkeypatch, WORKLOADS[name])
+    assert launches, "the workload launched no kernel"
+    jobs = {json.dumps(job, sort_keys=True) for job in (_describe(*launch) for launch in launches)}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILER], input="[" + ",".join(sorted(jobs)) + "]", env=env,
+        capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count(" ok") == len(jobs)
