@@ -314,9 +314,14 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
     else:
         n_q, l_q = q.shape[0], q.shape[1]
         score_shape, argmax_shape = (n_q, n_docs), (n_q, n_docs, l_q)
-    # -1 everywhere first: with unchecked cu_seqlens some packed query rows may belong to no pair, and the
-    # backward must still see "no gradient" there rather than garbage indices.
-    argmax = torch.full(argmax_shape, -1, dtype=torch.int32, device=device) if store_argmax else None
+    argmax = None
+    if store_argmax:
+        # Pairs: -1 everywhere first, since with unchecked cu_seqlens some packed query rows may belong to no
+        # pair and the backward must see "no gradient" there, not garbage. The corpus kernel writes every entry.
+        fill = inputs.pairs or q.numel() == 0 or d.numel() == 0 or n_docs == 0
+        argmax = torch.empty(argmax_shape, dtype=torch.int32, device=device)
+        if fill:
+            argmax.fill_(-1)
     if q.numel() == 0 or d.numel() == 0 or n_docs == 0:  # no token, no document or dim == 0: every score is 0
         return torch.zeros(score_shape, dtype=torch.float32, device=device), argmax
 
