@@ -8,7 +8,7 @@
 # The benchmark starts no new shape once LIK_DEADLINE_S (default 500) seconds of this script have passed, so
 # one call fits the device's 600 s limit; shapes left out are listed as skipped in results.json.
 set -u
-OUT=${OUT:-bench-results}
+OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   > "$OUT/pip.log" 2>&1 || echo "peer wheels did not install (see $OUT/pip.log); peers will be recorded as unavailable"

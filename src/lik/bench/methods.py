@@ -124,7 +124,9 @@ def _late_interaction_kernels(shape: Shape) -> ScoreFn:
 def _compiled(shape: Shape) -> ScoreFn:
     # One static-shape graph per benchmark shape; the limit on recompilations of one function is raised so
     # that a long run never falls back to eager silently.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, limit, max(getattr(config, limit), 256))
     return torch.compile(einsum_maxsim, dynamic=False)
 
 

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from .measure import InputSets, Timer, free_memory, is_oom, make_inputs, measure_ceilings, peak_memory_bytes
 from .methods import Method, peer_versions, select_methods
 from .report import format_table, plot_results
-from .roofline import Ceilings, floor
+from .roofline import Ceilings, floor, flop_count, min_bytes
 from .shapes import SUITES, Shape, select_shapes
 
-__all__ = ["main", "run", "parse_args", "TOLERANCE", "rel_error"]
+__all__ = ["main", "run", "run_shape", "parse_args", "registry_listing", "environment", "TOLERANCE", "rel_error"]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -125,13 +125,14 @@ def _check(shape: Shape, call: Call, inputs: InputSets) -> dict:
     return {"rel_err": max(errors.values()), **errors, "repeatable": repeatable}
 
 
-def _failure(exc: BaseException, device: torch.device) -> dict:
+def _failure(exc: BaseException) -> dict:
+    """The cell record of a failed call (the caller frees memory once the exception, and the frames it
+    keeps alive, are gone)."""
     status = "OOM" if is_oom(exc) else "error"
-    message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    text = str(exc).strip()
     if status == "error":
         traceback.print_exc()
-    free_memory(device)
-    return {"status": status, "error": message[:500]}
+    return {"status": status, "error": f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]}
 
 
 def _finish_cells(entry: dict, floor_ms: float) -> None:
@@ -139,7 +140,7 @@ def _finish_cells(entry: dict, floor_ms: float) -> None:
     cells, timed = entry["cells"], {}
     for name, cell in cells.items():
         rounds = cell.get("round_ms")
-        if not rounds or cell["status"] not in ("ok", "mismatch"):
+        if not rounds or "error" in cell:
             continue
         cell["median_ms"] = statistics.median(rounds)
         cell["spread_pct"] = 100.0 * (max(rounds) - min(rounds)) / cell["median_ms"]
@@ -176,7 +177,9 @@ def run_shape(
     try:
         inputs = make_inputs(shape, dtype, device, rotate_bytes=rotate_bytes, requires_grad=train)
     except Exception as exc:
-        entry["error"] = _failure(exc, device)
+        entry["error"] = _failure(exc)
+    if "error" in entry:
+        free_memory(device)
         return entry
     entry["input_sets"] = len(inputs)
     labels = torch.arange(shape.b, device=device)
@@ -194,33 +197,40 @@ def run_shape(
             call = _train_call(score, labels) if train else _forward_call(score)
             cell.update(_check(shape, call, inputs))
         except Exception as exc:
-            cell.update(_failure(exc, device))
+            cell.update(_failure(exc))
+        free_memory(device)
+        if "error" in cell:
             log(f"  {method.name:26s} {cell['status']}: {cell['error'][:120]}")
             continue
         cell["status"] = "ok" if cell["rel_err"] <= TOLERANCE[dtype] else "mismatch"
-        cell["first_call_s"] = time.perf_counter() - start
+        cell["check_s"] = time.perf_counter() - start
         calls[method.name] = call
-        free_memory(device)
+        log(f"  {method.name:26s} {cell['status']} rel_err {cell['rel_err']:.1e}, first call and check "
+            f"{cell['check_s']:.1f} s" + ("" if cell.get("repeatable", True) else ", not bitwise repeatable"))
 
     for _ in range(rounds):
         for name, call in calls.items():
             cell = entry["cells"][name]
-            if cell["status"] not in ("ok", "mismatch"):
+            if "error" in cell:
                 continue
             try:
                 cell.setdefault("round_ms", []).append(timer.median_ms(lambda: call(*inputs.next())))
             except Exception as exc:
-                cell.update(_failure(exc, device))
+                cell.update(_failure(exc))
+            if "error" in cell:
+                free_memory(device)
 
     for name, call in calls.items():
         cell = entry["cells"][name]
-        if cell["status"] not in ("ok", "mismatch"):
+        if "error" in cell:
             continue
         try:
             peak = peak_memory_bytes(lambda: call(*inputs.sets[0]), device)
             cell["peak_MB"] = None if peak is None else peak / 2**20
         except Exception as exc:
-            cell.update(_failure(exc, device))
+            cell.update(_failure(exc))
+        if "error" in cell:
+            free_memory(device)
     _finish_cells(entry, fl.ms)
     for name, cell in entry["cells"].items():
         if "median_ms" in cell:
@@ -306,7 +316,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated suites: forward, multi, train, or all (default all)")
     p.add_argument("--methods", default=None,
                    help="comma-separated method names or sweeps (default: all), e.g. lik,flash-maxsim,eager-chunked")
-    p.add_argument("--out", default="bench-results", help="output directory (JSON, table, plot)")
+    p.add_argument("--out", default="bench_out", help="output directory (JSON, table, plot); default bench_out")
     p.add_argument("--quick", action="store_true", help="the quick subset of shapes, fewer rounds, shorter reps")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU with a perf_counter timer: tests the plumbing, not performance")
@@ -317,6 +327,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new shape after this many seconds (the rest is recorded as skipped)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    p.add_argument("--list", action="store_true", help="print the selected shapes and methods with their floors' "
+                   "FLOPs and bytes, and exit")
     p.add_argument("--from-json", default=None,
                    help="no run: re-print the table and redraw the plot of an existing results JSON")
     return p.parse_args(argv)
@@ -345,7 +357,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 3)
     rep_ms = args.rep_ms or (20.0 if args.smoke else 50.0 if args.quick else 100.0)
     timer = Timer(device, warmup_ms=args.warmup_ms, rep_ms=rep_ms)
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) if device.type == "cuda" else 0
     rotate_bytes = 4 * l2
 
     unavailable = {m.name: r for m in methods if (r := m.unavailable_reason(device)) is not None}
@@ -400,6 +412,19 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     return results
 
 
+def registry_listing(args: argparse.Namespace) -> str:
+    """The shapes and methods a run with ``args`` would cover (no device work)."""
+    itemsize = torch.finfo(DTYPES[args.dtype or ("fp32" if args.smoke else "fp16")]).bits // 8
+    suites = list(SUITES) if args.suite == "all" else args.suite.split(",")
+    methods = select_methods(args.methods.split(",") if args.methods else None)
+    lines = [f"{'shape':30s} {'GFLOP':>10s} {'MB':>10s}  methods"]
+    for shape in select_shapes(suites, quick=args.quick, smoke=args.smoke):
+        names = [m.name for m in methods if shape.suite in m.suites and m.applies(shape)]
+        lines.append(f"{shape.name:30s} {flop_count(shape) / 1e9:10.1f} {min_bytes(shape, itemsize) / 1e6:10.1f}  "
+                     + ", ".join(names))
+    return "\n".join(lines)
+
+
 def _report(results: dict, out_dir: Path, plot: bool, log: Callable[[str], None]) -> None:
     table = format_table(results)
     (out_dir / "table.txt").write_text(table + "\n")
@@ -411,6 +436,9 @@ def _report(results: dict, out_dir: Path, plot: bool, log: Callable[[str], None]
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lik bench`` and ``benchmarks/run.py``; returns the process exit code."""
     args = parse_args(argv)
+    if args.list:
+        print(registry_listing(args))
+        return 0
     out_dir = Path(args.out)
     if args.from_json:
         out_dir.mkdir(parents=True, exist_ok=True)
