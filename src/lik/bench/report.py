@@ -62,7 +62,7 @@ def _speedups(entry: dict) -> str:
 
 
 def format_table(results: dict) -> str:
-    """One block per suite: each method's median ms / % of floor, then lik's speedup over the faster peer and
+    """One block per suite: each method's median ms / % of floor and lik's speedup over the faster peer, then
     the peak memory in MB. ``!`` marks a method whose output disagreed with the float64 reference."""
     meta, ceil = results["meta"], results["ceilings"]
     lines = [
@@ -79,22 +79,18 @@ def format_table(results: dict) -> str:
             continue
         used = [c for c in cols if any(_cell(e, c) is not None for e in entries)]
         head = f"{'shape':30s} {'floor ms':>9s} {'bound':>7s} " + " ".join(f"{_SHORT.get(c, c):>14s}" for c in used)
-        lines += ["", f"[{suite}]", head]
+        lines += ["", f"[{suite}]", head + "  lik vs faster peer"]
         for e in entries:
             if "error" in e:
                 lines.append(f"{e['name']:30s} inputs: {e['error']['status']}")
                 continue
             fl = e["floor"]
             row = " ".join(f"{_fmt(_cell(e, c)):>14s}" for c in used)
-            lines.append(f"{e['name']:30s} {fl['floor_ms']:9.4f} {fl['bound']:>7s} {row}")
+            lines.append(f"{e['name']:30s} {fl['floor_ms']:9.4f} {fl['bound']:>7s} {row}  {_speedups(e)}".rstrip())
         lines.append("peak MB above the inputs:")
         for e in entries:
             peaks = " ".join(f"{_peak(_cell(e, c)):>14s}" for c in used)
             lines.append(f"{e['name']:30s} {'':9s} {'':7s} {peaks}")
-        speed = [(e["name"], _speedups(e)) for e in entries if _speedups(e)]
-        if speed:
-            lines.append("speedup over the faster peer:")
-            lines += [f"  {name:30s} {text}" for name, text in speed]
     if results.get("skipped_shapes"):
         lines += ["", "skipped (time budget): " + ", ".join(results["skipped_shapes"])]
     lines.append(f"wall {results.get('wall_s', 0):.0f} s")
@@ -128,10 +124,12 @@ def plot_results(results: dict, path: Path) -> str:
                     xs.append(i + (k - (len(used) - 1) / 2) * width)
                     ms.append(cell["median_ms"])
                     pct.append(cell["pct_of_floor"])
-            axes[row][0].bar(xs, ms, width, label=col)
-            axes[row][1].bar(xs, pct, width, label=col)
+            color = f"C{cols.index(col) % 10}"  # one colour per method across suites
+            axes[row][0].bar(xs, ms, width, label=col, color=color)
+            axes[row][1].bar(xs, pct, width, label=col, color=color)
         axes[row][0].plot(range(len(entries)), [e["floor"]["floor_ms"] for e in entries], "k_", ms=20,
                           label="floor")
+        axes[row][0].legend(fontsize=7)
         axes[row][0].set_yscale("log")
         axes[row][0].set_ylabel("median ms (log)")
         axes[row][1].set_ylabel("% of floor")
