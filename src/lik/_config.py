@@ -24,6 +24,7 @@ __all__ = [
     "MaxSimBackwardConfig",
     "maxsim_forward_config",
     "maxsim_backward_config",
+    "maxsim_varlen_config",
     "MsdaForwardConfig",
     "MsdaBackwardConfig",
     "msda_forward_config",
@@ -180,11 +181,33 @@ def msda_backward_config(*, n_rows: int, dim: int, dtype: torch.dtype, device: t
     return MsdaBackwardConfig(block_rows, block_d, gather_rows=32, num_warps=4, num_stages=1)
 
 
+def maxsim_varlen_config(
+    *, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, pairs: bool, device: torch.device
+) -> MaxSimForwardConfig:
+    """Forward tiles of the packed kernels (``pairs``: one query per document, ``q_len`` its longest query).
+
+    The padded heuristic's row groups, with other document tiles where the H200 sweep of
+    ``benchmarks/varlen_bench.py`` measured them (fp16, d = 128, 32-row blocks): 128-token tiles for a corpus
+    (fewer sequential steps on its longest documents), 32-token tiles for pairs (smaller CTAs, more of them
+    resident), 4 warps for both.
+    """
+    forced = _OVERRIDES.get("maxsim_varlen")
+    if forced is not None:
+        return replace(forced, groups=1) if pairs else forced
+    cfg = maxsim_forward_config(
+        q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype, per_query=pairs, device=device
+    )
+    measured = dtype in (torch.float16, torch.bfloat16) and dim <= 128 and cfg.block_m <= 32
+    if interpreting() or "maxsim_forward" in _OVERRIDES or not measured:
+        return cfg
+    return replace(cfg, block_n=32 if pairs else 128, num_warps=4, num_stages=3)
+
+
 @contextlib.contextmanager
 def override(**configs):
     """Force launch configurations inside a ``with`` block (keys: ``maxsim_forward``, ``maxsim_backward``,
-    ``msda_forward``, ``msda_backward``)."""
-    unknown = set(configs) - {"maxsim_forward", "maxsim_backward", "msda_forward", "msda_backward"}
+    ``maxsim_varlen``, ``msda_forward``, ``msda_backward``)."""
+    unknown = set(configs) - {"maxsim_forward", "maxsim_backward", "maxsim_varlen", "msda_forward", "msda_backward"}
     if unknown:
         raise ValueError(f"unknown config keys: {sorted(unknown)}")
     saved = dict(_OVERRIDES)

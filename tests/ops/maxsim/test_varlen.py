@@ -129,7 +129,7 @@ def test_corpus_equals_padded_maxsim(rng, path):
 def test_wide_embeddings_split_over_k_chunks(rng):
     """block_k below the embedding width: the tile loop reloads the query per k chunk."""
     forced = _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=16)
-    with _config.override(maxsim_forward=forced):
+    with _config.override(maxsim_varlen=forced):
         _check_pairs(rng, [5, 18], [9, 3], 40)
         _check_corpus(rng, 2, 5, [9, 3], 40)
 
@@ -391,12 +391,13 @@ def test_gpu_no_recompile_when_pair_count_or_lengths_change():
             return sum(len(entry[0]) for entry in caches.values())
         return sum(len(c) for c in maxsim_varlen_fwd_kernel.cache.values())
 
-    q, cu_q, max_q = _gpu_lists(100, 1, 32, 128, torch.float16, 7)
+    # Query lengths stay in one power-of-two bucket (17-32): the bucket picks the row tile, a constexpr.
+    q, cu_q, max_q = _gpu_lists(100, 17, 32, 128, torch.float16, 7)
     d, cu_d, max_d = _gpu_lists(100, 1, 512, 128, torch.float16, 8)
     lik.maxsim_varlen(q, d, cu_q, cu_d, max_q, max_d)
     before = compiled()
     for n, seed in [(7, 9), (5000, 10), (1, 11)]:
-        q, cu_q, max_q = _gpu_lists(n, 1, 32, 128, torch.float16, seed)
+        q, cu_q, max_q = _gpu_lists(n, 17, 32, 128, torch.float16, seed)
         d, cu_d, max_d = _gpu_lists(n, 1, 512, 128, torch.float16, seed + 100)
         lik.maxsim_varlen(q, d, cu_q, cu_d, max_q, max_d)
     assert compiled() == before

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import maxsim_backward_config, maxsim_forward_config, next_power_of_2
+from ..._config import maxsim_backward_config, maxsim_varlen_config, next_power_of_2
 from .backward import _k_blocks, maxsim_backward_dq, maxsim_bwd_dd_atomic_kernel
 from .forward import dot_precision
 from .function import resolve_backward, uses_kernels
@@ -107,7 +107,12 @@ def _score_rows(
     return tl.where(counted, best, 0.0)
 
 
-_FWD_RUNTIME_INTS = ["n_queries", "q_len", "n_q_rows", "n_d_rows", "n_chunks", "n_row_blocks"]
+# Sizes, and the strides that scale with the number of queries, documents or pairs: never specialised on (a
+# stride of 1 or a multiple of 16 would otherwise compile a new variant, e.g. for N = 1).
+_FWD_RUNTIME_INTS = [
+    "n_queries", "q_len", "n_q_rows", "n_d_rows", "n_chunks", "n_row_blocks",
+    "stride_qmn", "stride_pc", "stride_pn", "stride_an", "stride_ab",
+]
 
 
 @triton.jit(do_not_specialize=_FWD_RUNTIME_INTS)
@@ -233,7 +238,12 @@ def maxsim_varlen_bwd_tokens_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["n_queries", "q_len", "n_q_rows", "n_d_rows", "n_docs", "n_steps", "n_k_blocks"])
+@triton.jit(
+    do_not_specialize=[
+        "n_queries", "q_len", "n_q_rows", "n_d_rows", "n_docs", "n_steps", "n_k_blocks",
+        "stride_gn", "stride_an", "stride_ab",
+    ]
+)
 def maxsim_varlen_bwd_dd_owned_kernel(
     q_ptr, grad_ptr, cu_q_ptr, cu_d_ptr, argmax_ptr, dd_ptr,
     n_queries, q_len, n_q_rows, n_d_rows, n_docs, n_steps, n_k_blocks,
@@ -325,8 +335,8 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
     if q.numel() == 0 or d.numel() == 0 or n_docs == 0:  # no token, no document or dim == 0: every score is 0
         return torch.zeros(score_shape, dtype=torch.float32, device=device), argmax
 
-    cfg = maxsim_forward_config(
-        q_len=max(1, l_q), n_queries=n_q, dim=dim, dtype=q.dtype, per_query=inputs.pairs, device=device
+    cfg = maxsim_varlen_config(
+        q_len=max(1, l_q), n_queries=n_q, dim=dim, dtype=q.dtype, pairs=inputs.pairs, device=device
     )
     block_d = max(16, next_power_of_2(dim))
     block_k = min(cfg.block_k, block_d)
