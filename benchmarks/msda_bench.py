@@ -176,34 +176,36 @@ def time_method(fn, p, deterministic=False):
     return fwd_ms, bwd_ms, peak
 
 
-def sweep(bandwidth):
-    """lik's forward and backward under forced tiles (block rows x warps) at both scales, fp32 realistic."""
+def sweep():
+    """lik's forward and backward at encoder scale (fp32, realistic) under forced tiles:
+    (rows, points at a time) x warps."""
     import lik._config as config
 
     results = []
-    for scale in (ENCODER, DECODER):
-        p = make_problem(scale, "realistic", torch.float32)
-        fn = methods(p)["lik"]
-        x = leaves(p)
-        for rows in (16, 32, 64, 128):
-            for warps in (2, 4, 8):
-                cfg = config.MsdaForwardConfig(block_rows=rows, block_d=32, num_warps=warps)
-                with config.override(msda_forward=cfg):
-                    ms = triton.testing.do_bench(lambda: fn(*[t.detach() for t in x]), return_mode="median")
-                results.append(dict(scale=scale["name"], kind="fwd", rows=rows, warps=warps, ms=ms))
-        out = fn(*x)
-        for rows in (16, 32, 64):
-            for warps in (2, 4, 8):
-                cfg = config.MsdaBackwardConfig(block_rows=rows, block_d=32, gather_rows=32, num_warps=warps)
-                with config.override(msda_backward=cfg):
-                    ms = triton.testing.do_bench(
-                        lambda: torch.autograd.grad(out, x, p["grad"], retain_graph=True), return_mode="median"
-                    )
-                results.append(dict(scale=scale["name"], kind="bwd", rows=rows, warps=warps, ms=ms))
-        del p, x, out
-        torch.cuda.empty_cache()
+    p = make_problem(ENCODER, "realistic", torch.float32)
+    fn = methods(p)["lik"]
+    x = leaves(p)
+    for rows, points in ((4, 16), (8, 16), (16, 16), (8, 8), (16, 8), (32, 4)):
+        for warps in (4, 8):
+            cfg = config.MsdaForwardConfig(block_rows=rows, block_points=points, block_d=32, num_warps=warps)
+            with config.override(msda_forward=cfg):
+                ms = triton.testing.do_bench(lambda: fn(*[t.detach() for t in x]), return_mode="median")
+            results.append(dict(kind="fwd", rows=rows, points=points, warps=warps, ms=ms))
+    out = fn(*x)
+    for rows, points in ((2, 16), (4, 16), (8, 16), (4, 8), (16, 4)):
+        for warps in (4, 8):
+            cfg = config.MsdaBackwardConfig(block_rows=rows, block_points=points, block_d=32, gather_rows=32,
+                                            num_warps=warps)
+            with config.override(msda_backward=cfg):
+                ms = triton.testing.do_bench(
+                    lambda: torch.autograd.grad(out, x, p["grad"], retain_graph=True), return_mode="median"
+                )
+            results.append(dict(kind="bwd", rows=rows, points=points, warps=warps, ms=ms))
+    del p, x, out
+    torch.cuda.empty_cache()
     for r in results:
-        print(f"sweep {r['scale']:8} {r['kind']} rows {r['rows']:4} warps {r['warps']}: {r['ms']:.3f} ms")
+        print(f"sweep encoder {r['kind']} rows {r['rows']:3} points {r['points']:3} warps {r['warps']}: "
+              f"{r['ms']:.3f} ms")
     return results
 
 
@@ -228,7 +230,7 @@ def main():
     meta["copy_bandwidth_GBps"] = bandwidth / 1e9
     print(json.dumps(meta), flush=True)
 
-    tiles = sweep(bandwidth) if args.sweep else []
+    tiles = sweep() if args.sweep else []
     scales = [DECODER] if args.quick else [ENCODER, DECODER]
     dtypes = [torch.float32] if args.quick else [torch.float32, torch.bfloat16]
     rows = []

@@ -127,9 +127,11 @@ def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device
 
 @dataclass(frozen=True)
 class MsdaForwardConfig:
-    """Tile of the deformable-attention forward: ``block_rows`` (query, head) rows by ``block_d`` channels."""
+    """Tile of the deformable-attention forward: ``block_rows`` queries of one head, ``block_points`` sampling
+    points at a time (all L * P are walked), ``block_d`` channels."""
 
     block_rows: int
+    block_points: int
     block_d: int
     num_warps: int = 4
     num_stages: int = 1
@@ -137,48 +139,51 @@ class MsdaForwardConfig:
 
 @dataclass(frozen=True)
 class MsdaBackwardConfig:
-    """Tiles of the deformable-attention backward: the sample-side kernel (``block_rows`` rows) and the
+    """Tiles of the deformable-attention backward: the sample-side kernel (as the forward) and the
     deterministic value-gradient gather (``gather_rows`` value rows)."""
 
     block_rows: int
+    block_points: int
     block_d: int
     gather_rows: int
     num_warps: int = 4
     num_stages: int = 1
 
 
-def _msda_tile(n_rows: int, dim: int, max_rows: int, device: torch.device) -> tuple[int, int]:
-    # One program covers every channel of a head up to 128 (wider heads split over a grid axis). Rows shrink
-    # until there are a few programs per SM: the decoder has only N * 300 * M rows.
+def _msda_tile(n_rows: int, dim: int, n_samples: int, budget: int, device: torch.device) -> tuple[int, int, int]:
+    # Every channel of a head up to 128 in one program (wider heads split over a grid axis), up to 16 points at
+    # once; rows fill ``budget`` elements per [rows, points, channels] corner tile, then shrink until there are a
+    # few programs per SM (the decoder has only N * 300 * M rows).
     full_d = next_power_of_2(max(dim, 1))
     block_d = min(full_d, 128)
-    block_rows = max(1, min(max_rows, 4096 // block_d))
+    block_p = min(next_power_of_2(max(n_samples, 1)), 16)
+    block_rows = max(1, min(64, budget // (block_d * block_p)))
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        while block_rows > 16 and -(-n_rows // block_rows) * (full_d // block_d) < 4 * sms:
+        while block_rows > 1 and -(-n_rows // block_rows) * (full_d // block_d) < 4 * sms:
             block_rows //= 2
-    return block_rows, block_d
+    return block_rows, block_p, block_d
 
 
-def msda_forward_config(*, n_rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> MsdaForwardConfig:
-    """Forward tile for ``n_rows`` = N * Lq * M (query, head) rows of ``dim`` channels."""
+def msda_forward_config(
+    *, n_rows: int, dim: int, n_samples: int, dtype: torch.dtype, device: torch.device
+) -> MsdaForwardConfig:
+    """Forward tile for ``n_rows`` = N * M * Lq rows of ``dim`` channels and ``n_samples`` = L * P points."""
     forced = _OVERRIDES.get("msda_forward")
     if forced is not None:
         return forced
-    if interpreting():
-        return MsdaForwardConfig(block_rows=16, block_d=min(next_power_of_2(max(dim, 1)), 128))
-    block_rows, block_d = _msda_tile(n_rows, dim, 64, device)
-    return MsdaForwardConfig(block_rows, block_d, num_warps=4, num_stages=1)
+    block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 2048, device)
+    return MsdaForwardConfig(block_rows, block_p, block_d, num_warps=4, num_stages=1)
 
 
-def msda_backward_config(*, n_rows: int, dim: int, dtype: torch.dtype, device: torch.device) -> MsdaBackwardConfig:
+def msda_backward_config(
+    *, n_rows: int, dim: int, n_samples: int, dtype: torch.dtype, device: torch.device
+) -> MsdaBackwardConfig:
     forced = _OVERRIDES.get("msda_backward")
     if forced is not None:
         return forced
-    if interpreting():
-        return MsdaBackwardConfig(block_rows=16, block_d=min(next_power_of_2(max(dim, 1)), 128), gather_rows=16)
-    block_rows, block_d = _msda_tile(n_rows, dim, 32, device)
-    return MsdaBackwardConfig(block_rows, block_d, gather_rows=32, num_warps=4, num_stages=1)
+    block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 1024, device)
+    return MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=4, num_stages=1)
 
 
 def maxsim_varlen_config(

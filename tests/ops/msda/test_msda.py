@@ -225,11 +225,12 @@ def test_empty_queries_or_batch(rng, n, lq):
 
 
 def test_channel_split_and_small_tiles(rng):
-    """Forced tiles: 4 rows, 16 channels, so D = 39 spans three channel blocks (partial point gradients)."""
+    """Forced tiles: 4 rows, 2 points at a time (of 4), 16 channels, so D = 39 spans three channel blocks
+    (partial point gradients)."""
     problem = rand_problem(rng, 1, 5, 2, 39, [(3, 4), (2, 2)], 2)
     with config.override(
-        msda_forward=config.MsdaForwardConfig(block_rows=4, block_d=16),
-        msda_backward=config.MsdaBackwardConfig(block_rows=4, block_d=16, gather_rows=8),
+        msda_forward=config.MsdaForwardConfig(block_rows=4, block_points=2, block_d=16),
+        msda_backward=config.MsdaBackwardConfig(block_rows=4, block_points=2, block_d=16, gather_rows=8),
     ):
         check_against_reference(problem)
         with _deterministic():

@@ -21,14 +21,7 @@ import triton.language as tl
 
 from ..._config import msda_backward_config
 from .forward import RUNTIME_INTS, level_strides
-from .sampling import (
-    corner_pointers,
-    corner_setup,
-    gather_corners,
-    level_geometry,
-    load_sample,
-    query_rows,
-)
+from .sampling import corner_pointers, corner_setup, gather_corners, load_sample, point_block, query_rows
 
 __all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward"]
 
@@ -47,11 +40,12 @@ def msda_bwd_kernel(
     stride_gc,
     DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ATOMIC_VALUE: tl.constexpr,
     WRITE_BUCKETS: tl.constexpr,
 ):
-    rows, row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
+    row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
     chunk = tl.program_id(1)
     chan = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     chan_ok = chan < DIM
@@ -62,53 +56,58 @@ def msda_bwd_kernel(
     gout = gout_ptr + batch * stride_on + query * stride_oq + (head * DIM) * stride_oc
     grad = tl.load(
         gout[:, None] + (chan * stride_oc)[None, :], mask=row_ok[:, None] & chan_ok[None, :], other=0.0
-    ).to(tl.float32)
-    # Gradients of points are written contiguously, [chunk, N, Lq, M, L, P] (x2 for locations).
-    row_points = rows * (n_levels * n_points)
+    ).to(tl.float32)[:, None, :]
     gvalue_rows = gvalue_ptr + batch * stride_gvn + head * stride_gvm
+    n_samples = n_levels * n_points
+    # Point gradients are written contiguously as [chunk, N, Lq, M, L * P] (times 2 for locations).
+    row_samples = ((batch * n_queries + query) * n_heads + head) * n_samples
 
-    for level in range(n_levels):
-        height, width, start = level_geometry(shapes_ptr, starts_ptr, level, stride_sl, stride_sc, stride_st)
-        for point in range(n_points):
-            loc_x, loc_y, weight = load_sample(
-                loc_rows, attn_rows, row_ok, level, point, stride_ll, stride_lp, stride_lc, stride_al, stride_ap
+    for first in range(0, n_samples, BLOCK_P):
+        j, j_ok, level, point, height, width, start = point_block(
+            first, n_points, n_samples, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st, BLOCK_P
+        )
+        live = row_ok[:, None] & j_ok[None, :]
+        loc_x, loc_y, weight = load_sample(
+            loc_rows[:, None] + (level * stride_ll + point * stride_lp)[None, :],
+            attn_rows[:, None] + (level * stride_al + point * stride_ap)[None, :],
+            live, stride_lc,
+        )
+        x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = corner_setup(loc_x, loc_y, height[None, :], width[None, :], live)
+        v00, v01, v10, v11 = gather_corners(
+            value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
+        )
+        gx = fx[:, :, None]
+        gy = fy[:, :, None]
+        top = v00 + gx * (v01 - v00)
+        bottom = v10 + gx * (v11 - v10)
+        sampled = top + gy * (bottom - top)
+        # d sampled / d px and d py; px = x * W - 0.5, so d px / d x = W (and d py / d y = H).
+        d_px = (1.0 - gy) * (v01 - v00) + gy * (v11 - v10)
+        d_py = bottom - top
+        sample = row_samples[:, None] + j[None, :]
+        index = chunk * stride_gc + sample
+        tl.store(gattn_ptr + index, tl.sum(grad * sampled, axis=2), mask=live)
+        scale_x = weight * width[None, :].to(tl.float32)
+        scale_y = weight * height[None, :].to(tl.float32)
+        tl.store(gloc_ptr + 2 * index, scale_x * tl.sum(grad * d_px, axis=2), mask=live)
+        tl.store(gloc_ptr + 2 * index + 1, scale_y * tl.sum(grad * d_py, axis=2), mask=live)
+        if ATOMIC_VALUE:
+            ptr, right, down, m00, m01, m10, m11 = corner_pointers(
+                gvalue_rows, chan, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_gvs
             )
-            x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = corner_setup(loc_x, loc_y, height, width)
-            v00, v01, v10, v11 = gather_corners(
-                value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
-            )
-            gx = fx[:, None]
-            gy = fy[:, None]
-            top = v00 + gx * (v01 - v00)
-            bottom = v10 + gx * (v11 - v10)
-            sampled = top + gy * (bottom - top)
-            # d sampled / d px and d py; px = x * W - 0.5, so d px / d x = W.
-            d_px = (1.0 - gy) * (v01 - v00) + gy * (v11 - v10)
-            d_py = bottom - top
-            sample = row_points + level * n_points + point
-            index = chunk * stride_gc + sample
-            tl.store(gattn_ptr + index, tl.sum(grad * sampled, axis=1), mask=row_ok)
-            scale = weight * width.to(tl.float32)
-            tl.store(gloc_ptr + 2 * index, scale * tl.sum(grad * d_px, axis=1), mask=row_ok)
-            scale = weight * height.to(tl.float32)
-            tl.store(gloc_ptr + 2 * index + 1, scale * tl.sum(grad * d_py, axis=1), mask=row_ok)
-            if ATOMIC_VALUE:
-                ptr, right, down, m00, m01, m10, m11 = corner_pointers(
-                    gvalue_rows, chan, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_gvs
-                )
-                g = grad * weight[:, None]
-                gb = g * gy
-                gt = g - gb
-                tl.atomic_add(ptr, gt - gt * gx, mask=m00 & row_ok[:, None], sem="relaxed")
-                tl.atomic_add(ptr + right, gt * gx, mask=m01 & row_ok[:, None], sem="relaxed")
-                tl.atomic_add(ptr + down, gb - gb * gx, mask=m10 & row_ok[:, None], sem="relaxed")
-                tl.atomic_add(ptr + down + right, gb * gx, mask=m11 & row_ok[:, None], sem="relaxed")
-            if WRITE_BUCKETS:
-                reaches = (in_x0 | in_x1) & (in_y0 | in_y1)
-                cell = tl.load(cells_ptr + level) + (y0 + 1) * (width + 1) + (x0 + 1)
-                bucket = tl.where(reaches, (batch * n_heads + head) * n_cells + cell, no_bucket)
-                # Every channel chunk computes the same bucket; the duplicate stores are identical.
-                tl.store(bucket_ptr + sample, bucket, mask=row_ok)
+            g = grad * weight[:, :, None]
+            gb = g * gy
+            gt = g - gb
+            tl.atomic_add(ptr, gt - gt * gx, mask=m00, sem="relaxed")
+            tl.atomic_add(ptr + right, gt * gx, mask=m01, sem="relaxed")
+            tl.atomic_add(ptr + down, gb - gb * gx, mask=m10, sem="relaxed")
+            tl.atomic_add(ptr + down + right, gb * gx, mask=m11, sem="relaxed")
+        if WRITE_BUCKETS:
+            reaches = (in_x0 | in_x1) & (in_y0 | in_y1)
+            cell = tl.load(cells_ptr + level, mask=j_ok, other=0)[None, :] + (y0 + 1) * (width[None, :] + 1) + (x0 + 1)
+            bucket = tl.where(reaches, (batch * n_heads + head)[:, None] * n_cells + cell, no_bucket)
+            # Every channel chunk computes the same bucket; the duplicate stores are identical.
+            tl.store(bucket_ptr + sample, bucket, mask=live)
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS + ["n_pixels"])
@@ -124,8 +123,8 @@ def msda_bwd_value_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # Rows here are value rows (batch, pixel, head): the transpose of the forward's (batch, query, head).
-    rows, row_ok, batch, pixel, head = query_rows(tl.program_id(0), n_rows, n_pixels, n_heads, BLOCK_R)
+    # Rows here are value rows (batch, head, pixel), pixel fastest.
+    row_ok, batch, pixel, head = query_rows(tl.program_id(0), n_rows, n_pixels, n_heads, BLOCK_R)
     chan = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     chan_ok = chan < DIM
     chan_grad = (chan * stride_oc)[None, :]
@@ -133,16 +132,17 @@ def msda_bwd_value_kernel(
 
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
     for level in range(n_levels):
-        height, width, start = level_geometry(shapes_ptr, starts_ptr, level, stride_sl, stride_sc, stride_st)
-        local = pixel - start
+        height = tl.load(shapes_ptr + level * stride_sl).to(tl.int64)
+        width = tl.load(shapes_ptr + level * stride_sl + stride_sc).to(tl.int64)
+        local = pixel - tl.load(starts_ptr + level * stride_st).to(tl.int64)
         inside = row_ok & (local >= 0) & (local < height * width)
         y = tl.where(inside, local, 0) // tl.maximum(width, 1)
         x = tl.where(inside, local, 0) - y * width
         bucket_row = (batch * n_heads + head) * n_cells + tl.load(cells_ptr + level)
         # Fixed order: corner by corner, each bucket in sorted (= original point) order.
         for corner in tl.static_range(4):
-            dy: tl.constexpr = corner // 2
-            dx: tl.constexpr = corner % 2
+            dy = corner // 2
+            dx = corner % 2
             bucket = bucket_row + (y - dy + 1) * (width + 1) + (x - dx + 1)
             begin = tl.load(offsets_ptr + bucket, mask=inside, other=0)
             count = tl.load(offsets_ptr + bucket + 1, mask=inside, other=0) - begin
@@ -152,13 +152,22 @@ def msda_bwd_value_kernel(
                 point = sample % n_points
                 query = (sample // points_per_row // n_heads) % n_queries
                 loc_x, loc_y, weight = load_sample(
-                    loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm,
-                    attn_ptr + batch * stride_an + query * stride_aq + head * stride_am,
-                    live, level, point, stride_ll, stride_lp, stride_lc, stride_al, stride_ap,
+                    loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm + level * stride_ll
+                    + point * stride_lp,
+                    attn_ptr + batch * stride_an + query * stride_aq + head * stride_am + level * stride_al
+                    + point * stride_ap,
+                    live, stride_lc,
                 )
-                _, _, fx, fy, _, _, _, _ = corner_setup(loc_x, loc_y, height, width)
-                wx = fx if dx == 1 else 1.0 - fx
-                wy = fy if dy == 1 else 1.0 - fy
+                _, _, fx, fy, _, _, _, _ = corner_setup(loc_x, loc_y, height, width, live)
+                # The corner this pixel is, seen from the point: right neighbour weighs fx, left one 1 - fx.
+                if dx == 1:
+                    wx = fx
+                else:
+                    wx = 1.0 - fx
+                if dy == 1:
+                    wy = fy
+                else:
+                    wy = 1.0 - fy
                 coef = tl.where(live, weight * wx * wy, 0.0)
                 gout = gout_ptr + batch * stride_on + query * stride_oq + (head * DIM) * stride_oc
                 grad = tl.load(gout[:, None] + chan_grad, mask=live[:, None] & chan_ok[None, :], other=0.0)
@@ -183,16 +192,21 @@ def msda_backward(
     _, n_queries, _, n_levels, n_points, _ = loc.shape
     device = value.device
     n_rows = n * n_queries * heads
-    cfg = msda_backward_config(n_rows=n_rows, dim=dim, dtype=value.dtype, device=device)
+    cfg = msda_backward_config(n_rows=n_rows, dim=dim, n_samples=n_levels * n_points, dtype=value.dtype,
+                               device=device)
     n_chunks = triton.cdiv(dim, cfg.block_d) if dim else 1
     n_samples = n_rows * n_levels * n_points
-    # One channel chunk writes the point gradients in their final dtype; several add fp32 partials afterwards.
-    gloc = torch.zeros((n_chunks, *loc.shape), dtype=loc.dtype if n_chunks == 1 else torch.float32, device=device)
-    gattn = torch.zeros((n_chunks, *attn.shape), dtype=attn.dtype if n_chunks == 1 else torch.float32, device=device)
-    gvalue_dtype = torch.float32 if not deterministic else value.dtype
-    gvalue = torch.zeros(value.shape, dtype=gvalue_dtype, device=device)
     if n_samples == 0 or dim == 0:
-        return gvalue.to(value.dtype), gloc[0], gattn[0]
+        return torch.zeros_like(value), torch.zeros_like(loc), torch.zeros_like(attn)
+    # One channel chunk writes the point gradients in their final dtype; several add fp32 partials afterwards.
+    # The kernel writes every point, so no memset; the atomic value gradient needs a zeroed fp32 buffer, the
+    # deterministic one writes every value row in the value's dtype.
+    gloc = torch.empty((n_chunks, *loc.shape), dtype=loc.dtype if n_chunks == 1 else torch.float32, device=device)
+    gattn = torch.empty((n_chunks, *attn.shape), dtype=attn.dtype if n_chunks == 1 else torch.float32, device=device)
+    if deterministic:
+        gvalue = torch.empty(value.shape, dtype=value.dtype, device=device)
+    else:
+        gvalue = torch.zeros(value.shape, dtype=torch.float32, device=device)
 
     if deterministic:
         # Corner cells of every level on a (H + 1) x (W + 1) grid; one host sync for their total.
@@ -214,6 +228,7 @@ def msda_backward(
         n_samples,
         DIM=dim,
         BLOCK_R=cfg.block_rows,
+        BLOCK_P=cfg.block_points,
         BLOCK_D=cfg.block_d,
         ATOMIC_VALUE=not deterministic,
         WRITE_BUCKETS=deterministic,

@@ -1,9 +1,11 @@
 """Fused deformable-attention forward: bilinear gathers, weighted and summed in registers.
 
-A program owns ``BLOCK_R`` consecutive (batch, query, head) rows (64 rows = 8 queries with all their 8 heads) and
-``BLOCK_D`` channels of them. For every level and point it loads each row's location and weight once and gathers
-the four corner rows of ``value`` as wide channel vectors; the only write is the ``[N, Lq, M*D]`` result. Nothing
-of size ``N * Lq * M * L * P * D`` (what ``grid_sample`` materialises) ever exists.
+A program owns ``BLOCK_R`` consecutive queries of one head (rows ordered (batch, head, query)) and ``BLOCK_D``
+channels. It walks the L * P sampling points in blocks of ``BLOCK_P``: each block's locations and weights are
+loaded as one ``[rows, points]`` tile, and the four corners of every point are gathered as
+``[rows, points, channels]`` tiles whose loads are all independent (many in flight per thread, which is what a
+gather-bound kernel needs). The only write is the ``[N, Lq, M*D]`` result: nothing of the size
+``N * Lq * M * L * P * D`` that ``grid_sample`` materialises ever exists.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..._config import msda_forward_config
-from .sampling import corner_setup, gather_corners, level_geometry, load_sample, query_rows
+from .sampling import corner_setup, gather_corners, load_sample, point_block, query_rows
 
 __all__ = ["msda_fwd_kernel", "msda_forward", "RUNTIME_INTS"]
 
@@ -32,30 +34,37 @@ def msda_fwd_kernel(
     stride_on, stride_oq, stride_oc,
     DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    rows, row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
+    row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
     chan = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     chan_ok = chan < DIM
     value_rows = value_ptr + batch * stride_vn + head * stride_vm
     chan_off = chan.to(tl.int64) * stride_vd
     loc_rows = loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm
     attn_rows = attn_ptr + batch * stride_an + query * stride_aq + head * stride_am
+    n_samples = n_levels * n_points
 
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    for level in range(n_levels):
-        height, width, start = level_geometry(shapes_ptr, starts_ptr, level, stride_sl, stride_sc, stride_st)
-        for point in range(n_points):
-            loc_x, loc_y, weight = load_sample(
-                loc_rows, attn_rows, row_ok, level, point, stride_ll, stride_lp, stride_lc, stride_al, stride_ap
-            )
-            x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = corner_setup(loc_x, loc_y, height, width)
-            v00, v01, v10, v11 = gather_corners(
-                value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
-            )
-            top = v00 + fx[:, None] * (v01 - v00)
-            bottom = v10 + fx[:, None] * (v11 - v10)
-            acc += weight[:, None] * (top + fy[:, None] * (bottom - top))
+    for first in range(0, n_samples, BLOCK_P):
+        _, j_ok, level, point, height, width, start = point_block(
+            first, n_points, n_samples, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st, BLOCK_P
+        )
+        live = row_ok[:, None] & j_ok[None, :]
+        loc_x, loc_y, weight = load_sample(
+            loc_rows[:, None] + (level * stride_ll + point * stride_lp)[None, :],
+            attn_rows[:, None] + (level * stride_al + point * stride_ap)[None, :],
+            live, stride_lc,
+        )
+        x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = corner_setup(loc_x, loc_y, height[None, :], width[None, :], live)
+        v00, v01, v10, v11 = gather_corners(
+            value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
+        )
+        gx = fx[:, :, None]
+        top = v00 + gx * (v01 - v00)
+        bottom = v10 + gx * (v11 - v10)
+        acc += tl.sum(weight[:, :, None] * (top + fy[:, :, None] * (bottom - top)), axis=1)
 
     out = out_ptr + batch * stride_on + query * stride_oq + (head * DIM) * stride_oc
     tl.store(out[:, None] + (chan * stride_oc)[None, :], acc, mask=row_ok[:, None] & chan_ok[None, :])
@@ -79,7 +88,8 @@ def msda_forward(
     n_rows = n * n_queries * heads
     if n_rows == 0 or dim == 0:
         return out.zero_()
-    cfg = msda_forward_config(n_rows=n_rows, dim=dim, dtype=value.dtype, device=value.device)
+    cfg = msda_forward_config(n_rows=n_rows, dim=dim, n_samples=n_levels * n_points, dtype=value.dtype,
+                              device=value.device)
     grid = (triton.cdiv(n_rows, cfg.block_rows), triton.cdiv(dim, cfg.block_d))
     msda_fwd_kernel[grid](
         value, shapes, starts, loc, attn, out,
@@ -87,6 +97,7 @@ def msda_forward(
         *value.stride(), *level_strides(shapes, starts), *loc.stride(), *attn.stride(), *out.stride(),
         DIM=dim,
         BLOCK_R=cfg.block_rows,
+        BLOCK_P=cfg.block_points,
         BLOCK_D=cfg.block_d,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -11,44 +11,54 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["query_rows", "level_geometry", "load_sample", "corner_setup", "corner_pointers", "gather_corners"]
+__all__ = ["query_rows", "point_block", "load_sample", "corner_setup", "corner_pointers", "gather_corners"]
 
 
 @triton.jit
 def query_rows(pid, n_rows, n_queries, n_heads, BLOCK_R: tl.constexpr):
-    """A block of (batch, query, head) rows, flattened in that order; out-of-range rows are clamped to row 0
-    (and masked by ``row_ok``) so that every address computed from them stays inside the tensors."""
+    """A block of rows flattened as (batch, head, query), query fastest.
+
+    Consecutive queries of one head sample neighbouring pixels (an encoder's queries are the pixels themselves),
+    so a program's corner gathers overlap and hit in L1. Out-of-range rows are clamped to row 0 (and masked by
+    ``row_ok``) so that every address computed from them stays inside the tensors.
+    """
     rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     rows = tl.where(row_ok, rows, 0)
-    head = rows % n_heads
-    query = (rows // n_heads) % n_queries
-    batch = rows // n_heads // n_queries
-    return rows, row_ok, batch, query, head
+    query = rows % n_queries
+    head = (rows // n_queries) % n_heads
+    batch = rows // n_queries // n_heads
+    return row_ok, batch, query, head
 
 
 @triton.jit
-def level_geometry(shapes_ptr, starts_ptr, level, stride_sl, stride_sc, stride_st):
-    """(H, W, start) of one level as int64 scalars (shape tensors may be int32 or int64)."""
-    height = tl.load(shapes_ptr + level * stride_sl).to(tl.int64)
-    width = tl.load(shapes_ptr + level * stride_sl + stride_sc).to(tl.int64)
-    start = tl.load(starts_ptr + level * stride_st).to(tl.int64)
-    return height, width, start
+def point_block(first, n_points, n_samples, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st,
+                BLOCK_P: tl.constexpr):
+    """``BLOCK_P`` sampling points (level-major, as in ``[L, P]``) from index ``first`` on, with the (H, W,
+    start) of each one's level as int64 vectors; points past ``n_samples`` = L * P are masked and read a 0x0 map."""
+    j = first + tl.arange(0, BLOCK_P)
+    j_ok = j < n_samples
+    level = j // n_points
+    point = j - level * n_points
+    height = tl.load(shapes_ptr + level * stride_sl, mask=j_ok, other=0).to(tl.int64)
+    width = tl.load(shapes_ptr + level * stride_sl + stride_sc, mask=j_ok, other=0).to(tl.int64)
+    start = tl.load(starts_ptr + level * stride_st, mask=j_ok, other=0).to(tl.int64)
+    return j, j_ok, level, point, height, width, start
 
 
 @triton.jit
-def load_sample(loc_rows, attn_rows, live, level, point, stride_ll, stride_lp, stride_lc, stride_al, stride_ap):
-    """Location (x, y) and attention weight of one sampling point for a block of rows, upcast to fp32."""
-    loc = loc_rows + level * stride_ll + point * stride_lp
-    loc_x = tl.load(loc, mask=live, other=0.0).to(tl.float32)
-    loc_y = tl.load(loc + stride_lc, mask=live, other=0.0).to(tl.float32)
-    weight = tl.load(attn_rows + level * stride_al + point * stride_ap, mask=live, other=0.0).to(tl.float32)
+def load_sample(loc_ptrs, attn_ptrs, live, stride_lc):
+    """Locations (x, y) and attention weights at the given pointers, upcast to fp32 (0 where not ``live``)."""
+    loc_x = tl.load(loc_ptrs, mask=live, other=0.0).to(tl.float32)
+    loc_y = tl.load(loc_ptrs + stride_lc, mask=live, other=0.0).to(tl.float32)
+    weight = tl.load(attn_ptrs, mask=live, other=0.0).to(tl.float32)
     return loc_x, loc_y, weight
 
 
 @triton.jit
-def corner_setup(loc_x, loc_y, height, width):
-    """Top-left corner (x0, y0), fractions (fx, fy) and which of the corner columns / rows lie on the map.
+def corner_setup(loc_x, loc_y, height, width, live):
+    """Top-left corner (x0, y0), fractions (fx, fy) and which corner columns / rows lie on the map (and are
+    ``live``); any shape, broadcasting.
 
     Bounds are tested on the float coordinates, where NaN compares false and a huge value stays huge, and only
     then is the corner converted to an integer: garbage coordinates can never produce an in-map address. A NaN or
@@ -64,8 +74,8 @@ def corner_setup(loc_x, loc_y, height, width):
     fy = py - y0f
     in_x0 = (x0f >= 0.0) & (x0f < w)
     in_x1 = (x0f >= -1.0) & (x0f < w - 1.0)
-    in_y0 = (y0f >= 0.0) & (y0f < h)
-    in_y1 = (y0f >= -1.0) & (y0f < h - 1.0)
+    in_y0 = (y0f >= 0.0) & (y0f < h) & live
+    in_y1 = (y0f >= -1.0) & (y0f < h - 1.0) & live
     x0 = tl.where(in_x0 | in_x1, x0f, -1.0).to(tl.int64)
     y0 = tl.where(in_y0 | in_y1, y0f, -1.0).to(tl.int64)
     return x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1
@@ -73,19 +83,22 @@ def corner_setup(loc_x, loc_y, height, width):
 
 @triton.jit
 def corner_pointers(rows_ptr, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_s):
-    """Pointer tile of the top-left corner, the pixel strides to the other three, and the four masks."""
-    ptr = rows_ptr[:, None] + ((start + y0 * width + x0) * stride_s)[:, None] + chan_off[None, :]
-    ok = chan_ok[None, :]
-    m00 = (in_y0 & in_x0)[:, None] & ok
-    m01 = (in_y0 & in_x1)[:, None] & ok
-    m10 = (in_y1 & in_x0)[:, None] & ok
-    m11 = (in_y1 & in_x1)[:, None] & ok
-    return ptr, stride_s, width * stride_s, m00, m01, m10, m11
+    """For ``[rows, points]`` corners: the ``[rows, points, channels]`` pointer tile of the top-left corners, the
+    steps to the right and lower neighbours, and the four masks."""
+    pixel = start[None, :] + y0 * width[None, :] + x0
+    ptr = rows_ptr[:, None, None] + (pixel * stride_s)[:, :, None] + chan_off[None, None, :]
+    ok = chan_ok[None, None, :]
+    m00 = (in_y0 & in_x0)[:, :, None] & ok
+    m01 = (in_y0 & in_x1)[:, :, None] & ok
+    m10 = (in_y1 & in_x0)[:, :, None] & ok
+    m11 = (in_y1 & in_x1)[:, :, None] & ok
+    return ptr, stride_s, (width * stride_s)[None, :, None], m00, m01, m10, m11
 
 
 @triton.jit
 def gather_corners(rows_ptr, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_s):
-    """The four corner tiles ``[rows, channels]`` in fp32, zero where a corner is off the map."""
+    """The four corner tiles ``[rows, points, channels]`` in fp32, zero where a corner is off the map; all
+    4 * points loads are independent, so they are in flight together."""
     ptr, right, down, m00, m01, m10, m11 = corner_pointers(
         rows_ptr, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_s
     )
