@@ -97,8 +97,13 @@ def maxsim_forward_config(
     forced = _OVERRIDES.get("maxsim_forward")
     if forced is not None:
         return replace(forced, groups=1) if per_query else forced
+    return _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, device, interpreting())
+
+
+@functools.lru_cache(maxsize=4096)
+def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, device, interpreted) -> MaxSimForwardConfig:
     block_d = max(16, next_power_of_2(dim))
-    if interpreting():
+    if interpreted:
         max_rows, block_n, warps, stages = 32, 16, 4, 1
     else:
         wide = dtype == torch.float32 or block_d > 128
@@ -110,7 +115,7 @@ def maxsim_forward_config(
         # Stack several short queries against one document tile: fuller tensor-core tiles, fewer doc re-reads.
         n_groups_total = n_queries * -(-q_len // group_rows)
         groups = max(1, min(max_rows // group_rows, next_power_of_2(n_groups_total)))
-    block_k = block_d if interpreting() else min(block_d, 256)
+    block_k = block_d if interpreted else min(block_d, 256)
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages)
 
 
@@ -150,14 +155,18 @@ class MsdaBackwardConfig:
     num_stages: int = 1
 
 
-def _msda_tile(n_rows: int, dim: int, n_samples: int, budget: int, device: torch.device) -> tuple[int, int, int]:
-    # Every channel of a head up to 128 in one program (wider heads split over a grid axis), up to 16 points at
-    # once; rows fill ``budget`` elements per [rows, points, channels] corner tile, then shrink until there are a
-    # few programs per SM (the decoder has only N * 300 * M rows).
+def _msda_tile(
+    n_rows: int, dim: int, n_samples: int, max_points: int, budget: int, device: torch.device
+) -> tuple[int, int, int]:
+    # Every channel of a head up to 128 in one program (wider heads split over a grid axis), up to
+    # ``max_points`` points at once; rows fill ``budget`` elements per [rows, points, channels] corner tile (at
+    # most 16 rows), then shrink until there are a few programs per SM (the decoder has only N * 300 * M rows).
+    # Measured on an H200 at encoder scale, D = 32, fp32 (benchmarks/NOTES-msda.md): forward 16 rows x 8 points
+    # 0.89 ms against 1.68 ms for 4 x 16; backward 16 x 4 2.75 ms against 3.10 ms for 2 x 16; 8 warps slower.
     full_d = next_power_of_2(max(dim, 1))
     block_d = min(full_d, 128)
-    block_p = min(next_power_of_2(max(n_samples, 1)), 16)
-    block_rows = max(1, min(64, budget // (block_d * block_p)))
+    block_p = min(next_power_of_2(max(n_samples, 1)), max_points)
+    block_rows = max(1, min(16, budget // (block_d * block_p)))
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         while block_rows > 1 and -(-n_rows // block_rows) * (full_d // block_d) < 4 * sms:
@@ -172,7 +181,7 @@ def msda_forward_config(
     forced = _OVERRIDES.get("msda_forward")
     if forced is not None:
         return forced
-    block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 2048, device)
+    block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 8, 4096, device)
     return MsdaForwardConfig(block_rows, block_p, block_d, num_warps=4, num_stages=1)
 
 
@@ -182,7 +191,7 @@ def msda_backward_config(
     forced = _OVERRIDES.get("msda_backward")
     if forced is not None:
         return forced
-    block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 1024, device)
+    block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 4, 2048, device)
     return MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=4, num_stages=1)
 
 

@@ -303,7 +303,9 @@ def _cuda_problem(rng, n, lq, m, d, hw, p, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.float16, 3e-3), (torch.bfloat16, 2e-2)])
+# fp32: 1e-4, not FP32_TOL: with 185 queries on a 1x1 map the value gradient is a sum of ~3000 terms that nearly
+# cancel, accumulated by atomics in arbitrary order (seen: 6.5e-5 on an H200).
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.float16, 3e-3), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_gpu_matches_float64_reference(rng, dtype, tol, case):
     n, lq, m, d, hw, p = CASES[case].values
