@@ -218,8 +218,9 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("msda_bench needs a CUDA GPU")
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    try:  # the device copy of the tree has no .git: then LIK_COMMIT says which commit it is
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = done.stdout.strip() if done.returncode == 0 else ""
     except OSError:
         commit = ""
     meta = dict(

@@ -7,6 +7,9 @@ Public functions (see README.md for shapes and semantics):
 * :func:`lik.maxsim_varlen` / :func:`lik.maxsim_packed` -- packed variable-length MaxSim (ragged pairs, ragged
   corpora, no padding); :func:`lik.pack` / :func:`lik.unpack` build and split the packed layout.
 * :func:`lik.search` -- exact top-k MaxSim search over a corpus, in memory-bounded chunks.
+* :func:`lik.ms_deform_attn` -- multi-scale deformable attention (Deformable DETR family), trainable; aliases
+  :class:`lik.MSDeformAttnFunction` / :class:`lik.MultiScaleDeformableAttnFunction` and the stateless
+  :class:`lik.MultiScaleDeformableAttention` module with the transformers signature.
 """
 
 from .ops.maxsim import maxsim, maxsim_reference
@@ -26,3 +29,19 @@ from .ops.maxsim import (  # noqa: E402
 )
 
 __all__ += ["maxsim_varlen", "maxsim_packed", "maxsim_varlen_reference", "maxsim_packed_reference", "pack", "unpack"]
+
+from .ops.msda import (  # noqa: E402
+    MSDeformAttnFunction,
+    MultiScaleDeformableAttention,
+    MultiScaleDeformableAttnFunction,
+    ms_deform_attn,
+    ms_deform_attn_reference,
+)
+
+__all__ += [
+    "ms_deform_attn",
+    "ms_deform_attn_reference",
+    "MSDeformAttnFunction",
+    "MultiScaleDeformableAttnFunction",
+    "MultiScaleDeformableAttention",
+]

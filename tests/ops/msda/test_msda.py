@@ -359,3 +359,28 @@ def test_gpu_64bit_offsets(rng):
     ref_out, ref_gv, _, _ = reference64(tail, sub[0], sub[1], loc[:, :, :, 1:], weights[:, :, :, 1:], grad)
     assert rel_err(out, ref_out) < 3e-3
     assert rel_err(gv[:, s1:], ref_gv) < 3e-3
+
+
+def test_top_level_exports():
+    import lik
+
+    for name in ("ms_deform_attn", "ms_deform_attn_reference", "MSDeformAttnFunction",
+                 "MultiScaleDeformableAttnFunction", "MultiScaleDeformableAttention"):
+        assert name in lik.__all__ and hasattr(lik, name)
+
+
+def test_transformers_one_line_switch(rng):
+    """Patching transformers' module-level class swaps lik in, and matches transformers' own module."""
+    mdd = pytest.importorskip("transformers.models.deformable_detr.modeling_deformable_detr")
+    config = mdd.DeformableDetrConfig(d_model=16, encoder_attention_heads=2, num_feature_levels=2,
+                                      encoder_n_points=2)
+    original = mdd.MultiScaleDeformableAttention
+    try:
+        mdd.MultiScaleDeformableAttention = MultiScaleDeformableAttention  # the one line
+        layer = mdd.DeformableDetrMultiscaleDeformableAttention(config, num_heads=2, n_points=2)
+    finally:
+        mdd.MultiScaleDeformableAttention = original
+    assert isinstance(layer.attn, MultiScaleDeformableAttention)
+    value, shapes, starts, loc, weights, _ = rand_problem(rng, 2, 6, 2, 8, [(3, 4), (2, 2)], 2)
+    args = (value, shapes, [(3, 4), (2, 2)], starts, loc, weights, 64)
+    assert_matches(layer.attn(*args), original()(*args), FP32_TOL, "lik vs transformers")
