@@ -1,8 +1,9 @@
 """Deformable-attention backward: sample-side gradients without atomics, value gradient two ways.
 
-``msda_bwd_kernel`` walks the same (batch, query, head) row blocks as the forward. Per sampling point it re-gathers
-the four corners and writes the location and attention-weight gradients directly (each point belongs to exactly
-one program, and the channel reduction happens in registers: no atomics). For ``grad_value`` it either
+``msda_bwd_kernel`` walks the same row blocks (consecutive queries of one head) and point blocks as the forward.
+Per point it re-gathers the four corners and writes the location and attention-weight gradients directly (each
+point belongs to exactly one program per channel block, and the channel reduction happens in registers: no
+atomics; heads wider than one channel block add fp32 partials afterwards). For ``grad_value`` it either
 
 * scatters ``weight * bilinear_weight * grad_out`` into an fp32 buffer with relaxed-ordering atomics (fast path:
   fp32 because bf16 / fp16 atomics round at every add and, before Hopper, fall into a compare-and-swap loop), or
