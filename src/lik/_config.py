@@ -106,9 +106,11 @@ def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, device, i
     if interpreted:
         max_rows, block_n, warps, stages = 32, 16, 4, 1
     else:
+        # From benchmarks/tune_maxsim.py on an H200 (benchmarks/NOTES.md): 256 query rows against 64-token
+        # document tiles for long or stacked queries, 32 x 64 with 4 warps for a single short query.
         wide = dtype == torch.float32 or block_d > 128
-        max_rows = 64 if wide else 128
-        block_n, warps, stages = (32 if block_d > 256 else 64), (8 if max_rows >= 128 else 4), (2 if wide else 3)
+        max_rows = 64 if wide else 256
+        block_n, stages = (32 if block_d > 256 else 64), (2 if wide else 3)
     group_rows = min(max(16, next_power_of_2(q_len)), max_rows)
     groups = 1
     if not per_query:
@@ -116,6 +118,7 @@ def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, device, i
         n_groups_total = n_queries * -(-q_len // group_rows)
         groups = max(1, min(max_rows // group_rows, next_power_of_2(n_groups_total)))
     block_k = block_d if interpreted else min(block_d, 256)
+    warps = 4 if interpreted or group_rows * groups < 128 else 8
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages)
 
 

@@ -33,7 +33,12 @@ __all__ = [
 BACKWARD_MODES = ("auto", "fast", "deterministic")
 
 
-@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks"])
+# Strides that follow a batch size or a length are not specialised either (a stride's divisibility by 16
+# would otherwise pick a new variant when B or Lq changes).
+_BATCH_STRIDES = ["stride_gn", "stride_an", "stride_ab"]
+
+
+@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES, "stride_dqn"])
 def maxsim_bwd_dq_kernel(
     d_ptr, grad_ptr, argmax_ptr, dq_ptr,
     q_len, n_docs, n_row_blocks, n_k_blocks,
@@ -53,18 +58,24 @@ def maxsim_bwd_dq_kernel(
     token_ok = tokens < q_len
     kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = kk < DIM
-    doc_set_ptr = d_ptr + query * stride_dn
+    # Pointers advance by one document per step: 64-bit arithmetic, no doc * stride product that could wrap.
+    doc_ptr = d_ptr + query * stride_dn
+    winner_ptrs = argmax_ptr + query * stride_an + tokens * stride_al
+    weight_ptr = grad_ptr + query * stride_gn
     acc = tl.zeros((BLOCK_ROWS, BLOCK_K), tl.float32)
-    for doc in range(0, n_docs):
-        winner = tl.load(argmax_ptr + query * stride_an + doc * stride_ab + tokens * stride_al, mask=token_ok, other=-1)
-        weight = tl.load(grad_ptr + query * stride_gn + doc * stride_gb)
+    for _ in range(0, n_docs):
+        winner = tl.load(winner_ptrs, mask=token_ok, other=-1)
+        weight = tl.load(weight_ptr)
         has_grad = winner >= 0
         rows = tl.load(
-            doc_set_ptr + doc * stride_db + winner.to(tl.int64)[:, None] * stride_dl + kk[None, :] * stride_dk,
+            doc_ptr + winner.to(tl.int64)[:, None] * stride_dl + kk[None, :] * stride_dk,
             mask=has_grad[:, None] & k_ok[None, :],
             other=0.0,
         )
         acc += weight * rows.to(tl.float32)
+        doc_ptr += stride_db
+        winner_ptrs += stride_ab
+        weight_ptr += stride_gb
     tl.store(
         dq_ptr + query * stride_dqn + tokens[:, None] * stride_dql + kk[None, :] * stride_dqk,
         acc.to(dq_ptr.dtype.element_ty),
@@ -72,7 +83,7 @@ def maxsim_bwd_dq_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks"])
+@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES, "stride_qn"])
 def maxsim_bwd_dd_atomic_kernel(
     q_ptr, grad_ptr, argmax_ptr, dd_ptr,
     q_len, n_docs, n_row_blocks, n_k_blocks,
@@ -111,7 +122,10 @@ def maxsim_bwd_dd_atomic_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks"])
+@triton.jit(
+    do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks", *_BATCH_STRIDES,
+                       "stride_qn"]
+)
 def maxsim_bwd_dd_owned_kernel(
     q_ptr, grad_ptr, argmax_ptr, dd_ptr,
     n_queries, q_len, n_docs, doc_len, n_doc_blocks, n_k_blocks,

@@ -19,7 +19,12 @@ from .validation import MaxSimInputs
 
 __all__ = ["maxsim_fwd_kernel", "maxsim_forward", "dot_precision", "set_strides"]
 
-_RUNTIME_INTS = ["n_queries", "q_len", "doc_len", "n_chunks", "n_row_blocks"]
+# Lengths, counts and the strides that follow them are not specialised on (Triton would otherwise compile a new
+# variant when one of them becomes 1 or changes its divisibility by 16).
+_RUNTIME_INTS = [
+    "n_queries", "q_len", "doc_len", "n_chunks", "n_row_blocks",
+    "stride_qn", "stride_qmn", "stride_dmn", "stride_dmb", "stride_pc", "stride_pn", "stride_an", "stride_ab",
+]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)

@@ -103,6 +103,9 @@ def maxsim(
     inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True)
     if not uses_kernels(inputs.q):
         return inputs.finish(maxsim_reference_canonical(inputs))
+    if not (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)):
+        # Inference: no autograd node, no argmax buffer.
+        return inputs.finish(maxsim_forward(inputs, store_argmax=False)[0])
     scores = MaxSimFunction.apply(
         inputs.q, inputs.d, inputs.q_mask, inputs.d_mask, mask_mode, inputs.per_query_documents, deterministic
     )
