@@ -63,7 +63,8 @@ class MaxSimForwardConfig:
 
     A program owns ``groups`` query-row groups of ``group_rows`` rows each (``group_rows`` is the power-of-two
     bucket of ``Lq``, capped; a longer query is split into several groups whose partial sums are added) and one
-    document, whose tokens it streams in tiles of ``block_n``.
+    document, whose tokens it streams in tiles of ``block_n``. ``doc_major`` (inference only) computes the
+    transposed product so that the query block stays in shared memory as the B operand.
     """
 
     group_rows: int
@@ -72,6 +73,7 @@ class MaxSimForwardConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    doc_major: bool = False
 
     @property
     def block_m(self) -> int:

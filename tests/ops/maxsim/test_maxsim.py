@@ -239,6 +239,8 @@ def test_integer_masks_equal_bool_masks(rng, path):
         _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=16),
         _config.MaxSimForwardConfig(group_rows=16, groups=4, block_n=32, block_k=32),
         _config.MaxSimForwardConfig(group_rows=32, groups=2, block_n=16, block_k=16),
+        _config.MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=64, doc_major=True),
+        _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=32, block_k=16, doc_major=True),
     ],
 )
 def test_forced_launch_configs_agree(rng, forced):
@@ -251,6 +253,21 @@ def test_forced_launch_configs_agree(rng, forced):
         for backward in ("fast", "deterministic"):
             s, dq, dd = kernel_with_grads(lik.maxsim, Q, D, qm, dm, grad, backward=backward)
             assert rel_err(s, rs) < 2e-6 and rel_err(dq, rdq) < 2e-6 and rel_err(dd, rdd) < 2e-6
+
+
+@pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
+def test_doc_major_inference_tiles_agree(rng, mask_mode):
+    """The transposed (document-major) inference tile: masks, ragged tails, NaN and ties as the reference."""
+    Q, D, qm, dm = rand_problem(rng, 3, 21, 5, 37, 24)
+    D[2, 4, 1] = float("nan")
+    expected = lik.maxsim_reference(Q.double(), D.double(), qm, dm, mask_mode=mask_mode)
+    cfg = _config.MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=32, doc_major=True)
+    with _config.override(maxsim_forward=cfg):
+        for masks in ((qm, dm), (None, None)):
+            got = lik.maxsim(Q, D, *masks, mask_mode=mask_mode)
+            want = expected if masks[0] is not None else lik.maxsim_reference(Q.double(), D.double())
+            assert torch.equal(torch.isnan(got), torch.isnan(want))
+            assert rel_err(torch.nan_to_num(got), torch.nan_to_num(want)) < 2e-6
 
 
 def test_override_rejects_unknown_keys():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["nan_max", "similarity_tile", "absorb_tile", "maxsim_doc_rows", "NO_KEY"]
+__all__ = ["nan_max", "similarity_tile", "mask_tokens", "absorb_tile", "maxsim_doc_rows", "NO_KEY"]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
 
@@ -30,12 +30,15 @@ def nan_max(a, b):
 def similarity_tile(
     q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, col_valid,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
-    MASK_COLS: tl.constexpr, stride_dk, DOT_PRECISION: tl.constexpr,
+    MASK_COLS: tl.constexpr, stride_dk, DOT_PRECISION: tl.constexpr, DOC_MAJOR: tl.constexpr,
 ):
-    """``[BLOCK_M, BLOCK_N]`` fp32 similarities of the query rows with the document rows at ``col_ptrs``.
+    """fp32 similarities of the query rows with the document rows at ``col_ptrs``: ``[BLOCK_M, BLOCK_N]``, or
+    ``[BLOCK_N, BLOCK_M]`` with ``DOC_MAJOR``.
 
     Rows with ``col_valid`` False are read as zeros (never read at all), so garbage there cannot leak in. Full
-    tiles of an unmasked document skip the predicate (``MASK_COLS=False``)."""
+    tiles of an unmasked document skip the predicate (``MASK_COLS=False``). ``DOC_MAJOR`` computes
+    ``D_tile @ Q^T``: the document tile is the streamed A operand and the loop-invariant query block the B
+    operand, which the tensor cores read from shared memory (on Hopper) instead of holding it in registers."""
     offs_k = tl.arange(0, BLOCK_K)
     if NUM_K == 1:
         d_ptrs = col_ptrs[:, None] + offs_k[None, :] * stride_dk
@@ -45,9 +48,15 @@ def similarity_tile(
             d_tile = tl.load(d_ptrs)
         else:
             d_tile = tl.load(d_ptrs, mask=offs_k[None, :] < DIM, other=0.0)
-        sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
+        if DOC_MAJOR:
+            sim = tl.dot(d_tile, tl.trans(q_rows), input_precision=DOT_PRECISION)
+        else:
+            sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
     else:
-        sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if DOC_MAJOR:
+            sim = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        else:
+            sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for kc in tl.static_range(NUM_K):
             kk = kc * BLOCK_K + offs_k
             q_chunk = tl.load(
@@ -60,8 +69,21 @@ def similarity_tile(
                 mask=col_valid[:, None] & (kk[None, :] < DIM),
                 other=0.0,
             )
-            sim = tl.dot(q_chunk, tl.trans(d_chunk), sim, input_precision=DOT_PRECISION)
+            if DOC_MAJOR:
+                sim = tl.dot(d_chunk, tl.trans(q_chunk), sim, input_precision=DOT_PRECISION)
+            else:
+                sim = tl.dot(q_chunk, tl.trans(d_chunk), sim, input_precision=DOT_PRECISION)
     return sim
+
+
+@triton.jit
+def mask_tokens(sim, keep, DOC_MAJOR: tl.constexpr):
+    """``-inf`` where a document token must not take part in the max."""
+    if DOC_MAJOR:
+        masked = tl.where(keep[:, None], sim, float("-inf"))
+    else:
+        masked = tl.where(keep[None, :], sim, float("-inf"))
+    return masked
 
 
 @triton.jit
@@ -105,8 +127,12 @@ def maxsim_doc_rows(
     EXCLUDE: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOC_MAJOR: tl.constexpr,
 ):
     """Stream one document through a block of query rows.
+
+    ``DOC_MAJOR`` (inference only: the argmax path reduces each tile along its rows) transposes the product,
+    see :func:`similarity_tile`.
 
     Returns ``(best [BLOCK_M] fp32, key [BLOCK_M] int32, n_valid int32)``: the max per row (``-inf`` when
     nothing valid was seen), the winner key (meaningful only with ``TRACK_ARGMAX``), and the number of valid
@@ -114,7 +140,10 @@ def maxsim_doc_rows(
     """
     best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
-    running = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
+    if DOC_MAJOR:
+        running = tl.full((BLOCK_N, BLOCK_M), float("-inf"), tl.float32)
+    else:
+        running = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     n_valid = tl.zeros((), tl.int32)
     masked_from = 0
@@ -127,7 +156,7 @@ def maxsim_doc_rows(
             col_ptrs = doc_ptr + cols.to(tl.int64) * stride_dl
             sim = similarity_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, cols >= 0,
-                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, stride_dk, DOT_PRECISION,
+                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, stride_dk, DOT_PRECISION, DOC_MAJOR,
             )
             best, key, running = absorb_tile(sim, cols * 2, best, key, running, TRACK_ARGMAX)
     # Every tile of a masked document, or the ragged tail of an unmasked one.
@@ -142,15 +171,15 @@ def maxsim_doc_rows(
         col_ptrs = doc_ptr + cols.to(tl.int64) * stride_dl
         sim = similarity_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, col_valid,
-            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, True, stride_dk, DOT_PRECISION,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, True, stride_dk, DOT_PRECISION, DOC_MAJOR,
         )
         # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
         if EXCLUDE:
-            sim = tl.where(col_valid[None, :], sim, float("-inf"))
+            sim = mask_tokens(sim, col_valid, DOC_MAJOR)
         else:
-            sim = tl.where(in_range[None, :], sim, float("-inf"))
+            sim = mask_tokens(sim, in_range, DOC_MAJOR)
         col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY)
         best, key, running = absorb_tile(sim, col_key, best, key, running, TRACK_ARGMAX)
     if not TRACK_ARGMAX:
-        best = tl.reduce(running, 1, nan_max)
+        best = tl.reduce(running, 0 if DOC_MAJOR else 1, nan_max)
     return best, key, n_valid
