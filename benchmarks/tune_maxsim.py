@@ -58,7 +58,7 @@ def candidates(l_q: int, n_q: int):
     bucket = max(16, triton.next_power_of_2(l_q))
     rows = [r for r in (16, 32, 64, 128, 256) if r <= bucket][-2:]
     for group_rows, total, block_n, warps, stages, doc_major in itertools.product(
-        rows, (0, 128, 256), (64, 128), (4, 8), (3, 4), (False, True)
+        rows, (0, 128, 256), (64, 128), (4, 8), (3,), (False, True)
     ):
         total = total or group_rows
         if total < group_rows or (total > group_rows and n_q == 1):
