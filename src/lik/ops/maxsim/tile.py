@@ -1,7 +1,7 @@
 """The MaxSim tile loop shared by every forward variant.
 
 A program holds a block of query-token rows (already loaded, or reloaded per ``k`` chunk for wide embeddings)
-and streams one document's tokens through it in tiles of ``BLOCK_N``: one tensor-core product per tile, a
+and streams document tokens through it in tiles of ``BLOCK_N``: one tensor-core product per tile, a
 masked row-wise max that propagates NaN, and, when a gradient will be needed, the index of the winning token
 (lowest index on ties). Nothing of size ``rows x tokens`` ever leaves the chip.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["nan_max", "similarity_tile", "mask_tokens", "absorb_tile", "maxsim_doc_rows", "NO_KEY"]
+__all__ = ["nan_max", "similarity_tile", "absorb_tile", "masked_tile", "maxsim_doc_rows", "NO_KEY"]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
 
@@ -30,15 +30,12 @@ def nan_max(a, b):
 def similarity_tile(
     q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, col_valid,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
-    MASK_COLS: tl.constexpr, stride_dk, DOT_PRECISION: tl.constexpr, DOC_MAJOR: tl.constexpr,
+    MASK_COLS: tl.constexpr, stride_dk, DOT_PRECISION: tl.constexpr,
 ):
-    """fp32 similarities of the query rows with the document rows at ``col_ptrs``: ``[BLOCK_M, BLOCK_N]``, or
-    ``[BLOCK_N, BLOCK_M]`` with ``DOC_MAJOR``.
+    """``[BLOCK_M, BLOCK_N]`` fp32 similarities of the query rows with the document rows at ``col_ptrs``.
 
     Rows with ``col_valid`` False are read as zeros (never read at all), so garbage there cannot leak in. Full
-    tiles of an unmasked document skip the predicate (``MASK_COLS=False``). ``DOC_MAJOR`` computes
-    ``D_tile @ Q^T``: the document tile is the streamed A operand and the loop-invariant query block the B
-    operand, which the tensor cores read from shared memory (on Hopper) instead of holding it in registers."""
+    tiles of an unmasked document skip the predicate (``MASK_COLS=False``)."""
     offs_k = tl.arange(0, BLOCK_K)
     if NUM_K == 1:
         d_ptrs = col_ptrs[:, None] + offs_k[None, :] * stride_dk
@@ -48,15 +45,9 @@ def similarity_tile(
             d_tile = tl.load(d_ptrs)
         else:
             d_tile = tl.load(d_ptrs, mask=offs_k[None, :] < DIM, other=0.0)
-        if DOC_MAJOR:
-            sim = tl.dot(d_tile, tl.trans(q_rows), input_precision=DOT_PRECISION)
-        else:
-            sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
+        sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
     else:
-        if DOC_MAJOR:
-            sim = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        else:
-            sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for kc in tl.static_range(NUM_K):
             kk = kc * BLOCK_K + offs_k
             q_chunk = tl.load(
@@ -69,32 +60,15 @@ def similarity_tile(
                 mask=col_valid[:, None] & (kk[None, :] < DIM),
                 other=0.0,
             )
-            if DOC_MAJOR:
-                sim = tl.dot(d_chunk, tl.trans(q_chunk), sim, input_precision=DOT_PRECISION)
-            else:
-                sim = tl.dot(q_chunk, tl.trans(d_chunk), sim, input_precision=DOT_PRECISION)
+            sim = tl.dot(q_chunk, tl.trans(d_chunk), sim, input_precision=DOT_PRECISION)
     return sim
 
 
 @triton.jit
-def mask_tokens(sim, keep, DOC_MAJOR: tl.constexpr):
-    """``-inf`` where a document token must not take part in the max."""
-    if DOC_MAJOR:
-        masked = tl.where(keep[:, None], sim, float("-inf"))
-    else:
-        masked = tl.where(keep[None, :], sim, float("-inf"))
-    return masked
-
-
-@triton.jit
-def absorb_tile(sim, col_key, best, key, running, TRACK_ARGMAX: tl.constexpr):
-    """Fold one tile of (already masked) similarities into the running state.
-
-    Without argmax the max is kept elementwise in ``running`` ([BLOCK_M, BLOCK_N]) and reduced across columns
-    once per document: one max instruction per element and no cross-thread shuffles per tile. With argmax each
-    tile is reduced to its best value and lowest winning key."""
+def absorb_tile(sim, col_key, best, key, TRACK_ARGMAX: tl.constexpr):
+    """Fold one tile of (already masked) similarities into the per-row running max (and winner key)."""
+    tile_best = tl.reduce(sim, 1, nan_max)
     if TRACK_ARGMAX:
-        tile_best = tl.reduce(sim, 1, nan_max)
         winner = (sim == tile_best[:, None]) | (sim != sim)
         tile_key = tl.min(tl.where(winner, col_key[None, :], NO_KEY), axis=1)
         # Strictly greater keeps the earlier tile on ties; the first NaN sticks.
@@ -102,8 +76,38 @@ def absorb_tile(sim, col_key, best, key, running, TRACK_ARGMAX: tl.constexpr):
         key = tl.where(take, tile_key, key)
         best = tl.where(take, tile_best, best)
     else:
-        running = nan_max(running, sim)
-    return best, key, running
+        best = nan_max(best, tile_best)
+    return best, key
+
+
+@triton.jit
+def masked_tile(
+    q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, start, stride_dl, stride_dk,
+    stride_dml, best, key,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One document tile starting at token ``start`` with every check on (mask, ragged end).
+
+    Returns ``(best, key, n_valid)`` with ``n_valid`` the tile's valid tokens."""
+    cols = start + tl.arange(0, BLOCK_N)
+    in_range = cols < doc_len
+    col_valid = in_range
+    if HAS_D_MASK:
+        flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
+        col_valid = in_range & (flags != 0)
+    sim = similarity_tile(
+        q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, col_valid,
+        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, True, stride_dk, DOT_PRECISION,
+    )
+    # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
+    if EXCLUDE:
+        sim = tl.where(col_valid[None, :], sim, float("-inf"))
+    else:
+        sim = tl.where(in_range[None, :], sim, float("-inf"))
+    col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY).to(tl.int32)
+    best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
+    return best, key, tl.sum(col_valid.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -127,12 +131,8 @@ def maxsim_doc_rows(
     EXCLUDE: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    DOC_MAJOR: tl.constexpr,
 ):
     """Stream one document through a block of query rows.
-
-    ``DOC_MAJOR`` (inference only: the argmax path reduces each tile along its rows) transposes the product,
-    see :func:`similarity_tile`.
 
     Returns ``(best [BLOCK_M] fp32, key [BLOCK_M] int32, n_valid int32)``: the max per row (``-inf`` when
     nothing valid was seen), the winner key (meaningful only with ``TRACK_ARGMAX``), and the number of valid
@@ -140,46 +140,27 @@ def maxsim_doc_rows(
     """
     best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
-    if DOC_MAJOR:
-        running = tl.full((BLOCK_N, BLOCK_M), float("-inf"), tl.float32)
-    else:
-        running = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
     n_valid = tl.zeros((), tl.int32)
     masked_from = 0
     if not HAS_D_MASK:
         # Full tiles of an unmasked document: no predicates, no where.
         n_valid += doc_len
         masked_from = (doc_len // BLOCK_N) * BLOCK_N
+        offs_n = tl.arange(0, BLOCK_N)
         for start in range(0, masked_from, BLOCK_N):
             cols = start + offs_n
-            col_ptrs = doc_ptr + cols.to(tl.int64) * stride_dl
             sim = similarity_tile(
-                q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, cols >= 0,
-                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, stride_dk, DOT_PRECISION, DOC_MAJOR,
+                q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, cols >= 0,
+                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, stride_dk, DOT_PRECISION,
             )
-            best, key, running = absorb_tile(sim, cols * 2, best, key, running, TRACK_ARGMAX)
+            best, key = absorb_tile(sim, cols * 2, best, key, TRACK_ARGMAX)
     # Every tile of a masked document, or the ragged tail of an unmasked one.
     for start in range(masked_from, doc_len, BLOCK_N):
-        cols = start + offs_n
-        in_range = cols < doc_len
-        col_valid = in_range
-        if HAS_D_MASK:
-            flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
-            col_valid = in_range & (flags != 0)
-            n_valid += tl.sum(col_valid.to(tl.int32), axis=0)
-        col_ptrs = doc_ptr + cols.to(tl.int64) * stride_dl
-        sim = similarity_tile(
-            q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, col_valid,
-            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, True, stride_dk, DOT_PRECISION, DOC_MAJOR,
+        best, key, tile_valid = masked_tile(
+            q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, start, stride_dl, stride_dk,
+            stride_dml, best, key,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, DOT_PRECISION,
         )
-        # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
-        if EXCLUDE:
-            sim = mask_tokens(sim, col_valid, DOC_MAJOR)
-        else:
-            sim = mask_tokens(sim, in_range, DOC_MAJOR)
-        col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY)
-        best, key, running = absorb_tile(sim, col_key, best, key, running, TRACK_ARGMAX)
-    if not TRACK_ARGMAX:
-        best = tl.reduce(running, 0 if DOC_MAJOR else 1, nan_max)
+        if HAS_D_MASK:
+            n_valid += tile_valid
     return best, key, n_valid

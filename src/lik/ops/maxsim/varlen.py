@@ -98,7 +98,7 @@ def _score_rows(
     best, key, n_valid = maxsim_doc_rows(
         q_rows, q_row_ptrs, row_valid, stride_qk,
         doc_ptr + doc_start * stride_dl, doc_ptr, doc_len, stride_dl, stride_dk, 0,
-        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, True, STORE_ARGMAX, DOT_PRECISION, False,
+        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, True, STORE_ARGMAX, DOT_PRECISION,
     )
     counted = row_valid & (n_valid > 0)
     if STORE_ARGMAX:
