@@ -72,7 +72,6 @@ class MaxSimForwardConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
-    docs_per_program: int = 0  # 0: chosen at launch so the grid fills the GPU about once
 
     @property
     def block_m(self) -> int:
@@ -121,24 +120,6 @@ def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, device, i
     block_k = block_d if interpreted else min(block_d, 256)
     warps = 4 if interpreted or group_rows * groups < 128 else 8
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages)
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def docs_per_program_for(n_row_blocks: int, n_docs: int, cfg: MaxSimForwardConfig, device: torch.device) -> int:
-    """Documents per forward program: about one wave of programs, each streaming several documents, so the
-    pipeline never drains at a document boundary and the query block is loaded once per program.
-
-    Resident programs per SM are estimated from the tile height (registers bound them)."""
-    if device.type != "cuda":
-        return 2  # the interpreter: exercise the multi-document path
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    resident = 4 if cfg.block_m <= 32 else 2 if cfg.block_m <= 128 else 1
-    slots = _multiprocessors(index) * resident
-    return max(1, (n_row_blocks * n_docs) // slots)
 
 
 def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device) -> MaxSimBackwardConfig:

@@ -1,8 +1,5 @@
 """Fused MaxSim forward: query rows against streamed document tiles; only scores (and argmax) are written.
 
-A program owns a block of query rows and ``docs_per_program`` consecutive documents (a runtime value chosen so
-the grid fills the GPU about once), streamed tile by tile in one pipelined loop.
-
 Query rows are addressed as *groups*: a group is ``group_rows`` consecutive tokens of one query (the power-of-two
 bucket of ``Lq``, capped by the config), so a short query is one padded group and a long one is several groups
 whose partial sums are added afterwards (exact: the score is a sum over query tokens). A program owns ``groups``
@@ -16,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import docs_per_program_for, maxsim_forward_config, next_power_of_2
-from .tile import NO_KEY, masked_tile
+from ..._config import maxsim_forward_config, next_power_of_2
+from .tile import NO_KEY, maxsim_doc_rows
 from .validation import MaxSimInputs
 
 __all__ = ["maxsim_fwd_kernel", "maxsim_forward", "dot_precision", "set_strides"]
@@ -25,7 +22,7 @@ __all__ = ["maxsim_fwd_kernel", "maxsim_forward", "dot_precision", "set_strides"
 # Lengths, counts and the strides that follow them are not specialised on (Triton would otherwise compile a new
 # variant when one of them becomes 1 or changes its divisibility by 16).
 _RUNTIME_INTS = [
-    "n_queries", "q_len", "n_docs", "doc_len", "tiles_per_doc", "docs_per_program", "n_chunks", "n_row_blocks",
+    "n_queries", "q_len", "doc_len", "n_chunks", "n_row_blocks",
     "stride_qn", "stride_qmn", "stride_dmn", "stride_dmb", "stride_pc", "stride_pn", "stride_an", "stride_ab",
 ]
 
@@ -40,10 +37,7 @@ def maxsim_fwd_kernel(
     argmax_ptr,  # int32 [Nq, B, Lq]
     n_queries,
     q_len,
-    n_docs,
     doc_len,
-    tiles_per_doc,
-    docs_per_program,
     n_chunks,
     n_row_blocks,
     stride_qn, stride_ql, stride_qk,
@@ -67,7 +61,7 @@ def maxsim_fwd_kernel(
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0).to(tl.int64)
     row_block = pid % n_row_blocks
-    first_doc = (pid // n_row_blocks) * docs_per_program
+    doc = pid // n_row_blocks
 
     rows = tl.arange(0, BLOCK_M)
     group = row_block * GROUPS + rows // GROUP_ROWS
@@ -88,48 +82,32 @@ def maxsim_fwd_kernel(
         )
     else:
         q_rows = tl.zeros((BLOCK_M, BLOCK_K), q_ptr.dtype.element_ty)
-    groups = row_block * GROUPS + tl.arange(0, GROUPS)
-    partial_ptrs = partial_ptr + (groups % n_chunks) * stride_pc + (groups // n_chunks) * stride_pn
-    argmax_ptrs = argmax_ptr + query * stride_an + token * stride_al
 
     # Shared documents have stride_dn == 0; per-query documents run with GROUPS == 1, so the first group's
     # query is every row's query.
     doc_set = (row_block * GROUPS) // n_chunks
-    set_ptr = d_ptr + doc_set * stride_dn
-    set_mask_ptr = d_mask_ptr + doc_set * stride_dmn
-
-    # One flat loop over (document, tile) for this program's documents: the software pipeline keeps loading
-    # across document boundaries and the query block is loaded once for all of them. A document's result is
-    # written (predicated) on its last tile and the running state reset.
-    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
-    n_valid = tl.zeros((), tl.int32)
-    n_steps = tl.minimum(docs_per_program, n_docs - first_doc) * tiles_per_doc
-    for step in range(0, n_steps):
-        doc_offset = step // tiles_per_doc
-        tile = step - doc_offset * tiles_per_doc
-        doc = first_doc + doc_offset
-        best, key, tile_valid = masked_tile(
-            q_rows, q_row_ptrs, row_valid, stride_qk, set_ptr + doc * stride_db, set_mask_ptr + doc * stride_dmb,
-            doc_len, tile * BLOCK_N, stride_dl, stride_dk, stride_dml, best, key,
-            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, DOT_PRECISION,
-        )
-        n_valid += tile_valid
-        # Per-row / per-group copies of "this was the document's last tile" (a block mask, not a scalar one).
-        last_row = (tile + 0 * rows) == tiles_per_doc - 1
-        last_group = (tile + 0 * groups) == tiles_per_doc - 1
-        row_counts = row_valid
-        if EXCLUDE:
-            row_counts = row_valid & (n_valid > 0)
-        group_sums = tl.sum(tl.reshape(tl.where(row_counts, best, 0.0), (GROUPS, GROUP_ROWS)), axis=1)
-        tl.store(partial_ptrs + doc * stride_pb, group_sums, mask=((groups // n_chunks) < n_queries) & last_group)
-        if STORE_ARGMAX:
-            has_grad = row_counts & (key != NO_KEY) & ((key & 1) == 0)
-            index = tl.where(has_grad, key >> 1, -1)
-            tl.store(argmax_ptrs + doc * stride_ab, index, mask=row_in_range & last_row)
-        best = tl.where(last_row, float("-inf"), best)
-        key = tl.where(last_row, NO_KEY, key)
-        n_valid = tl.where(tile == tiles_per_doc - 1, 0, n_valid)
+    best, key, n_valid = maxsim_doc_rows(
+        q_rows, q_row_ptrs, row_valid, stride_qk,
+        d_ptr + doc_set * stride_dn + doc * stride_db,
+        d_mask_ptr + doc_set * stride_dmn + doc * stride_dmb,
+        doc_len, stride_dl, stride_dk, stride_dml,
+        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, DOT_PRECISION,
+    )
+    row_counts = row_valid
+    if EXCLUDE:
+        row_counts = row_valid & (n_valid > 0)
+    best = tl.where(row_counts, best, 0.0)
+    group_sums = tl.sum(tl.reshape(best, (GROUPS, GROUP_ROWS)), axis=1)
+    groups = row_block * GROUPS + tl.arange(0, GROUPS)
+    tl.store(
+        partial_ptr + (groups % n_chunks) * stride_pc + (groups // n_chunks) * stride_pn + doc * stride_pb,
+        group_sums,
+        mask=(groups // n_chunks) < n_queries,
+    )
+    if STORE_ARGMAX:
+        has_grad = row_counts & (key != NO_KEY) & ((key & 1) == 0)
+        index = tl.where(has_grad, key >> 1, -1)
+        tl.store(argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al, index, mask=row_in_range)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -176,7 +154,6 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     )
     n_chunks = triton.cdiv(l_q, cfg.group_rows)
     n_row_blocks = triton.cdiv(n_q * n_chunks, cfg.groups)
-    docs_per_program = cfg.docs_per_program or docs_per_program_for(n_row_blocks, n_docs, cfg, device)
     partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device)
     block_d = max(16, next_power_of_2(dim))
     block_k = min(cfg.block_k, block_d)
@@ -186,10 +163,10 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     d_mask_strides = (0 if n_sets == 1 else d_mask_strides[0], *d_mask_strides[1:])
     argmax_arg = argmax if argmax is not None else partial
     argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
-    grid = (n_row_blocks * triton.cdiv(n_docs, docs_per_program),)
+    grid = (n_row_blocks * n_docs,)
     maxsim_fwd_kernel[grid](
         q, d, q_mask, d_mask, partial, argmax_arg,
-        n_q, l_q, n_docs, l_d, triton.cdiv(l_d, cfg.block_n), docs_per_program, n_chunks, n_row_blocks,
+        n_q, l_q, l_d, n_chunks, n_row_blocks,
         *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides,
         DIM=dim,
         GROUP_ROWS=cfg.group_rows,
