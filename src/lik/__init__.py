@@ -7,41 +7,52 @@ Public functions (see README.md for shapes and semantics):
 * :func:`lik.maxsim_varlen` / :func:`lik.maxsim_packed` -- packed variable-length MaxSim (ragged pairs, ragged
   corpora, no padding); :func:`lik.pack` / :func:`lik.unpack` build and split the packed layout.
 * :func:`lik.search` -- exact top-k MaxSim search over a corpus, in memory-bounded chunks.
+* :func:`lik.warmup` -- compile the kernel variants given query shapes need, before serving.
 * :func:`lik.ms_deform_attn` -- multi-scale deformable attention (Deformable DETR family), trainable; aliases
   :class:`lik.MSDeformAttnFunction` / :class:`lik.MultiScaleDeformableAttnFunction` and the stateless
   :class:`lik.MultiScaleDeformableAttention` module with the transformers signature.
+
+Subpackages are named after what they hold (``lik.ops.maxsim``, ``lik.ops.msda``, ``lik.retrieval``), never
+after a public function, so ``lik.search`` is always the function.
 """
 
-from .ops.maxsim import maxsim, maxsim_reference
-from .search import search
-
-__version__ = "0.1.0"
-
-__all__ = ["maxsim", "maxsim_reference", "search", "__version__"]
-
-from .ops.maxsim import (  # noqa: E402
+from .ops.maxsim import (
+    maxsim,
     maxsim_packed,
     maxsim_packed_reference,
+    maxsim_reference,
     maxsim_varlen,
     maxsim_varlen_reference,
     pack,
     unpack,
 )
-
-__all__ += ["maxsim_varlen", "maxsim_packed", "maxsim_varlen_reference", "maxsim_packed_reference", "pack", "unpack"]
-
-from .ops.msda import (  # noqa: E402
+from .ops.msda import (
     MSDeformAttnFunction,
     MultiScaleDeformableAttention,
     MultiScaleDeformableAttnFunction,
     ms_deform_attn,
     ms_deform_attn_reference,
 )
+from .precompile import warmup
+from .retrieval import search
 
-__all__ += [
+__version__ = "0.1.0"
+
+__all__ = [
+    "maxsim",
+    "maxsim_reference",
+    "maxsim_varlen",
+    "maxsim_packed",
+    "maxsim_varlen_reference",
+    "maxsim_packed_reference",
+    "pack",
+    "unpack",
+    "search",
+    "warmup",
     "ms_deform_attn",
     "ms_deform_attn_reference",
     "MSDeformAttnFunction",
     "MultiScaleDeformableAttnFunction",
     "MultiScaleDeformableAttention",
+    "__version__",
 ]

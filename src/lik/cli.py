@@ -15,11 +15,11 @@ __all__ = ["main", "build_parser"]
 # Subcommands implemented elsewhere in the package: name -> (module, function taking the remaining argv).
 DELEGATED = {
     "bench": ("lik.bench", "main"),
-    "warmup": ("lik.warmup", "main"),
+    "warmup": ("lik.precompile", "main"),
 }
 DELEGATED_HELP = {
     "bench": "benchmark lik against its peers (arguments go to lik.bench)",
-    "warmup": "precompile the kernel variants some shapes need (arguments go to lik.warmup)",
+    "warmup": "precompile the kernel variants some shapes need (arguments go to lik.precompile.main)",
 }
 
 

@@ -23,7 +23,7 @@ import torch
 
 from .ops.maxsim import maxsim_reference
 from .ops.maxsim.function import uses_kernels
-from .search import search
+from .retrieval import search
 
 __all__ = [
     "DEFAULT_QUERIES",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lik
-from lik.search import exact
+from lik.retrieval import exact
 
 from ..ops.maxsim.helpers import rand_problem
 

@@ -1,0 +1,95 @@
+"""``lik.warmup``: compile, before serving, the kernel variants that some query shapes will need.
+
+A variant is fixed by the query-length bucket, how many short queries are stacked in a tile, ``d``, the dtype,
+the masks and whether a gradient is needed; batch sizes and document lengths are runtime values. Warming up
+with one document of any length therefore covers every corpus those queries will meet, and afterwards
+``lik.maxsim`` neither compiles nor synchronises with the host, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterable
+
+import torch
+
+from .ops.maxsim import maxsim
+
+__all__ = ["warmup", "main"]
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def warmup(
+    shapes: Iterable[tuple[int, int, int]],
+    *,
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str | None = None,
+    masks: bool = True,
+    training: bool = False,
+) -> int:
+    """Run ``lik.maxsim`` once per variant the given query shapes need, so later calls do not compile.
+
+    Args:
+        shapes: ``(Nq, Lq, d)`` triples: ``Nq`` queries of ``Lq`` tokens (use ``Nq = 1`` for 2-D queries).
+        dtype: embedding dtype (float16, bfloat16 or float32).
+        device: a CUDA device (default: the current one).
+        masks: also compile the variants with query and document masks.
+        training: also compile the argmax forward and both backward kernels.
+
+    Returns:
+        The number of calls made.
+
+    Example:
+        >>> lik.warmup([(1, 32, 128), (32, 32, 128)], dtype=torch.float16)
+    """
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    calls = 0
+    for n_queries, q_len, dim in shapes:
+        if min(n_queries, q_len, dim) <= 0:
+            raise ValueError(f"shapes must be positive (Nq, Lq, d) triples, got {(n_queries, q_len, dim)}")
+        Q = torch.randn(n_queries, q_len, dim, device=device).to(dtype)
+        D = torch.randn(1, 8, dim, device=device).to(dtype)
+        mask_options = [(None, None)]
+        if masks:
+            mask_options.append((torch.ones(n_queries, q_len, dtype=torch.bool, device=device),
+                                 torch.ones(1, 8, dtype=torch.bool, device=device)))
+        for q_mask, d_mask in mask_options:
+            for mask_mode in ("exclude", "zero") if q_mask is not None else ("exclude",):
+                with torch.no_grad():
+                    maxsim(Q, D, q_mask, d_mask, mask_mode=mask_mode)
+                calls += 1
+                if training:
+                    for backward in ("fast", "deterministic"):
+                        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+                        maxsim(Qg, Dg, q_mask, d_mask, mask_mode=mask_mode, backward=backward).sum().backward()
+                        calls += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return calls
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        n_queries, q_len, dim = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Nq,Lq,d (e.g. 32,32,128), got {text!r}") from None
+    return n_queries, q_len, dim
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lik warmup --shape Nq,Lq,d [--shape ...] [--dtype fp16] [--training] [--no-masks]``."""
+    parser = argparse.ArgumentParser(prog="lik warmup", description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=_shape, action="append", required=True, help="Nq,Lq,d (repeatable)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp16")
+    parser.add_argument("--training", action="store_true", help="also compile the backward kernels")
+    parser.add_argument("--no-masks", action="store_true", help="skip the masked variants")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("lik warmup: no CUDA GPU here; the CPU path has nothing to compile")
+        return 1
+    start = time.perf_counter()
+    calls = warmup(args.shape, dtype=_DTYPES[args.dtype], masks=not args.no_masks, training=args.training)
+    print(f"lik warmup: {calls} calls over {len(args.shape)} shapes in {time.perf_counter() - start:.1f} s")
+    return 0

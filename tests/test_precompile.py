@@ -1,0 +1,56 @@
+"""lik.warmup: one call per variant, errors on bad shapes; on the GPU, nothing compiles afterwards and the
+warmed call can be captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lik
+from lik.ops.maxsim.forward import maxsim_fwd_kernel
+
+
+def test_warmup_counts_calls_per_variant():
+    # Without masks: one inference call per shape. With masks and training: (unmasked + masked "exclude" +
+    # masked "zero") x (inference + two backwards).
+    assert lik.warmup([(1, 5, 16)], device="cpu", masks=False) == 1
+    assert lik.warmup([(2, 5, 16)], device="cpu", masks=True, training=True) == 3 * 3
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 16), (1, -1, 16), (1, 5, 0)])
+def test_warmup_rejects_empty_shapes(shape):
+    with pytest.raises(ValueError, match="positive"):
+        lik.warmup([shape], device="cpu")
+
+
+def test_cli_parses_shapes(capsys):
+    from lik.precompile import main
+
+    with pytest.raises(SystemExit):
+        main(["--shape", "1,2"])
+    assert "expected Nq,Lq,d" in capsys.readouterr().err
+
+
+def _variants(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in kernel.cache.values())
+
+
+@pytest.mark.gpu
+def test_after_warmup_no_compile_and_cuda_graph_capture():
+    lik.warmup([(4, 32, 128)], dtype=torch.float16, masks=False)
+    compiled = _variants(maxsim_fwd_kernel)
+    Q = torch.nn.functional.normalize(torch.randn(4, 30, 128, device="cuda"), dim=-1).half()
+    D = torch.nn.functional.normalize(torch.randn(300, 180, 128, device="cuda"), dim=-1).half()
+    expected = lik.maxsim(Q, D)
+    assert _variants(maxsim_fwd_kernel) == compiled
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = lik.maxsim(Q, D)
+    Q.copy_(torch.nn.functional.normalize(torch.randn_like(Q.float()), dim=-1).half())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(captured, lik.maxsim(Q, D))
+    assert not torch.allclose(captured, expected)
