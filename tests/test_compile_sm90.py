@@ -108,7 +108,32 @@ def _maxsim_workload():
         torch.set_float32_matmul_precision("highest")
 
 
-WORKLOADS = {"maxsim": _maxsim_workload}
+def _varlen_workload():
+    gen = torch.Generator().manual_seed(1)
+    lengths_q, lengths_d = [5, 33, 1], [40, 0, 70]
+    for dtype in (torch.float16, torch.float32):
+        q = torch.randn(sum(lengths_q), 128, generator=gen).to(dtype).requires_grad_()
+        d = torch.randn(sum(lengths_d), 128, generator=gen).to(dtype).requires_grad_()
+        cu_q = torch.tensor([0, 5, 38, 39], dtype=torch.int32)
+        cu_d = torch.tensor([0, 40, 40, 110], dtype=torch.int32)
+        Q = torch.randn(2, 32, 128, generator=gen).to(dtype).requires_grad_()
+        for backward in ("fast", "deterministic"):
+            lik.maxsim_varlen(q, d, cu_q, cu_d, 33, 70, backward=backward).sum().backward()
+            lik.maxsim_packed(Q, d, cu_d, max_seqlen_d=70, backward=backward).sum().backward()
+
+
+def _msda_workload():
+    gen = torch.Generator().manual_seed(2)
+    shapes = torch.tensor([[6, 5], [3, 3]])
+    starts = torch.tensor([0, 30])
+    for dtype, dim in ((torch.float32, 32), (torch.float16, 256)):
+        value = torch.randn(2, 39, 8, dim, generator=gen).to(dtype).requires_grad_()
+        loc = torch.rand(2, 7, 8, 2, 4, 2, generator=gen).to(dtype).requires_grad_()
+        weights = torch.rand(2, 7, 8, 2, 4, generator=gen).to(dtype).requires_grad_()
+        lik.ms_deform_attn(value, shapes, starts, loc, weights).sum().backward()
+
+
+WORKLOADS = {"maxsim": _maxsim_workload, "varlen": _varlen_workload, "msda": _msda_workload}
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))

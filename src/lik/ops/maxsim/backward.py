@@ -25,6 +25,8 @@ __all__ = [
     "maxsim_bwd_dq_kernel",
     "maxsim_bwd_dd_atomic_kernel",
     "maxsim_bwd_dd_owned_kernel",
+    "winners_sum",
+    "feature_blocks",
     "maxsim_backward_dq",
     "maxsim_backward_dd",
     "BACKWARD_MODES",
@@ -122,6 +124,31 @@ def maxsim_bwd_dd_atomic_kernel(
     )
 
 
+@triton.jit
+def winners_sum(
+    q_base, winner_base, seq_len, positions, kk, stride_ql, stride_qk, stride_al,
+    DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DOC_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``sum_{s : winner[s] = p} q[s, kk]`` for each document row ``p`` in ``positions``, over one query's tokens.
+
+    A one-hot product on the tensor cores: the one-hot is 0/1 in the input dtype, so the sum is exact in fp32,
+    and each call owns its output rows (no atomics). Rows without a winner (-1) are never read."""
+    k_ok = kk < DIM
+    part = tl.zeros((BLOCK_DOC_ROWS, BLOCK_K), tl.float32)
+    for start in range(0, seq_len, BLOCK_ROWS):
+        tokens = start + tl.arange(0, BLOCK_ROWS)
+        winner = tl.load(winner_base + tokens * stride_al, mask=tokens < seq_len, other=-1)
+        rows = tl.load(
+            q_base + tokens[:, None] * stride_ql + kk[None, :] * stride_qk,
+            mask=(winner >= 0)[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        one_hot = (positions[:, None] == winner[None, :]).to(rows.dtype)
+        part = tl.dot(one_hot, rows, part, input_precision=DOT_PRECISION)
+    return part
+
+
 @triton.jit(
     do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks", *_BATCH_STRIDES,
                        "stride_qn"]
@@ -158,19 +185,10 @@ def maxsim_bwd_dd_owned_kernel(
         last_query = n_queries
     acc = tl.zeros((BLOCK_DOC_ROWS, BLOCK_K), tl.float32)
     for query in range(first_query, last_query):
-        per_query = tl.zeros((BLOCK_DOC_ROWS, BLOCK_K), tl.float32)
-        for start in range(0, q_len, BLOCK_ROWS):
-            tokens = start + tl.arange(0, BLOCK_ROWS)
-            winner = tl.load(
-                argmax_ptr + query * stride_an + doc * stride_ab + tokens * stride_al, mask=tokens < q_len, other=-1
-            )
-            rows = tl.load(
-                q_ptr + query * stride_qn + tokens[:, None] * stride_ql + kk[None, :] * stride_qk,
-                mask=(winner >= 0)[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            one_hot = (positions[:, None] == winner[None, :]).to(rows.dtype)
-            per_query = tl.dot(one_hot, rows, per_query, input_precision=DOT_PRECISION)
+        per_query = winners_sum(
+            q_ptr + query * stride_qn, argmax_ptr + query * stride_an + doc * stride_ab, q_len, positions, kk,
+            stride_ql, stride_qk, stride_al, DIM, BLOCK_ROWS, BLOCK_DOC_ROWS, BLOCK_K, DOT_PRECISION,
+        )
         acc += tl.load(grad_ptr + query * stride_gn + doc * stride_gb) * per_query
     tl.store(
         dd_ptr + doc_set * stride_ddn + doc * stride_ddb + positions[:, None] * stride_ddl + kk[None, :] * stride_ddk,
@@ -179,7 +197,8 @@ def maxsim_bwd_dd_owned_kernel(
     )
 
 
-def _k_blocks(dim: int, block_k: int) -> tuple[int, int]:
+def feature_blocks(dim: int, block_k: int) -> tuple[int, int]:
+    """``(block_k, n_blocks)``: the feature tile (at least 16 wide, at most the padded ``dim``) and how many."""
     block_k = min(block_k, max(16, next_power_of_2(dim)))
     return block_k, triton.cdiv(dim, block_k)
 
@@ -192,7 +211,7 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
     if dq.numel() == 0 or n_docs == 0:
         return dq
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
-    block_k, n_k_blocks = _k_blocks(dim, cfg.block_k)
+    block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
     n_row_blocks = triton.cdiv(l_q, cfg.block_rows)
     maxsim_bwd_dq_kernel[(n_q * n_row_blocks * n_k_blocks,)](
         d, grad, argmax, dq,
@@ -223,7 +242,7 @@ def maxsim_backward_dd(
     if dim == 0 or n_docs == 0 or l_d == 0 or n_q == 0 or l_q == 0:
         return torch.zeros(d_shape, dtype=dtype, device=grad.device)
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
-    block_k, n_k_blocks = _k_blocks(dim, cfg.block_k)
+    block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
     if deterministic:
         dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
         n_doc_blocks = triton.cdiv(l_d, cfg.block_doc_rows)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..._config import maxsim_forward_config, next_power_of_2
-from .tile import NO_KEY, maxsim_doc_rows
+from .tile import NO_KEY, maxsim_doc_rows, query_rows, store_group_sums
 from .validation import MaxSimInputs
 
 __all__ = ["maxsim_fwd_kernel", "maxsim_forward", "dot_precision", "set_strides"]
@@ -63,15 +63,9 @@ def maxsim_fwd_kernel(
     row_block = pid % n_row_blocks
     doc = pid // n_row_blocks
 
-    rows = tl.arange(0, BLOCK_M)
-    group = row_block * GROUPS + rows // GROUP_ROWS
-    query = group // n_chunks
-    token = (group % n_chunks) * GROUP_ROWS + rows % GROUP_ROWS
-    row_in_range = (query < n_queries) & (token < q_len)
-    row_valid = row_in_range
-    if HAS_Q_MASK:
-        q_flags = tl.load(q_mask_ptr + query * stride_qmn + token * stride_qml, mask=row_in_range, other=0)
-        row_valid = row_in_range & (q_flags != 0)
+    query, token, row_in_range, row_valid = query_rows(
+        row_block, n_queries, q_len, n_chunks, q_mask_ptr, stride_qmn, stride_qml, GROUP_ROWS, GROUPS, HAS_Q_MASK,
+    )
     q_row_ptrs = q_ptr + query * stride_qn + token * stride_ql
     offs_k = tl.arange(0, BLOCK_K)
     if NUM_K == 1:
@@ -96,13 +90,9 @@ def maxsim_fwd_kernel(
     row_counts = row_valid
     if EXCLUDE:
         row_counts = row_valid & (n_valid > 0)
-    best = tl.where(row_counts, best, 0.0)
-    group_sums = tl.sum(tl.reshape(best, (GROUPS, GROUP_ROWS)), axis=1)
-    groups = row_block * GROUPS + tl.arange(0, GROUPS)
-    tl.store(
-        partial_ptr + (groups % n_chunks) * stride_pc + (groups // n_chunks) * stride_pn + doc * stride_pb,
-        group_sums,
-        mask=(groups // n_chunks) < n_queries,
+    store_group_sums(
+        partial_ptr, tl.where(row_counts, best, 0.0), row_block, n_chunks, n_queries, doc,
+        stride_pc, stride_pn, stride_pb, GROUP_ROWS, GROUPS,
     )
     if STORE_ARGMAX:
         has_grad = row_counts & (key != NO_KEY) & ((key & 1) == 0)

@@ -15,7 +15,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["nan_max", "similarity_tile", "absorb_tile", "masked_tile", "maxsim_doc_rows", "NO_KEY"]
+__all__ = [
+    "nan_max", "query_rows", "store_group_sums", "similarity_tile", "absorb_tile", "masked_tile", "maxsim_doc_rows",
+    "NO_KEY",
+]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
 
@@ -24,6 +27,43 @@ NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
 def nan_max(a, b):
     """Maximum that returns NaN if either side is NaN (the reference's ``torch.max`` behaviour)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def query_rows(
+    row_block, n_queries, q_len, n_chunks, q_mask_ptr, stride_qmn, stride_qml,
+    GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_Q_MASK: tl.constexpr,
+):
+    """The query tokens of row block ``row_block``: ``GROUPS`` groups of ``GROUP_ROWS`` consecutive tokens, a query
+    being ``n_chunks`` groups (several short queries stacked in one block, or a long one split over blocks).
+
+    Returns ``(query, token, in_range, valid)`` per row; ``valid`` also honours the query mask."""
+    rows = tl.arange(0, GROUP_ROWS * GROUPS)
+    group = row_block * GROUPS + rows // GROUP_ROWS
+    query = group // n_chunks
+    token = (group % n_chunks) * GROUP_ROWS + rows % GROUP_ROWS
+    in_range = (query < n_queries) & (token < q_len)
+    valid = in_range
+    if HAS_Q_MASK:
+        flags = tl.load(q_mask_ptr + query * stride_qmn + token * stride_qml, mask=in_range, other=0)
+        valid = in_range & (flags != 0)
+    return query, token, in_range, valid
+
+
+@triton.jit
+def store_group_sums(
+    partial_ptr, values, row_block, n_chunks, n_queries, doc, stride_pc, stride_pn, stride_pb,
+    GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """Sum each row group of ``values`` and write it to ``partial[chunk, query, doc]`` (a long query's chunks are
+    added on the host: exact, the score is a sum over query tokens)."""
+    group_sums = tl.sum(tl.reshape(values, (GROUPS, GROUP_ROWS)), axis=1)
+    groups = row_block * GROUPS + tl.arange(0, GROUPS)
+    tl.store(
+        partial_ptr + (groups % n_chunks) * stride_pc + (groups // n_chunks) * stride_pn + doc * stride_pb,
+        group_sums,
+        mask=(groups // n_chunks) < n_queries,
+    )
 
 
 @triton.jit

@@ -23,12 +23,12 @@ import triton
 import triton.language as tl
 
 from ..._config import maxsim_backward_config, maxsim_varlen_config, next_power_of_2
-from .backward import _k_blocks, maxsim_backward_dq, maxsim_bwd_dd_atomic_kernel
+from .backward import feature_blocks, maxsim_backward_dq, maxsim_bwd_dd_atomic_kernel, winners_sum
 from .forward import dot_precision
 from .function import resolve_backward, uses_kernels
 from .packing import PackedInputs
 from .reference_varlen import packed_reference
-from .tile import NO_KEY, maxsim_doc_rows
+from .tile import NO_KEY, maxsim_doc_rows, query_rows, store_group_sums
 
 __all__ = [
     "maxsim_varlen",
@@ -169,26 +169,17 @@ def maxsim_varlen_fwd_kernel(
     else:
         # Row r is token `token` of query `query`: groups of GROUP_ROWS consecutive tokens, n_chunks per query,
         # GROUPS consecutive groups per program (several short queries share one pass over the document).
-        group = row_block * GROUPS + rows // GROUP_ROWS
-        query = group // n_chunks
-        token = (group % n_chunks) * GROUP_ROWS + rows % GROUP_ROWS
-        in_range = (query < n_queries) & (token < q_len)
-        valid = in_range
-        if HAS_Q_MASK:
-            flags = tl.load(q_mask_ptr + query * stride_qmn + token * stride_qml, mask=in_range, other=0)
-            valid = in_range & (flags != 0)
+        query, token, in_range, valid = query_rows(
+            row_block, n_queries, q_len, n_chunks, q_mask_ptr, stride_qmn, stride_qml, GROUP_ROWS, GROUPS, HAS_Q_MASK,
+        )
         best = _score_rows(
             q_ptr + query * stride_qn + token * stride_ql, in_range, valid,
             argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al, stride_qk,
             d_ptr, doc_start, doc_len, stride_dl, stride_dk,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION,
         )
-        group_sums = tl.sum(tl.reshape(best, (GROUPS, GROUP_ROWS)), axis=1)
-        groups = row_block * GROUPS + tl.arange(0, GROUPS)
-        tl.store(
-            partial_ptr + (groups % n_chunks) * stride_pc + (groups // n_chunks) * stride_pn + doc * stride_pb,
-            group_sums,
-            mask=(groups // n_chunks) < n_queries,
+        store_group_sums(
+            partial_ptr, best, row_block, n_chunks, n_queries, doc, stride_pc, stride_pn, stride_pb, GROUP_ROWS, GROUPS,
         )
 
 
@@ -280,19 +271,11 @@ def maxsim_varlen_bwd_dd_owned_kernel(
             seq_len = q_len
             n_slots = n_queries
         for slot in range(0, n_slots):
-            q_base = q_ptr + slot * stride_qn + q_start * stride_ql
-            a_base = argmax_ptr + slot * stride_an + doc * stride_ab + q_start * stride_al
-            part = tl.zeros((BLOCK_DOC_ROWS, BLOCK_K), tl.float32)
-            for start in range(0, seq_len, BLOCK_ROWS):
-                tokens = start + tl.arange(0, BLOCK_ROWS)
-                winner = tl.load(a_base + tokens * stride_al, mask=tokens < seq_len, other=-1)
-                rows = tl.load(
-                    q_base + tokens[:, None] * stride_ql + kk[None, :] * stride_qk,
-                    mask=(winner >= 0)[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                one_hot = (positions[:, None] == winner[None, :]).to(rows.dtype)
-                part = tl.dot(one_hot, rows, part, input_precision=DOT_PRECISION)
+            part = winners_sum(
+                q_ptr + slot * stride_qn + q_start * stride_ql,
+                argmax_ptr + slot * stride_an + doc * stride_ab + q_start * stride_al, seq_len, positions, kk,
+                stride_ql, stride_qk, stride_al, DIM, BLOCK_ROWS, BLOCK_DOC_ROWS, BLOCK_K, DOT_PRECISION,
+            )
             acc += tl.load(grad_ptr + slot * stride_gn + doc * stride_gb) * part
     tl.store(
         dd_ptr + positions[:, None] * stride_ddl + kk[None, :] * stride_ddk,
@@ -395,7 +378,7 @@ def _launch_tokens(grad, inputs: PackedInputs, argmax, *, dq, dd32) -> None:
     if q.numel() == 0 or d.numel() == 0 or grad.numel() == 0:
         return
     cfg = maxsim_backward_config(dim=dim, dtype=q.dtype, device=q.device)
-    block_k, n_k_blocks = _k_blocks(dim, cfg.block_k)
+    block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
     n_pairs = grad.shape[0]
     dq_arg, dq_strides = (dq, dq.stride()) if dq is not None else (grad, (0, 0))
     dd_arg, dd_strides = (dd32, dd32.stride()) if dd32 is not None else (grad, (0, 0))
@@ -420,7 +403,7 @@ def packed_backward_dd(
     if d.numel() == 0 or q.numel() == 0 or n_docs == 0:
         return torch.zeros_like(d, memory_format=torch.contiguous_format)
     cfg = maxsim_backward_config(dim=dim, dtype=d.dtype, device=d.device)
-    block_k, n_k_blocks = _k_blocks(dim, cfg.block_k)
+    block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
     if deterministic:
         dd = torch.empty_like(d, memory_format=torch.contiguous_format)
         if inputs.pairs:
