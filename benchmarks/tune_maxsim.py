@@ -54,16 +54,16 @@ def floor_ms(shape, bandwidth, flops) -> float:
 
 def candidates(l_q: int, n_q: int):
     """The two largest row groups the query fills, stacked to 128 / 256 rows when there are many queries; 4 to 16
-    warps, tiles up to 256 x 128."""
+    warps, tiles up to 256 x 128 (16 warps never placed in the top three on the H200)."""
     bucket = max(16, triton.next_power_of_2(l_q))
     rows = [r for r in (16, 32, 64, 128, 256) if r <= bucket][-2:]
     for group_rows, total, block_n, warps, stages in itertools.product(
-        rows, (0, 128, 256), (64, 128), (4, 8, 16), (3, 4)
+        rows, (0, 128, 256), (64, 128), (4, 8), (3, 4)
     ):
         total = total or group_rows
         if total < group_rows or (total > group_rows and n_q == 1):
             continue
-        if total * block_n > 256 * 128 or (total >= 128 and warps == 4) or (total < 128 and warps == 16):
+        if total * block_n > 256 * 128 or (total >= 128 and warps == 4):
             continue
         yield _config.MaxSimForwardConfig(group_rows, total // group_rows, block_n, DIM, warps, stages)
 

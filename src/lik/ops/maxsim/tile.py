@@ -70,21 +70,18 @@ def store_group_sums(
 def similarity_tile(
     q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, col_valid,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
-    MASK_COLS: tl.constexpr, stride_dk, DOT_PRECISION: tl.constexpr,
+    stride_dk, DOT_PRECISION: tl.constexpr,
 ):
     """``[BLOCK_M, BLOCK_N]`` fp32 similarities of the query rows with the document rows at ``col_ptrs``.
 
-    Rows with ``col_valid`` False are read as zeros (never read at all), so garbage there cannot leak in. Full
-    tiles of an unmasked document skip the predicate (``MASK_COLS=False``)."""
+    Rows with ``col_valid`` False are read as zeros (never read at all), so garbage there cannot leak in."""
     offs_k = tl.arange(0, BLOCK_K)
     if NUM_K == 1:
-        d_ptrs = col_ptrs[:, None] + offs_k[None, :] * stride_dk
-        if MASK_COLS:
-            d_tile = tl.load(d_ptrs, mask=col_valid[:, None] & (offs_k[None, :] < DIM), other=0.0)
-        elif DIM == BLOCK_K:
-            d_tile = tl.load(d_ptrs)
-        else:
-            d_tile = tl.load(d_ptrs, mask=offs_k[None, :] < DIM, other=0.0)
+        d_tile = tl.load(
+            col_ptrs[:, None] + offs_k[None, :] * stride_dk,
+            mask=col_valid[:, None] & (offs_k[None, :] < DIM),
+            other=0.0,
+        )
         sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
     else:
         sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -138,7 +135,7 @@ def masked_tile(
         col_valid = in_range & (flags != 0)
     sim = similarity_tile(
         q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, col_valid,
-        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, True, stride_dk, DOT_PRECISION,
+        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
     )
     # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
     if EXCLUDE:
@@ -181,26 +178,13 @@ def maxsim_doc_rows(
     best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
     n_valid = tl.zeros((), tl.int32)
-    masked_from = 0
-    if not HAS_D_MASK:
-        # Full tiles of an unmasked document: no predicates, no where.
-        n_valid += doc_len
-        masked_from = (doc_len // BLOCK_N) * BLOCK_N
-        offs_n = tl.arange(0, BLOCK_N)
-        for start in range(0, masked_from, BLOCK_N):
-            cols = start + offs_n
-            sim = similarity_tile(
-                q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, cols >= 0,
-                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, stride_dk, DOT_PRECISION,
-            )
-            best, key = absorb_tile(sim, cols * 2, best, key, TRACK_ARGMAX)
-    # Every tile of a masked document, or the ragged tail of an unmasked one.
-    for start in range(masked_from, doc_len, BLOCK_N):
+    # One loop with every check on. Splitting off the predicate-free full tiles measured slower on the H200
+    # (two software pipelines, each filled and drained per document: 0.26 -> 0.39 ms for 32 stacked queries).
+    for start in range(0, doc_len, BLOCK_N):
         best, key, tile_valid = masked_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, start, stride_dl, stride_dk,
             stride_dml, best, key,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, DOT_PRECISION,
         )
-        if HAS_D_MASK:
-            n_valid += tile_valid
+        n_valid += tile_valid
     return best, key, n_valid
