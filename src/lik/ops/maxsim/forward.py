@@ -20,10 +20,13 @@ from .validation import MaxSimInputs
 __all__ = ["maxsim_fwd_kernel", "maxsim_forward", "dot_precision", "set_strides"]
 
 # Lengths, counts and the strides that follow them are not specialised on (Triton would otherwise compile a new
-# variant when one of them becomes 1 or changes its divisibility by 16).
+# variant when one of them becomes 1 or changes its divisibility by 16). The embedding strides stay specialised:
+# Lq * d and Ld * d keep their divisibility for any length when d does, and knowing the rows are 16-byte aligned
+# is what lets Triton load them with wide vector loads (measured on the H200: the query block loaded element by
+# element cost ColPali 0.58 -> 0.70 ms).
 _RUNTIME_INTS = [
     "n_queries", "q_len", "doc_len", "n_chunks", "n_row_blocks",
-    "stride_qn", "stride_qmn", "stride_dmn", "stride_dmb", "stride_pc", "stride_pn", "stride_an", "stride_ab",
+    "stride_qmn", "stride_dmn", "stride_dmb", "stride_pc", "stride_pn", "stride_an", "stride_ab",
 ]
 
 
