@@ -88,6 +88,13 @@ class MaxSimBackwardConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
+    # dQ: documents gathered per loop step (unrolled, all in flight). One-hot dD (deterministic, and "fast"
+    # where it wins): query rows per step, document rows per program, warps, pipeline depth.
+    dq_docs: int = 2
+    onehot_rows: int = 16
+    onehot_doc_rows: int = 16
+    onehot_warps: int = 4
+    onehot_stages: int = 1
 
 
 def maxsim_forward_config(
@@ -130,7 +137,10 @@ def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device
     if interpreting():
         return MaxSimBackwardConfig(block_rows=16, block_doc_rows=16, block_k=block_d)
     block_k = min(block_d, 128)
-    return MaxSimBackwardConfig(block_rows=32, block_doc_rows=64, block_k=block_k, num_warps=4, num_stages=1)
+    return MaxSimBackwardConfig(
+        block_rows=32, block_doc_rows=64, block_k=block_k, num_warps=4, num_stages=1,
+        dq_docs=4, onehot_rows=32, onehot_doc_rows=64, onehot_warps=4, onehot_stages=3,
+    )
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,8 @@ class MsdaForwardConfig:
     block_d: int
     num_warps: int = 4
     num_stages: int = 1
+    pair: bool = True  # x-neighbour corners as one [rows, points, 2, channels] tile
+    transpose: bool = False  # gather from a [N, M, S, D] copy of value (contiguous corner pairs)
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,8 @@ class MsdaBackwardConfig:
     gather_rows: int
     num_warps: int = 4
     num_stages: int = 1
+    pair: bool = True
+    transpose: bool = False
 
 
 def _msda_tile(
@@ -177,25 +191,35 @@ def _msda_tile(
     return block_rows, block_p, block_d
 
 
+def _msda_transpose(n_queries: int, n_pixels: int, n_samples: int) -> bool:
+    # A [N, M, S, D] copy of value (one read + write of it) pays when the points read every pixel of a head about
+    # once or more (encoder: L * P reads per pixel); the decoder reads a fraction of it and keeps its memory.
+    return n_pixels > 0 and n_queries * n_samples >= n_pixels
+
+
 def msda_forward_config(
-    *, n_rows: int, dim: int, n_samples: int, dtype: torch.dtype, device: torch.device
+    *, n_rows: int, dim: int, n_samples: int, dtype: torch.dtype, device: torch.device, n_queries: int = 0,
+    n_pixels: int = 0,
 ) -> MsdaForwardConfig:
     """Forward tile for ``n_rows`` = N * M * Lq rows of ``dim`` channels and ``n_samples`` = L * P points."""
     forced = _OVERRIDES.get("msda_forward")
     if forced is not None:
         return forced
     block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 8, 4096, device)
-    return MsdaForwardConfig(block_rows, block_p, block_d, num_warps=4, num_stages=1)
+    return MsdaForwardConfig(block_rows, block_p, block_d, num_warps=4, num_stages=1, pair=True,
+                             transpose=_msda_transpose(n_queries, n_pixels, n_samples))
 
 
 def msda_backward_config(
-    *, n_rows: int, dim: int, n_samples: int, dtype: torch.dtype, device: torch.device
+    *, n_rows: int, dim: int, n_samples: int, dtype: torch.dtype, device: torch.device, n_queries: int = 0,
+    n_pixels: int = 0,
 ) -> MsdaBackwardConfig:
     forced = _OVERRIDES.get("msda_backward")
     if forced is not None:
         return forced
     block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 4, 2048, device)
-    return MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=4, num_stages=1)
+    return MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=4, num_stages=1, pair=True,
+                              transpose=_msda_transpose(n_queries, n_pixels, n_samples))
 
 
 def maxsim_varlen_config(

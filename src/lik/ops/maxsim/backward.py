@@ -25,6 +25,7 @@ __all__ = [
     "maxsim_bwd_dq_kernel",
     "maxsim_bwd_dd_atomic_kernel",
     "maxsim_bwd_dd_owned_kernel",
+    "maxsim_bwd_dd_onehot_kernel",
     "winners_sum",
     "feature_blocks",
     "maxsim_backward_dq",
@@ -51,6 +52,7 @@ def maxsim_bwd_dq_kernel(
     DIM: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOCS: tl.constexpr = 1,
 ):
     pid = tl.program_id(0).to(tl.int64)
     k_block = pid % n_k_blocks
@@ -60,24 +62,33 @@ def maxsim_bwd_dq_kernel(
     token_ok = tokens < q_len
     kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = kk < DIM
-    # Pointers advance by one document per step: 64-bit arithmetic, no doc * stride product that could wrap.
+    # Pointers advance by DOCS documents per step: 64-bit arithmetic, no doc * stride product that could wrap.
+    # The DOCS documents of a step are unrolled, so all their winner loads and row gathers are in flight at
+    # once; they are still added in document order (the same bits as one document per step).
+    stride_db64 = stride_db.to(tl.int64)
+    stride_ab64 = stride_ab.to(tl.int64)
+    stride_gb64 = stride_gb.to(tl.int64)
     doc_ptr = d_ptr + query * stride_dn
     winner_ptrs = argmax_ptr + query * stride_an + tokens * stride_al
     weight_ptr = grad_ptr + query * stride_gn
     acc = tl.zeros((BLOCK_ROWS, BLOCK_K), tl.float32)
-    for _ in range(0, n_docs):
-        winner = tl.load(winner_ptrs, mask=token_ok, other=-1)
-        weight = tl.load(weight_ptr)
-        has_grad = winner >= 0
-        rows = tl.load(
-            doc_ptr + winner.to(tl.int64)[:, None] * stride_dl + kk[None, :] * stride_dk,
-            mask=has_grad[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        acc += weight * rows.to(tl.float32)
-        doc_ptr += stride_db
-        winner_ptrs += stride_ab
-        weight_ptr += stride_gb
+    for start in range(0, n_docs, DOCS):
+        for u in tl.static_range(DOCS):
+            # Past the last document (a partial step): no winners, weight 0 (read from the last document).
+            doc_ok = (start + u) < n_docs
+            winner = tl.load(winner_ptrs + u * stride_ab64, mask=tokens < tl.where(doc_ok, q_len, 0), other=-1)
+            weight = tl.load(weight_ptr + tl.minimum(n_docs - 1 - start, u) * stride_gb64)
+            weight = tl.where(doc_ok, weight, 0.0)
+            has_grad = winner >= 0
+            rows = tl.load(
+                doc_ptr + u * stride_db64 + winner.to(tl.int64)[:, None] * stride_dl + kk[None, :] * stride_dk,
+                mask=has_grad[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            acc += weight * rows.to(tl.float32)
+        doc_ptr += DOCS * stride_db64
+        winner_ptrs += DOCS * stride_ab64
+        weight_ptr += DOCS * stride_gb64
     tl.store(
         dq_ptr + query * stride_dqn + tokens[:, None] * stride_dql + kk[None, :] * stride_dqk,
         acc.to(dq_ptr.dtype.element_ty),
@@ -197,6 +208,82 @@ def maxsim_bwd_dd_owned_kernel(
     )
 
 
+@triton.jit(
+    do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks", "n_splits",
+                       "queries_per_split", "n_tok_blocks", *_BATCH_STRIDES, "stride_qn"]
+)
+def maxsim_bwd_dd_onehot_kernel(
+    q_ptr, grad_ptr, argmax_ptr, dd_ptr,
+    n_queries, q_len, n_docs, doc_len, n_doc_blocks, n_k_blocks, n_splits, queries_per_split, n_tok_blocks,
+    stride_qn, stride_ql, stride_qk,
+    stride_gn, stride_gb,
+    stride_an, stride_ab, stride_al,
+    stride_ddn, stride_ddb, stride_ddl, stride_ddk,
+    DIM: tl.constexpr,
+    PER_QUERY: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_DOC_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dD by one-hot products, one flat loop over (query, query-token block) steps.
+
+    A program owns ``BLOCK_DOC_ROWS`` rows of one document (one feature block) and a range of queries (all of
+    them unless ``n_splits > 1``). Each step loads one block of query tokens and their winners, forms
+    ``onehot(winner == position)`` (0/1 in the input dtype: the product is an exact selection, accumulated in
+    fp32) and adds ``w[query, doc] * (onehot @ Q_block)`` in fp32. One flat loop (no nested per-query loop) lets
+    the compiler pipeline the loads of the next steps behind the current product. ``ATOMIC``: the query range
+    is split over ``n_splits`` programs whose fp32 results are added atomically (fewer, row-combined atomics);
+    otherwise each program owns its rows and stores them in the input dtype (no atomics, bitwise repeatable).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    k_block = pid % n_k_blocks
+    rest = pid // n_k_blocks
+    doc_block = rest % n_doc_blocks
+    rest = rest // n_doc_blocks
+    split = rest % n_splits
+    rest = rest // n_splits
+    doc = rest % n_docs
+    doc_set = rest // n_docs
+    first_position = doc_block * BLOCK_DOC_ROWS
+    positions = first_position + tl.arange(0, BLOCK_DOC_ROWS)
+    kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = kk < DIM
+    if PER_QUERY:
+        first_query = doc_set
+        n_own = doc_set * 0 + 1
+    else:
+        first_query = split * queries_per_split
+        n_own = tl.minimum(queries_per_split, n_queries - first_query)
+    q_base = q_ptr + first_query * stride_qn
+    a_base = argmax_ptr + first_query * stride_an + doc * stride_ab
+    g_base = grad_ptr + first_query * stride_gn + doc * stride_gb
+    offs_rows = tl.arange(0, BLOCK_ROWS)
+    acc = tl.zeros((BLOCK_DOC_ROWS, BLOCK_K), tl.float32)
+    for step in range(0, n_own * n_tok_blocks):
+        qi = step // n_tok_blocks
+        tokens = (step - qi * n_tok_blocks) * BLOCK_ROWS + offs_rows
+        qi = qi.to(tl.int64)
+        winner = tl.load(a_base + qi * stride_an + tokens * stride_al, mask=tokens < q_len, other=-1)
+        # Only rows whose winner lies in this block are read (a NaN elsewhere never meets a 0 of the one-hot).
+        mine = (winner >= first_position) & (winner < first_position + BLOCK_DOC_ROWS)
+        rows = tl.load(
+            q_base + qi * stride_qn + tokens[:, None] * stride_ql + kk[None, :] * stride_qk,
+            mask=mine[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        one_hot = (positions[:, None] == winner[None, :]).to(rows.dtype)
+        weight = tl.load(g_base + qi * stride_gn)
+        acc += weight * tl.dot(one_hot, rows, input_precision=DOT_PRECISION)
+    out = dd_ptr + doc_set * stride_ddn + doc * stride_ddb + positions[:, None] * stride_ddl + kk[None, :] * stride_ddk
+    out_ok = (positions < doc_len)[:, None] & k_ok[None, :]
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=out_ok, sem="relaxed")
+    else:
+        tl.store(out, acc.to(dd_ptr.dtype.element_ty), mask=out_ok)
+
+
 def feature_blocks(dim: int, block_k: int) -> tuple[int, int]:
     """``(block_k, n_blocks)``: the feature tile (at least 16 wide, at most the padded ``dim``) and how many."""
     block_k = min(block_k, max(16, next_power_of_2(dim)))
@@ -217,10 +304,43 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
         d, grad, argmax, dq,
         l_q, n_docs, n_row_blocks, n_k_blocks,
         *set_strides(d), *grad.stride(), *argmax.stride(), *dq.stride(),
-        DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k,
+        DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k, DOCS=cfg.dq_docs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq
+
+
+def onehot_splits(n_sets: int, n_docs: int, l_d: int, n_q: int, l_q: int, per_query: bool, cfg) -> int:
+    """How many query ranges the "fast" one-hot dD splits into (1: owned rows, no atomics), or 0 when the
+    per-(query, row) atomic scatter is the better "fast" choice (long queries: the one-hot costs
+    ``Lq x Ld x d`` per pair where the scatter costs ``Lq x d``)."""
+    if per_query or l_q > 64:
+        return 0
+    programs = n_sets * n_docs * triton.cdiv(l_d, cfg.onehot_doc_rows)
+    splits = 1
+    # Fill the machine (about 4 programs per SM on an H100 / H200) while each keeps >= 32 queries.
+    while programs * splits < 528 and n_q // (2 * splits) >= 32:
+        splits *= 2
+    return splits
+
+
+def launch_dd_onehot(grad, q, argmax, dd, *, splits: int, per_query: bool, cfg, block_k: int, n_k_blocks: int):
+    """One-hot dD into ``dd`` (input dtype, owned rows) when ``splits == 1``, else atomically into fp32 ``dd``
+    (pre-zeroed)."""
+    n_sets, n_docs, l_d, dim = dd.shape
+    n_q, l_q, _ = q.shape
+    n_doc_blocks = triton.cdiv(l_d, cfg.onehot_doc_rows)
+    block_rows = max(16, min(cfg.onehot_rows, next_power_of_2(l_q)))
+    queries_per_split = triton.cdiv(n_q, splits)
+    splits = triton.cdiv(n_q, queries_per_split)
+    maxsim_bwd_dd_onehot_kernel[(n_sets * n_docs * splits * n_doc_blocks * n_k_blocks,)](
+        q, grad, argmax, dd,
+        n_q, l_q, n_docs, l_d, n_doc_blocks, n_k_blocks, splits, queries_per_split, triton.cdiv(l_q, block_rows),
+        *q.stride(), *grad.stride(), *argmax.stride(), *dd.stride(),
+        DIM=dim, PER_QUERY=per_query, ATOMIC=splits > 1, BLOCK_ROWS=block_rows,
+        BLOCK_DOC_ROWS=cfg.onehot_doc_rows, BLOCK_K=block_k, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.onehot_warps, num_stages=cfg.onehot_stages,
+    )
 
 
 def maxsim_backward_dd(
@@ -243,19 +363,26 @@ def maxsim_backward_dd(
         return torch.zeros(d_shape, dtype=dtype, device=grad.device)
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
-    if deterministic:
+    splits = 1 if deterministic else onehot_splits(n_sets, n_docs, l_d, n_q, l_q, per_query, cfg)
+    if splits == 1:
         dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
-        n_doc_blocks = triton.cdiv(l_d, cfg.block_doc_rows)
-        maxsim_bwd_dd_owned_kernel[(n_sets * n_docs * n_doc_blocks * n_k_blocks,)](
-            q, grad, argmax, dd,
-            n_q, l_q, n_docs, l_d, n_doc_blocks, n_k_blocks,
-            *q.stride(), *grad.stride(), *argmax.stride(), *dd.stride(),
-            DIM=dim, PER_QUERY=per_query, BLOCK_ROWS=max(16, cfg.block_rows), BLOCK_DOC_ROWS=cfg.block_doc_rows,
-            BLOCK_K=block_k, DOT_PRECISION=dot_precision(dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        launch_dd_onehot(grad, q, argmax, dd, splits=1, per_query=per_query, cfg=cfg, block_k=block_k,
+                         n_k_blocks=n_k_blocks)
         return dd
+    if splits > 1:
+        dd32 = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
+        launch_dd_onehot(grad, q, argmax, dd32, splits=splits, per_query=per_query, cfg=cfg, block_k=block_k,
+                         n_k_blocks=n_k_blocks)
+        return dd32.to(dtype)
     dd32 = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
+    launch_dd_atomic(grad, q, argmax, dd32, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
+    return dd32.to(dtype)
+
+
+def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: int):
+    """The per-(query row, feature) fp32 atomic scatter into the pre-zeroed ``dd32``."""
+    n_q, l_q, dim = q.shape
+    n_docs = dd32.shape[1]
     n_row_blocks = triton.cdiv(l_q, cfg.block_rows)
     maxsim_bwd_dd_atomic_kernel[(n_q * n_row_blocks * n_docs * n_k_blocks,)](
         q, grad, argmax, dd32,
@@ -264,4 +391,19 @@ def maxsim_backward_dd(
         DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return dd32.to(dtype)
+
+
+def launch_dd_owned_loop(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int, n_k_blocks: int):
+    """The first deterministic dD (a loop over queries, each a nested loop over token blocks); kept as the
+    baseline of benchmarks/profile_backward.py."""
+    n_sets, n_docs, l_d, dim = dd.shape
+    n_q, l_q, _ = q.shape
+    n_doc_blocks = triton.cdiv(l_d, cfg.block_doc_rows)
+    maxsim_bwd_dd_owned_kernel[(n_sets * n_docs * n_doc_blocks * n_k_blocks,)](
+        q, grad, argmax, dd,
+        n_q, l_q, n_docs, l_d, n_doc_blocks, n_k_blocks,
+        *q.stride(), *grad.stride(), *argmax.stride(), *dd.stride(),
+        DIM=dim, PER_QUERY=per_query, BLOCK_ROWS=max(16, cfg.block_rows), BLOCK_DOC_ROWS=cfg.block_doc_rows,
+        BLOCK_K=block_k, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

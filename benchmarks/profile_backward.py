@@ -1,0 +1,147 @@
+"""Time each kernel of the MaxSim training backward separately (issue 4).
+
+    python3 benchmarks/profile_backward.py [--shapes colbert-128,...] [--quick]
+
+Per in-batch training shape (d 128, fp16, L2-normalised random data): the forward with argmax, dQ (documents per
+loop step 1 = the first version, and the configured / swept values), the atomic dD scatter (its fp32 zero-fill and
+its cast timed apart), the first deterministic dD (loop over queries), the one-hot dD (owned rows, and split over
+query ranges with fp32 atomics) over a few tiles, and the whole step through ``lik.maxsim`` (fast / deterministic).
+Medians of ``triton.testing.do_bench`` (ms). Prints a table, writes ``$OUT/profile_backward.json`` (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+import lik  # noqa: E402
+from lik import _config  # noqa: E402
+from lik.ops.maxsim import backward as bw  # noqa: E402
+from lik.ops.maxsim.forward import maxsim_forward  # noqa: E402
+from lik.ops.maxsim.validation import MaxSimInputs  # noqa: E402
+
+SHAPES = {  # Nq = B (in-batch), Lq, B, Ld
+    "colbert-128": (32, 128, 180), "colbert-512": (32, 512, 180), "colbert-2048": (32, 2048, 180),
+    "colpali-32": (1024, 32, 1024), "colpali-64": (1024, 64, 1024), "colpali-128": (1024, 128, 1024),
+}
+# (rows, doc_rows, warps, stages, splits)
+ONEHOT = [(32, 64, 4, 3, 1), (32, 64, 4, 1, 1), (32, 128, 8, 3, 1), (64, 64, 4, 3, 1), (64, 128, 8, 3, 1),
+          (32, 64, 4, 3, 2), (32, 64, 4, 3, 4)]
+
+
+def bench(fn, rep):
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def profile(name, rep, quick):
+    l_q, n, l_d = SHAPES[name]
+    dim, dtype, dev = 128, torch.float16, torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    Q = torch.nn.functional.normalize(torch.randn(n, l_q, dim, device=dev, generator=gen), dim=-1).to(dtype)
+    D = torch.nn.functional.normalize(torch.randn(n, l_d, dim, device=dev, generator=gen), dim=-1).to(dtype)
+    inputs = MaxSimInputs.build(Q, D, None, None, "exclude")
+    q, d = inputs.q, inputs.d
+    scores, argmax = maxsim_forward(inputs, store_argmax=True)
+    grad = (torch.softmax(scores, dim=1) - torch.eye(n, device=dev)).float().contiguous() / n
+    cfg = _config.maxsim_backward_config(dim=dim, dtype=dtype, device=dev)
+    block_k, n_k = bw.feature_blocks(dim, cfg.block_k)
+    row = {"shape": name, "Lq": l_q, "B": n, "Ld": l_d, "config": cfg.__dict__.copy()}
+    row["fwd_argmax"] = bench(lambda: maxsim_forward(inputs, store_argmax=True), rep)
+    row["fwd_scores_only"] = bench(lambda: maxsim_forward(inputs, store_argmax=False), rep)
+    dq_ref = None
+    for docs in (1, 2, 4, 8):
+        c = replace(cfg, dq_docs=docs)
+        with _config.override(maxsim_backward=c):
+            row[f"dq_docs{docs}"] = bench(lambda: bw.maxsim_backward_dq(grad, d, argmax, q.shape, dtype), rep)
+            out = bw.maxsim_backward_dq(grad, d, argmax, q.shape, dtype)
+        dq_ref = out if dq_ref is None else dq_ref
+        row[f"dq_docs{docs}_bitwise_same"] = bool(torch.equal(out, dq_ref))
+    dd32 = torch.zeros(d.shape, dtype=torch.float32, device=dev)
+    row["dd_zero_fp32"] = bench(lambda: dd32.zero_(), rep)
+    row["dd_atomic"] = bench(lambda: bw.launch_dd_atomic(grad, q, argmax, dd32, cfg=cfg, block_k=block_k,
+                                                         n_k_blocks=n_k), rep)
+    dd32.zero_()
+    bw.launch_dd_atomic(grad, q, argmax, dd32, cfg=cfg, block_k=block_k, n_k_blocks=n_k)
+    dd_ref = dd32.clone()
+    row["dd_cast"] = bench(lambda: dd32.to(dtype), rep)
+    dd = torch.empty(d.shape, dtype=dtype, device=dev)
+    if not (quick and n * n * l_q > 2**25):
+        row["dd_owned_loop_v0"] = bench(lambda: bw.launch_dd_owned_loop(grad, q, argmax, dd, per_query=False, cfg=cfg,
+                                                                        block_k=block_k, n_k_blocks=n_k), rep)
+    for rows, doc_rows, warps, stages, splits in ONEHOT:
+        c = replace(cfg, onehot_rows=rows, onehot_doc_rows=doc_rows, onehot_warps=warps, onehot_stages=stages)
+        key = f"dd_onehot_r{rows}_dr{doc_rows}_w{warps}_s{stages}_split{splits}"
+        target = dd if splits == 1 else dd32
+
+        def run():
+            if splits > 1:
+                target.zero_()
+            bw.launch_dd_onehot(grad, q, argmax, target, splits=splits, per_query=False, cfg=c, block_k=block_k,
+                                n_k_blocks=n_k)
+        try:
+            row[key] = bench(run, rep)
+            run()
+            row[key + "_relerr_vs_atomic"] = rel(target, dd_ref)
+        except Exception as exc:  # a tile that does not fit (shared memory) is recorded, not fatal
+            row[key] = None
+            row[key + "_error"] = repr(exc)[:200]
+    for mode in ("fast", "deterministic"):
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        labels = torch.arange(n, device=dev)
+
+        def step():
+            s = lik.maxsim(Qg, Dg, backward=mode)
+            torch.nn.functional.cross_entropy(s, labels).backward()
+        row[f"step_{mode}"] = bench(step, rep)
+        Qg.grad = Dg.grad = None
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        row[f"step_{mode}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        Qg.grad = Dg.grad = None
+    # determinism of the default deterministic path
+    a = bw.maxsim_backward_dd(grad, q, argmax, d.shape, dtype, deterministic=True, per_query=False)
+    b = bw.maxsim_backward_dd(grad, q, argmax, d.shape, dtype, deterministic=True, per_query=False)
+    row["det_bitwise_repeatable"] = bool(torch.equal(a, b))
+    row["det_relerr_vs_atomic"] = rel(a, dd_ref)
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--rep", type=int, default=60)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    for name in args.shapes.split(","):
+        rows.append(profile(name, args.rep, args.quick))
+        with open(os.path.join(args.out, "profile_backward.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(json.dumps(rows[-1]), flush=True)
+    keys = [k for k in rows[0] if isinstance(rows[0][k], float) and "relerr" not in k and "peak" not in k]
+    print(meta)
+    print("ms".ljust(36) + "".join(r["shape"].rjust(13) for r in rows))
+    for k in keys:
+        print(k.ljust(36) + "".join((f"{r[k]:.3f}" if isinstance(r.get(k), float) else "-").rjust(13) for r in rows))
+
+
+if __name__ == "__main__":
+    main()
