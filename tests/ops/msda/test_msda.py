@@ -237,6 +237,31 @@ def test_channel_split_and_small_tiles(rng):
             check_against_reference(problem)
 
 
+@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("case", [1, 2])
+def test_corner_pairs_and_transposed_value(rng, pair, transpose, case):
+    """Every combination of the per-corner / x-pair gathers and the [N, S, M, D] / transposed value layouts,
+    forward, atomic and deterministic backward (the heuristic picks only some of them per shape)."""
+    n, lq, m, d, hw, p = CASES[case].values
+    problem = rand_problem(rng, n, lq, m, d, hw, p)
+    block_d = min(triton_next_power_of_2(d), 64)
+    with config.override(
+        msda_forward=config.MsdaForwardConfig(block_rows=4, block_points=4, block_d=block_d, pair=pair,
+                                              transpose=transpose),
+        msda_backward=config.MsdaBackwardConfig(block_rows=4, block_points=4, block_d=block_d, gather_rows=8,
+                                                pair=pair, transpose=transpose),
+    ):
+        fast = check_against_reference(problem)
+        with _deterministic():
+            det = check_against_reference(problem)
+    assert torch.equal(fast[0], det[0])
+
+
+def triton_next_power_of_2(x):
+    return 1 << max(0, (x - 1).bit_length())
+
+
 def test_aliases_and_transformers_module(rng):
     value, shapes, starts, loc, weights, grad = rand_problem(rng, 2, 4, 2, 8, [(3, 4), (2, 2)], 2)
     base = ms_deform_attn(value, shapes, starts, loc, weights)

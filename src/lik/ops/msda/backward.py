@@ -21,8 +21,11 @@ import triton
 import triton.language as tl
 
 from ..._config import msda_backward_config
-from .forward import RUNTIME_INTS, level_strides
-from .sampling import corner_pointers, corner_setup, gather_corners, load_sample, point_block, query_rows
+from .forward import RUNTIME_INTS, level_strides, transposed_value
+from .sampling import (
+    corner_pointers, corner_setup, gather_corners, gather_pairs, load_sample, pair_pointers, point_block, query_rows,
+    x_weights,
+)
 
 __all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward"]
 
@@ -45,6 +48,7 @@ def msda_bwd_kernel(
     BLOCK_D: tl.constexpr,
     ATOMIC_VALUE: tl.constexpr,
     WRITE_BUCKETS: tl.constexpr,
+    PAIR: tl.constexpr,
 ):
     row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
     chunk = tl.program_id(1)
@@ -74,35 +78,61 @@ def msda_bwd_kernel(
             live, stride_lc,
         )
         x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = corner_setup(loc_x, loc_y, height[None, :], width[None, :], live)
-        v00, v01, v10, v11 = gather_corners(
-            value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
-        )
-        gx = fx[:, :, None]
-        gy = fy[:, :, None]
-        top = v00 + gx * (v01 - v00)
-        bottom = v10 + gx * (v11 - v10)
-        sampled = top + gy * (bottom - top)
-        # d sampled / d px and d py; px = x * W - 0.5, so d px / d x = W (and d py / d y = H).
-        d_px = (1.0 - gy) * (v01 - v00) + gy * (v11 - v10)
-        d_py = bottom - top
+        if PAIR:
+            top, bottom = gather_pairs(
+                value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
+            )
+            wx = x_weights(fx)
+            gy = fy[:, :, None, None]
+            grad4 = grad[:, :, None, :]
+            # Per x-half (x0, x0 + 1): the vertical lerp and the vertical difference, reduced over channels.
+            sampled_half = tl.sum(grad4 * (top + gy * (bottom - top)), axis=3)
+            d_py_half = tl.sum(grad4 * (bottom - top), axis=3)
+            g_sampled = tl.sum(wx * sampled_half, axis=2)
+            g_px = tl.sum(tl.where(tl.arange(0, 2)[None, None, :] == 0, -sampled_half, sampled_half), axis=2)
+            g_py = tl.sum(wx * d_py_half, axis=2)
+        else:
+            v00, v01, v10, v11 = gather_corners(
+                value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
+            )
+            gx = fx[:, :, None]
+            gy = fy[:, :, None]
+            top = v00 + gx * (v01 - v00)
+            bottom = v10 + gx * (v11 - v10)
+            sampled = top + gy * (bottom - top)
+            # d sampled / d px and d py; px = x * W - 0.5, so d px / d x = W (and d py / d y = H).
+            d_px = (1.0 - gy) * (v01 - v00) + gy * (v11 - v10)
+            d_py = bottom - top
+            g_sampled = tl.sum(grad * sampled, axis=2)
+            g_px = tl.sum(grad * d_px, axis=2)
+            g_py = tl.sum(grad * d_py, axis=2)
         sample = row_samples[:, None] + j[None, :]
         index = chunk * stride_gc + sample
-        tl.store(gattn_ptr + index, tl.sum(grad * sampled, axis=2), mask=live)
+        tl.store(gattn_ptr + index, g_sampled, mask=live)
         scale_x = weight * width[None, :].to(tl.float32)
         scale_y = weight * height[None, :].to(tl.float32)
-        tl.store(gloc_ptr + 2 * index, scale_x * tl.sum(grad * d_px, axis=2), mask=live)
-        tl.store(gloc_ptr + 2 * index + 1, scale_y * tl.sum(grad * d_py, axis=2), mask=live)
+        tl.store(gloc_ptr + 2 * index, scale_x * g_px, mask=live)
+        tl.store(gloc_ptr + 2 * index + 1, scale_y * g_py, mask=live)
         if ATOMIC_VALUE:
-            ptr, right, down, m00, m01, m10, m11 = corner_pointers(
-                gvalue_rows, chan, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_gvs
-            )
-            g = grad * weight[:, :, None]
-            gb = g * gy
-            gt = g - gb
-            tl.atomic_add(ptr, gt - gt * gx, mask=m00, sem="relaxed")
-            tl.atomic_add(ptr + right, gt * gx, mask=m01, sem="relaxed")
-            tl.atomic_add(ptr + down, gb - gb * gx, mask=m10, sem="relaxed")
-            tl.atomic_add(ptr + down + right, gb * gx, mask=m11, sem="relaxed")
+            if PAIR:
+                ptr, down, m_top, m_bottom = pair_pointers(
+                    gvalue_rows, chan, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_gvs
+                )
+                g = grad[:, :, None, :] * (weight[:, :, None] * wx)[:, :, :, None]
+                gb = g * gy
+                tl.atomic_add(ptr, g - gb, mask=m_top, sem="relaxed")
+                tl.atomic_add(ptr + down, gb, mask=m_bottom, sem="relaxed")
+            else:
+                ptr, right, down, m00, m01, m10, m11 = corner_pointers(
+                    gvalue_rows, chan, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_gvs
+                )
+                g = grad * weight[:, :, None]
+                gb = g * gy
+                gt = g - gb
+                tl.atomic_add(ptr, gt - gt * gx, mask=m00, sem="relaxed")
+                tl.atomic_add(ptr + right, gt * gx, mask=m01, sem="relaxed")
+                tl.atomic_add(ptr + down, gb - gb * gx, mask=m10, sem="relaxed")
+                tl.atomic_add(ptr + down + right, gb * gx, mask=m11, sem="relaxed")
         if WRITE_BUCKETS:
             reaches = (in_x0 | in_x1) & (in_y0 | in_y1)
             cell = tl.load(cells_ptr + level, mask=j_ok, other=0)[None, :] + (y0 + 1) * (width[None, :] + 1) + (x0 + 1)
@@ -194,7 +224,7 @@ def msda_backward(
     device = value.device
     n_rows = n * n_queries * heads
     cfg = msda_backward_config(n_rows=n_rows, dim=dim, n_samples=n_levels * n_points, dtype=value.dtype,
-                               device=device)
+                               device=device, n_queries=n_queries, n_pixels=n_pixels)
     n_chunks = triton.cdiv(dim, cfg.block_d) if dim else 1
     n_samples = n_rows * n_levels * n_points
     if n_samples == 0 or dim == 0:
@@ -207,7 +237,14 @@ def msda_backward(
     if deterministic:
         gvalue = torch.empty(value.shape, dtype=value.dtype, device=device)
     else:
-        gvalue = torch.zeros(value.shape, dtype=torch.float32, device=device)
+        # fp32 accumulator; in the transposed layout when the gathers use it (the same corner pairs are
+        # contiguous there), copied back to [N, S, M, D] at the end.
+        if cfg.transpose:
+            gvalue = torch.zeros((n, heads, n_pixels, dim), dtype=torch.float32, device=device).transpose(1, 2)
+        else:
+            gvalue = torch.zeros(value.shape, dtype=torch.float32, device=device)
+    if cfg.transpose:
+        value = transposed_value(value)
 
     if deterministic:
         # Corner cells of every level on a (H + 1) x (W + 1) grid; one host sync for their total.
@@ -233,13 +270,16 @@ def msda_backward(
         BLOCK_D=cfg.block_d,
         ATOMIC_VALUE=not deterministic,
         WRITE_BUCKETS=deterministic,
+        PAIR=cfg.pair,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     gloc = gloc[0] if n_chunks == 1 else gloc.sum(0).to(loc.dtype)
     gattn = gattn[0] if n_chunks == 1 else gattn.sum(0).to(attn.dtype)
     if not deterministic:
-        return gvalue.to(value.dtype), gloc, gattn
+        if gvalue.dtype == value.dtype and gvalue.is_contiguous():
+            return gvalue, gloc, gattn
+        return torch.empty(value.shape, dtype=value.dtype, device=device).copy_(gvalue), gloc, gattn
 
     sorted_buckets, order = torch.sort(buckets, stable=True)
     offsets = torch.searchsorted(sorted_buckets, torch.arange(no_bucket + 1, device=device))

@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from ..._config import msda_forward_config
-from .sampling import corner_setup, gather_corners, load_sample, point_block, query_rows
+from .sampling import corner_setup, gather_corners, gather_pairs, load_sample, point_block, query_rows, x_weights
 
-__all__ = ["msda_fwd_kernel", "msda_forward", "RUNTIME_INTS"]
+__all__ = ["msda_fwd_kernel", "msda_forward", "transposed_value", "RUNTIME_INTS"]
 
 # Batch, query count, heads, levels and points vary per call and never trigger a recompile.
 RUNTIME_INTS = ["n_rows", "n_queries", "n_heads", "n_levels", "n_points"]
@@ -36,6 +36,7 @@ def msda_fwd_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PAIR: tl.constexpr,
 ):
     row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
     chan = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -47,6 +48,7 @@ def msda_fwd_kernel(
     n_samples = n_levels * n_points
 
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    acc2 = tl.zeros((BLOCK_R, 2, BLOCK_D), tl.float32)
     for first in range(0, n_samples, BLOCK_P):
         _, j_ok, level, point, height, width, start = point_block(
             first, n_points, n_samples, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st, BLOCK_P
@@ -58,16 +60,36 @@ def msda_fwd_kernel(
             live, stride_lc,
         )
         x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = corner_setup(loc_x, loc_y, height[None, :], width[None, :], live)
-        v00, v01, v10, v11 = gather_corners(
-            value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
-        )
-        gx = fx[:, :, None]
-        top = v00 + gx * (v01 - v00)
-        bottom = v10 + gx * (v11 - v10)
-        acc += tl.sum(weight[:, :, None] * (top + fy[:, :, None] * (bottom - top)), axis=1)
+        if PAIR:
+            # x-neighbours as one [rows, points, 2, channels] tile per corner row; the two halves are added once
+            # at the end.
+            top, bottom = gather_pairs(
+                value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
+            )
+            wx = (weight[:, :, None] * x_weights(fx))[:, :, :, None]
+            gy = fy[:, :, None, None]
+            acc2 += tl.sum(wx * (top + gy * (bottom - top)), axis=1)
+        else:
+            v00, v01, v10, v11 = gather_corners(
+                value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
+            )
+            gx = fx[:, :, None]
+            top = v00 + gx * (v01 - v00)
+            bottom = v10 + gx * (v11 - v10)
+            acc += tl.sum(weight[:, :, None] * (top + fy[:, :, None] * (bottom - top)), axis=1)
+    if PAIR:
+        acc = tl.sum(acc2, axis=1)
 
     out = out_ptr + batch * stride_on + query * stride_oq + (head * DIM) * stride_oc
     tl.store(out[:, None] + (chan * stride_oc)[None, :], acc, mask=row_ok[:, None] & chan_ok[None, :])
+
+
+def transposed_value(value: torch.Tensor) -> torch.Tensor:
+    """``value`` copied into the ``[N, M, S, D]`` layout and viewed as ``[N, S, M, D]`` again: each head's map is
+    one contiguous block, its pixels ``D`` apart, so a corner pair is one contiguous span and neighbouring
+    samples share cache lines. Costs one copy of ``value`` per call, worth it when the points read each pixel
+    of a head about once or more (an encoder: L * P reads per pixel)."""
+    return value.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def level_strides(shapes: torch.Tensor, starts: torch.Tensor) -> tuple[int, int, int]:
@@ -89,7 +111,9 @@ def msda_forward(
     if n_rows == 0 or dim == 0:
         return out.zero_()
     cfg = msda_forward_config(n_rows=n_rows, dim=dim, n_samples=n_levels * n_points, dtype=value.dtype,
-                              device=value.device)
+                              device=value.device, n_queries=n_queries, n_pixels=value.shape[1])
+    if cfg.transpose:
+        value = transposed_value(value)
     grid = (triton.cdiv(n_rows, cfg.block_rows), triton.cdiv(dim, cfg.block_d))
     msda_fwd_kernel[grid](
         value, shapes, starts, loc, attn, out,
@@ -99,6 +123,7 @@ def msda_forward(
         BLOCK_R=cfg.block_rows,
         BLOCK_P=cfg.block_points,
         BLOCK_D=cfg.block_d,
+        PAIR=cfg.pair,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

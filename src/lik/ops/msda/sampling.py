@@ -11,7 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["query_rows", "point_block", "load_sample", "corner_setup", "corner_pointers", "gather_corners"]
+__all__ = [
+    "query_rows", "point_block", "load_sample", "corner_setup", "corner_pointers", "gather_corners", "pair_pointers",
+    "gather_pairs", "x_weights",
+]
 
 
 @triton.jit
@@ -107,3 +110,40 @@ def gather_corners(rows_ptr, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_
     v10 = tl.load(ptr + down, mask=m10, other=0.0).to(tl.float32)
     v11 = tl.load(ptr + down + right, mask=m11, other=0.0).to(tl.float32)
     return v00, v01, v10, v11
+
+
+@triton.jit
+def pair_pointers(rows_ptr, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_s):
+    """The two x-neighbours of a corner row as one ``[rows, points, 2, channels]`` tile (the middle axis is
+    x0 / x0 + 1): the pointer tile of the top row, the step to the bottom row and the top / bottom masks.
+
+    In the transposed ``[N, M, S, D]`` value layout the two halves are one contiguous ``2 * D`` span, so a pair
+    costs one wide request instead of two; in any layout it halves the address arithmetic and mask work.
+    """
+    pixel = start[None, :] + y0 * width[None, :] + x0
+    half = tl.arange(0, 2).to(tl.int64)
+    ptr = (rows_ptr[:, None, None, None] + ((pixel[:, :, None] + half[None, None, :]) * stride_s)[:, :, :, None]
+           + chan_off[None, None, None, :])
+    in_x = tl.where(half[None, None, :] == 0, in_x0[:, :, None], in_x1[:, :, None])
+    ok = chan_ok[None, None, None, :]
+    m_top = (in_y0[:, :, None] & in_x)[:, :, :, None] & ok
+    m_bottom = (in_y1[:, :, None] & in_x)[:, :, :, None] & ok
+    return ptr, (width * stride_s)[None, :, None, None], m_top, m_bottom
+
+
+@triton.jit
+def gather_pairs(rows_ptr, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_s):
+    """Top and bottom corner pairs ``[rows, points, 2, channels]`` in fp32 (zero off the map)."""
+    ptr, down, m_top, m_bottom = pair_pointers(
+        rows_ptr, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_s
+    )
+    top = tl.load(ptr, mask=m_top, other=0.0).to(tl.float32)
+    bottom = tl.load(ptr + down, mask=m_bottom, other=0.0).to(tl.float32)
+    return top, bottom
+
+
+@triton.jit
+def x_weights(fx):
+    """``[rows, points, 2]`` bilinear x weights (1 - fx, fx) of a corner pair."""
+    half = tl.arange(0, 2)
+    return tl.where(half[None, None, :] == 0, 1.0 - fx[:, :, None], fx[:, :, None])
