@@ -153,7 +153,7 @@ class MsdaForwardConfig:
     block_d: int
     num_warps: int = 4
     num_stages: int = 1
-    pair: bool = True  # x-neighbour corners as one [rows, points, 2, channels] tile
+    pair: bool = True  # x-neighbour corners as one [rows, points, 2, channels] tile (heuristic: off)
     transpose: bool = False  # gather from a [N, M, S, D] copy of value (contiguous corner pairs)
 
 
@@ -194,7 +194,8 @@ def _msda_tile(
 def _msda_transpose(n_queries: int, n_pixels: int, n_samples: int) -> bool:
     # A [N, M, S, D] copy of value (one read + write of it) pays when the points read every pixel of a head about
     # once or more (encoder: L * P reads per pixel); the decoder reads a fraction of it and keeps its memory.
-    return n_pixels > 0 and n_queries * n_samples >= n_pixels
+    # Measured on the H200 (benchmarks/NOTES-msda.md, change 3): slower in every case (copy + no L1 gain), so off.
+    return False
 
 
 def msda_forward_config(
@@ -206,7 +207,7 @@ def msda_forward_config(
     if forced is not None:
         return forced
     block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 8, 4096, device)
-    return MsdaForwardConfig(block_rows, block_p, block_d, num_warps=4, num_stages=1, pair=True,
+    return MsdaForwardConfig(block_rows, block_p, block_d, num_warps=4, num_stages=1, pair=False,
                              transpose=_msda_transpose(n_queries, n_pixels, n_samples))
 
 
@@ -217,8 +218,10 @@ def msda_backward_config(
     forced = _OVERRIDES.get("msda_backward")
     if forced is not None:
         return forced
-    block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 4, 2048, device)
-    return MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=4, num_stages=1, pair=True,
+    # 8 rows x 4 points: 2.64 / 2.68 / 2.93 ms (encoder realistic fp32 / uniform fp32 / realistic bf16, H200)
+    # against 2.75 / 2.81 / 3.52 for 16 x 4; x-pairs equal or slower except bf16 (2.84), kept off.
+    block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 4, 1024, device)
+    return MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=4, num_stages=1, pair=False,
                               transpose=_msda_transpose(n_queries, n_pixels, n_samples))
 
 
