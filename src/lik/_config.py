@@ -139,7 +139,7 @@ def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device
     block_k = min(block_d, 128)
     return MaxSimBackwardConfig(
         block_rows=32, block_doc_rows=64, block_k=block_k, num_warps=4, num_stages=1,
-        dq_docs=4, onehot_rows=32, onehot_doc_rows=64, onehot_warps=4, onehot_stages=3,
+        dq_docs=2, onehot_rows=64, onehot_doc_rows=64, onehot_warps=4, onehot_stages=3,
     )
 
 

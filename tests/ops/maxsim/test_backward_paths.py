@@ -69,6 +69,7 @@ def test_tiles(rng, shape, dq_docs, onehot):
 def test_per_query_documents_and_no_masks(rng, backward):
     _check(rng, (3, 20, 2, 19, 16), per_query=True, backward=backward)
     _check(rng, (3, 20, 2, 19, 16), masks=False, backward=backward)
+    _check(rng, (2, 70, 3, 19, 16), backward=backward)  # long queries: the flat one-hot when deterministic
 
 
 def test_nan_is_never_dropped(rng):
@@ -86,6 +87,7 @@ def test_nan_is_never_dropped(rng):
 
 def test_split_heuristic():
     cfg = _config.MaxSimBackwardConfig(block_rows=32, block_doc_rows=64, block_k=128, onehot_doc_rows=64)
-    assert bw.onehot_splits(1, 128, 180, 128, 32, False, cfg) >= 1
+    assert bw.onehot_splits(1, 128, 180, 128, 32, False, cfg) == 0  # measured: the scatter wins
+    assert bw.uses_flat_onehot(1024) and not bw.uses_flat_onehot(32)
     assert bw.onehot_splits(1, 64, 1024, 64, 1024, False, cfg) == 0  # long queries: the scatter
     assert bw.onehot_splits(2, 4, 30, 2, 32, True, cfg) == 0  # per-query candidates: the scatter

@@ -65,9 +65,11 @@ def maxsim_bwd_dq_kernel(
     # Pointers advance by DOCS documents per step: 64-bit arithmetic, no doc * stride product that could wrap.
     # The DOCS documents of a step are unrolled, so all their winner loads and row gathers are in flight at
     # once; they are still added in document order (the same bits as one document per step).
-    stride_db64 = stride_db.to(tl.int64)
-    stride_ab64 = stride_ab.to(tl.int64)
-    stride_gb64 = stride_gb.to(tl.int64)
+    # (A stride equal to 1 arrives as a Python int: add it to an int64 zero rather than calling .to on it.)
+    zero64 = pid * 0
+    stride_db64 = zero64 + stride_db
+    stride_ab64 = zero64 + stride_ab
+    stride_gb64 = zero64 + stride_gb
     doc_ptr = d_ptr + query * stride_dn
     winner_ptrs = argmax_ptr + query * stride_an + tokens * stride_al
     weight_ptr = grad_ptr + query * stride_gn
@@ -311,17 +313,20 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
 
 
 def onehot_splits(n_sets: int, n_docs: int, l_d: int, n_q: int, l_q: int, per_query: bool, cfg) -> int:
-    """How many query ranges the "fast" one-hot dD splits into (1: owned rows, no atomics), or 0 when the
-    per-(query, row) atomic scatter is the better "fast" choice (long queries: the one-hot costs
-    ``Lq x Ld x d`` per pair where the scatter costs ``Lq x d``)."""
-    if per_query or l_q > 64:
-        return 0
-    programs = n_sets * n_docs * triton.cdiv(l_d, cfg.onehot_doc_rows)
-    splits = 1
-    # Fill the machine (about 4 programs per SM on an H100 / H200) while each keeps >= 32 queries.
-    while programs * splits < 528 and n_q // (2 * splits) >= 32:
-        splits *= 2
-    return splits
+    """How many query ranges the "fast" one-hot dD splits into (1: owned rows, no atomics), or 0 for the
+    per-(query row, feature) atomic scatter.
+
+    Measured on an H200 (benchmarks/NOTES-backward.md): the scatter won at every training shape, by 5x at ColBERT
+    B 512 (1.17 ms against 6.1 ms split over 4 query ranges) and 12x at ColPali B 64, so "fast" always scatters;
+    the split one-hot stays available (and tested) for shapes where atomics contend harder."""
+    return 0
+
+
+def uses_flat_onehot(l_q: int) -> bool:
+    """Deterministic dD: the flat one-hot loop for long queries (ColPali: 1.8 / 7.3 / 28.7 ms at B 32 / 64 / 128
+    against 2.6 / 9.7 / 45.9 ms for the per-query loop on an H200), the per-query loop for short ones (ColBERT B 512:
+    4.8 ms against 6.3 ms)."""
+    return l_q > 64
 
 
 def launch_dd_onehot(grad, q, argmax, dd, *, splits: int, per_query: bool, cfg, block_k: int, n_k_blocks: int):
@@ -363,6 +368,10 @@ def maxsim_backward_dd(
         return torch.zeros(d_shape, dtype=dtype, device=grad.device)
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
+    if deterministic and not uses_flat_onehot(l_q):
+        dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
+        launch_dd_owned_loop(grad, q, argmax, dd, per_query=per_query, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
+        return dd
     splits = 1 if deterministic else onehot_splits(n_sets, n_docs, l_d, n_q, l_q, per_query, cfg)
     if splits == 1:
         dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
@@ -394,8 +403,7 @@ def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: in
 
 
 def launch_dd_owned_loop(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int, n_k_blocks: int):
-    """The first deterministic dD (a loop over queries, each a nested loop over token blocks); kept as the
-    baseline of benchmarks/profile_backward.py."""
+    """Deterministic dD for short queries: a loop over queries, each a nested loop over its token blocks."""
     n_sets, n_docs, l_d, dim = dd.shape
     n_q, l_q, _ = q.shape
     n_doc_blocks = triton.cdiv(l_d, cfg.block_doc_rows)
