@@ -37,11 +37,13 @@ BACKWARD_MODES = ("auto", "fast", "deterministic")
 
 
 # Strides that follow a batch size or a length are not specialised either (a stride's divisibility by 16
-# would otherwise pick a new variant when B or Lq changes).
+# would otherwise pick a new variant when B or Lq changes). Embedding strides (Lq * d, Ld * d) stay specialised:
+# they keep their divisibility when d does, and without it Triton cannot prove rows 16-byte aligned and loads
+# them element by element (see benchmarks/NOTES.md, version 6).
 _BATCH_STRIDES = ["stride_gn", "stride_an", "stride_ab"]
 
 
-@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES, "stride_dqn"])
+@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES])
 def maxsim_bwd_dq_kernel(
     d_ptr, grad_ptr, argmax_ptr, dq_ptr,
     q_len, n_docs, n_row_blocks, n_k_blocks,
@@ -98,7 +100,7 @@ def maxsim_bwd_dq_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES, "stride_qn"])
+@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES])
 def maxsim_bwd_dd_atomic_kernel(
     q_ptr, grad_ptr, argmax_ptr, dd_ptr,
     q_len, n_docs, n_row_blocks, n_k_blocks,
@@ -163,8 +165,7 @@ def winners_sum(
 
 
 @triton.jit(
-    do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks", *_BATCH_STRIDES,
-                       "stride_qn"]
+    do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks", *_BATCH_STRIDES]
 )
 def maxsim_bwd_dd_owned_kernel(
     q_ptr, grad_ptr, argmax_ptr, dd_ptr,
@@ -212,7 +213,7 @@ def maxsim_bwd_dd_owned_kernel(
 
 @triton.jit(
     do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks", "n_splits",
-                       "queries_per_split", "n_tok_blocks", *_BATCH_STRIDES, "stride_qn"]
+                       "queries_per_split", "n_tok_blocks", *_BATCH_STRIDES]
 )
 def maxsim_bwd_dd_onehot_kernel(
     q_ptr, grad_ptr, argmax_ptr, dd_ptr,
