@@ -1,8 +1,8 @@
 """Every dD / dQ path of the MaxSim backward against the float64 reference (Triton interpreter on CPU).
 
-``"fast"`` picks between the one-hot dD (owned rows, or split over query ranges with fp32 atomics) and the
-per-row atomic scatter by shape; each is forced here on odd shapes, with masks in both modes, several query
-token blocks per query, partial dQ document steps and a feature block narrower than ``d``.
+``"fast"`` is the fp32 atomic scatter; ``"deterministic"`` picks the flat one-hot dD (long queries) or the
+per-query one-hot loop (short ones) by query length. Each route is forced here on odd shapes, with masks in both
+modes, several query token blocks per query, partial dQ document steps and a feature block narrower than ``d``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ from .helpers import kernel_with_grads, rand_problem, reference_with_grads, rel_
 
 # (Nq, Lq, B, Ld, d)
 SHAPES = [(5, 7, 3, 13, 8), (3, 37, 2, 40, 24), (1, 1, 1, 1, 1), (4, 3, 5, 33, 33)]
-PLANS = {"onehot-owned": 1, "onehot-split2": 2, "onehot-split3": 3, "atomic-scatter": 0}
+# backward mode and, for "deterministic", whether the flat one-hot loop is forced on (True) or off (False)
+ROUTES = {"scatter": ("fast", None), "flat-onehot": ("deterministic", True), "query-loop": ("deterministic", False)}
+
+
+def _force(monkeypatch, route):
+    backward, flat = ROUTES[route]
+    if flat is not None:
+        monkeypatch.setattr(bw, "uses_flat_onehot", lambda l_q: flat)
+    return backward
 
 
 @pytest.fixture(autouse=True)
@@ -44,11 +52,10 @@ def _check(rng, shape, *, per_query=False, masks=True, mask_mode="exclude", back
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("route", sorted(ROUTES))
 @pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
-def test_fast_dd_plans(rng, monkeypatch, shape, plan, mask_mode):
-    monkeypatch.setattr(bw, "onehot_splits", lambda *args: PLANS[plan])
-    _check(rng, shape, mask_mode=mask_mode)
+def test_dd_routes(rng, monkeypatch, shape, route, mask_mode):
+    _check(rng, shape, mask_mode=mask_mode, backward=_force(monkeypatch, route))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -77,17 +84,13 @@ def test_nan_is_never_dropped(rng):
     Q, D, _, _ = rand_problem(rng, 2, 5, 2, 40, 16, masks=False)
     Q[0, 1, 3] = float("nan")
     grad = torch.randn(2, 2, generator=rng)
-    for plan in sorted(PLANS):
+    for route in sorted(ROUTES):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(bw, "onehot_splits", lambda *args: PLANS[plan])
-            for backward in ("fast", "deterministic"):
-                _, _, dd = kernel_with_grads(lik.maxsim, Q, D, None, None, grad, backward=backward)
-                assert torch.isnan(dd[0]).any() and torch.isnan(dd[1]).any()
+            backward = _force(mp, route)
+            _, _, dd = kernel_with_grads(lik.maxsim, Q, D, None, None, grad, backward=backward)
+            assert torch.isnan(dd[0]).any() and torch.isnan(dd[1]).any()
 
 
-def test_split_heuristic():
-    cfg = _config.MaxSimBackwardConfig(block_rows=32, block_doc_rows=64, block_k=128, onehot_doc_rows=64)
-    assert bw.onehot_splits(1, 128, 180, 128, 32, False, cfg) == 0  # measured: the scatter wins
-    assert bw.uses_flat_onehot(1024) and not bw.uses_flat_onehot(32)
-    assert bw.onehot_splits(1, 64, 1024, 64, 1024, False, cfg) == 0  # long queries: the scatter
-    assert bw.onehot_splits(2, 4, 30, 2, 32, True, cfg) == 0  # per-query candidates: the scatter
+def test_deterministic_route_heuristic():
+    assert bw.uses_flat_onehot(1024) and bw.uses_flat_onehot(65)
+    assert not bw.uses_flat_onehot(64) and not bw.uses_flat_onehot(32)

@@ -212,19 +212,18 @@ def maxsim_bwd_dd_owned_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks", "n_splits",
-                       "queries_per_split", "n_tok_blocks", *_BATCH_STRIDES]
+    do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks", "n_tok_blocks",
+                       *_BATCH_STRIDES]
 )
 def maxsim_bwd_dd_onehot_kernel(
     q_ptr, grad_ptr, argmax_ptr, dd_ptr,
-    n_queries, q_len, n_docs, doc_len, n_doc_blocks, n_k_blocks, n_splits, queries_per_split, n_tok_blocks,
+    n_queries, q_len, n_docs, doc_len, n_doc_blocks, n_k_blocks, n_tok_blocks,
     stride_qn, stride_ql, stride_qk,
     stride_gn, stride_gb,
     stride_an, stride_ab, stride_al,
     stride_ddn, stride_ddb, stride_ddl, stride_ddk,
     DIM: tl.constexpr,
     PER_QUERY: tl.constexpr,
-    ATOMIC: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_DOC_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -232,21 +231,18 @@ def maxsim_bwd_dd_onehot_kernel(
 ):
     """dD by one-hot products, one flat loop over (query, query-token block) steps.
 
-    A program owns ``BLOCK_DOC_ROWS`` rows of one document (one feature block) and a range of queries (all of
-    them unless ``n_splits > 1``). Each step loads one block of query tokens and their winners, forms
+    A program owns ``BLOCK_DOC_ROWS`` rows of one document (one feature block) and sums over every query that
+    scores it. Each step loads one block of query tokens and their winners, forms
     ``onehot(winner == position)`` (0/1 in the input dtype: the product is an exact selection, accumulated in
     fp32) and adds ``w[query, doc] * (onehot @ Q_block)`` in fp32. One flat loop (no nested per-query loop) lets
-    the compiler pipeline the loads of the next steps behind the current product. ``ATOMIC``: the query range
-    is split over ``n_splits`` programs whose fp32 results are added atomically (fewer, row-combined atomics);
-    otherwise each program owns its rows and stores them in the input dtype (no atomics, bitwise repeatable).
+    the compiler pipeline the loads of the next steps behind the current product. Each program owns its rows and
+    stores them in the input dtype: no atomics, bitwise repeatable.
     """
     pid = tl.program_id(0).to(tl.int64)
     k_block = pid % n_k_blocks
     rest = pid // n_k_blocks
     doc_block = rest % n_doc_blocks
     rest = rest // n_doc_blocks
-    split = rest % n_splits
-    rest = rest // n_splits
     doc = rest % n_docs
     doc_set = rest // n_docs
     first_position = doc_block * BLOCK_DOC_ROWS
@@ -257,8 +253,8 @@ def maxsim_bwd_dd_onehot_kernel(
         first_query = doc_set
         n_own = doc_set * 0 + 1
     else:
-        first_query = split * queries_per_split
-        n_own = tl.minimum(queries_per_split, n_queries - first_query)
+        first_query = doc_set * 0
+        n_own = n_queries
     q_base = q_ptr + first_query * stride_qn
     a_base = argmax_ptr + first_query * stride_an + doc * stride_ab
     g_base = grad_ptr + first_query * stride_gn + doc * stride_gb
@@ -280,11 +276,7 @@ def maxsim_bwd_dd_onehot_kernel(
         weight = tl.load(g_base + qi * stride_gn)
         acc += weight * tl.dot(one_hot, rows, input_precision=DOT_PRECISION)
     out = dd_ptr + doc_set * stride_ddn + doc * stride_ddb + positions[:, None] * stride_ddl + kk[None, :] * stride_ddk
-    out_ok = (positions < doc_len)[:, None] & k_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(out, acc, mask=out_ok, sem="relaxed")
-    else:
-        tl.store(out, acc.to(dd_ptr.dtype.element_ty), mask=out_ok)
+    tl.store(out, acc.to(dd_ptr.dtype.element_ty), mask=(positions < doc_len)[:, None] & k_ok[None, :])
 
 
 def feature_blocks(dim: int, block_k: int) -> tuple[int, int]:
@@ -313,16 +305,6 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
     return dq
 
 
-def onehot_splits(n_sets: int, n_docs: int, l_d: int, n_q: int, l_q: int, per_query: bool, cfg) -> int:
-    """How many query ranges the "fast" one-hot dD splits into (1: owned rows, no atomics), or 0 for the
-    per-(query row, feature) atomic scatter.
-
-    Measured on an H200 (benchmarks/NOTES-backward.md): the scatter won at every training shape, by 5x at ColBERT
-    B 512 (1.17 ms against 6.1 ms split over 4 query ranges) and 12x at ColPali B 64, so "fast" always scatters;
-    the split one-hot stays available (and tested) for shapes where atomics contend harder."""
-    return 0
-
-
 def uses_flat_onehot(l_q: int) -> bool:
     """Deterministic dD: the flat one-hot loop for long queries (ColPali: 1.8 / 7.3 / 28.7 ms at B 32 / 64 / 128
     against 2.6 / 9.7 / 45.9 ms for the per-query loop on an H200), the per-query loop for short ones (ColBERT B 512:
@@ -330,20 +312,17 @@ def uses_flat_onehot(l_q: int) -> bool:
     return l_q > 64
 
 
-def launch_dd_onehot(grad, q, argmax, dd, *, splits: int, per_query: bool, cfg, block_k: int, n_k_blocks: int):
-    """One-hot dD into ``dd`` (input dtype, owned rows) when ``splits == 1``, else atomically into fp32 ``dd``
-    (pre-zeroed)."""
+def launch_dd_onehot(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int, n_k_blocks: int):
+    """Deterministic one-hot dD into ``dd`` (input dtype, each program owns its rows)."""
     n_sets, n_docs, l_d, dim = dd.shape
     n_q, l_q, _ = q.shape
     n_doc_blocks = triton.cdiv(l_d, cfg.onehot_doc_rows)
     block_rows = max(16, min(cfg.onehot_rows, next_power_of_2(l_q)))
-    queries_per_split = triton.cdiv(n_q, splits)
-    splits = triton.cdiv(n_q, queries_per_split)
-    maxsim_bwd_dd_onehot_kernel[(n_sets * n_docs * splits * n_doc_blocks * n_k_blocks,)](
+    maxsim_bwd_dd_onehot_kernel[(n_sets * n_docs * n_doc_blocks * n_k_blocks,)](
         q, grad, argmax, dd,
-        n_q, l_q, n_docs, l_d, n_doc_blocks, n_k_blocks, splits, queries_per_split, triton.cdiv(l_q, block_rows),
+        n_q, l_q, n_docs, l_d, n_doc_blocks, n_k_blocks, triton.cdiv(l_q, block_rows),
         *q.stride(), *grad.stride(), *argmax.stride(), *dd.stride(),
-        DIM=dim, PER_QUERY=per_query, ATOMIC=splits > 1, BLOCK_ROWS=block_rows,
+        DIM=dim, PER_QUERY=per_query, BLOCK_ROWS=block_rows,
         BLOCK_DOC_ROWS=cfg.onehot_doc_rows, BLOCK_K=block_k, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.onehot_warps, num_stages=cfg.onehot_stages,
     )
@@ -369,21 +348,13 @@ def maxsim_backward_dd(
         return torch.zeros(d_shape, dtype=dtype, device=grad.device)
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
-    if deterministic and not uses_flat_onehot(l_q):
+    if deterministic:
         dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
-        launch_dd_owned_loop(grad, q, argmax, dd, per_query=per_query, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
+        launch = launch_dd_onehot if uses_flat_onehot(l_q) else launch_dd_owned_loop
+        launch(grad, q, argmax, dd, per_query=per_query, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
         return dd
-    splits = 1 if deterministic else onehot_splits(n_sets, n_docs, l_d, n_q, l_q, per_query, cfg)
-    if splits == 1:
-        dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
-        launch_dd_onehot(grad, q, argmax, dd, splits=1, per_query=per_query, cfg=cfg, block_k=block_k,
-                         n_k_blocks=n_k_blocks)
-        return dd
-    if splits > 1:
-        dd32 = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
-        launch_dd_onehot(grad, q, argmax, dd32, splits=splits, per_query=per_query, cfg=cfg, block_k=block_k,
-                         n_k_blocks=n_k_blocks)
-        return dd32.to(dtype)
+    # "fast": the fp32 atomic scatter; on the H200 it beat a one-hot dD split over query ranges with fp32
+    # atomics at every training shape (5x at ColBERT B 512, 12x at ColPali B 64; NOTES-backward.md).
     dd32 = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
     launch_dd_atomic(grad, q, argmax, dd32, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
     return dd32.to(dtype)
