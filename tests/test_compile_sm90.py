@@ -41,6 +41,7 @@ def _record_launches(monkeypatch, workload):
     monkeypatch.setattr(triton_interpreter.InterpretedFunction, "run", record)
     # The GPU heuristics, not the interpreter's small tiles: those are the variants users compile.
     monkeypatch.setattr(_config, "interpreting", lambda: False)
+    monkeypatch.setattr(_config, "_arch", lambda device: (9, 0))
     workload()
     monkeypatch.undo()
     return launches

@@ -6,7 +6,8 @@ sequence lengths are runtime arguments of the kernels: changing them never recom
 
 Tests (and users chasing the last percent) can force a configuration::
 
-    with lik._config.override(maxsim_forward=MaxSimForwardConfig(group_rows=16, groups=2, block_n=16)):
+    cfg = MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=128)
+    with lik._config.override(maxsim_forward=cfg):
         lik.maxsim(Q, D)
 """
 
@@ -104,19 +105,20 @@ def maxsim_forward_config(
     forced = _OVERRIDES.get("maxsim_forward")
     if forced is not None:
         return replace(forced, groups=1) if per_query else forced
-    return _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, device, interpreting())
+    return _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, _arch(device), interpreting())
 
 
 @functools.lru_cache(maxsize=4096)
-def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, device, interpreted) -> MaxSimForwardConfig:
+def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, arch, interpreted) -> MaxSimForwardConfig:
     block_d = max(16, next_power_of_2(dim))
     if interpreted:
         max_rows, block_n, warps, stages = 32, 16, 4, 1
     else:
         # From benchmarks/tune_maxsim.py on an H200 (benchmarks/NOTES.md): 256 query rows against 64-token
         # document tiles for long or stacked queries, 32 x 64 with 4 warps for a single short query.
+        # 256-row tiles were measured on Hopper only; older GPUs get the 128-row tile (fewer registers per SM).
         wide = dtype == torch.float32 or block_d > 128
-        max_rows = 64 if wide else 256
+        max_rows = 64 if wide else (256 if arch >= (9, 0) else 128)
         block_n, stages = (32 if block_d > 256 else 64), (2 if wide else 3)
     group_rows = min(max(16, next_power_of_2(q_len)), max_rows)
     groups = 1
