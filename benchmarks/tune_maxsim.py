@@ -45,20 +45,25 @@ def ceilings() -> tuple[float, float]:
     return bandwidth, 2 * 8192**3 / (ms * 1e-3)
 
 
-def floor_ms(shape, bandwidth, flops) -> float:
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def floor_ms(shape, bandwidth, flops, element_bytes=2) -> float:
     n_q, l_q, n_docs, l_d = shape
     work = 2.0 * n_q * l_q * n_docs * l_d * DIM
-    moved = 2.0 * (n_q * l_q * DIM + n_docs * l_d * DIM) + 4.0 * n_q * n_docs
+    moved = element_bytes * (n_q * l_q * DIM + n_docs * l_d * DIM) + 4.0 * n_q * n_docs
     return max(work / flops, moved / bandwidth) * 1e3
 
 
-def candidates(l_q: int, n_q: int):
-    """The two largest row groups the query fills, stacked to 128 / 256 rows when there are many queries; 4 to 16
-    warps, tiles up to 256 x 128 (16 warps never placed in the top three on the H200)."""
+def candidates(l_q: int, n_q: int, wide: bool = False):
+    """The two largest row groups the query fills, stacked to 128 / 256 rows when there are many queries; 4 or 8
+    warps (16 never placed in the top three on the H200), tiles up to 256 x 128. ``wide`` (fp32): the three
+    largest row groups, 32- and 64-token tiles, 2 or 3 stages (fp32 tiles take twice the shared memory)."""
     bucket = max(16, triton.next_power_of_2(l_q))
-    rows = [r for r in (16, 32, 64, 128, 256) if r <= bucket][-2:]
+    rows = [r for r in (16, 32, 64, 128, 256) if r <= bucket][-3 if wide else -2:]
+    block_ns, stage_counts = ((32, 64), (2, 3)) if wide else ((64, 128), (3, 4))
     for group_rows, total, block_n, warps, stages in itertools.product(
-        rows, (0, 128, 256), (64, 128), (4, 8), (3, 4)
+        rows, (0, 128, 256), block_ns, (4, 8), stage_counts
     ):
         total = total or group_rows
         if total < group_rows or (total > group_rows and n_q == 1):
@@ -73,18 +78,23 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="fp32 runs with TF32 products")
     args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
+    if dtype == torch.float32:
+        torch.set_float32_matmul_precision("high")  # TF32, the fp32 setting issue 3's bar is about
     bandwidth, flops = ceilings()
     print(f"ceilings: {bandwidth / 1e12:.2f} TB/s copy, {flops / 1e12:.0f} TFLOP/s fp16 cuBLAS", flush=True)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "dtype": args.dtype,
                "bandwidth": bandwidth, "flops": flops, "shapes": {}}
     summary = []
     for name in args.shapes.split(","):
         n_q, l_q, n_docs, l_d = shape = SHAPES[name]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        Q = torch.nn.functional.normalize(torch.randn(n_q, l_q, DIM, device="cuda", generator=gen), dim=-1).half()
-        D = torch.nn.functional.normalize(torch.randn(n_docs, l_d, DIM, device="cuda", generator=gen), dim=-1).half()
-        floor = floor_ms(shape, bandwidth, flops)
+        Q = torch.nn.functional.normalize(torch.randn(n_q, l_q, DIM, device="cuda", generator=gen), dim=-1).to(dtype)
+        D = torch.nn.functional.normalize(torch.randn(n_docs, l_d, DIM, device="cuda", generator=gen), dim=-1).to(dtype)
+        floor = floor_ms(shape, bandwidth, flops, torch.finfo(dtype).bits // 8)
         ref = lik.maxsim(Q, D)
 
         def bench(fn):
@@ -101,7 +111,7 @@ def main() -> None:
         except torch.OutOfMemoryError:
             einsum = float("nan")
         rows = []
-        for cfg in candidates(l_q, n_q):
+        for cfg in candidates(l_q, n_q, wide=dtype == torch.float32):
             with _config.override(maxsim_forward=cfg):
                 try:
                     out = lik.maxsim(Q, D)
@@ -126,7 +136,7 @@ def main() -> None:
             print(f"    WRONG RESULTS from {len(bad)} configs, e.g. {bad[0]['config']}", flush=True)
         del Q, D
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "tune_maxsim.json"), "w") as f:
+    with open(os.path.join(args.out, f"tune_maxsim_{args.dtype}.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"\n{'shape':16s} {'floor':>8s} {'lik':>8s} {'%floor':>7s} {'best':>8s} {'%floor':>7s} {'einsum':>8s}")
     for name, floor, heuristic, einsum, best in summary:
