@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validation import KERNEL_DTYPES, check_mask
+from .validation import KERNEL_DTYPES, check_mask, check_matches
 
 __all__ = [
     "pack",
@@ -188,7 +188,7 @@ class PackedInputs:
         """
         q = _check_embeddings("q", q, (2,), "[total_q_tokens, dim]", allow_float64)
         d = _check_embeddings("d", d, (2,), "[total_d_tokens, dim]", allow_float64)
-        _check_pair_types(q, d)
+        check_matches("d", d, "q", q)
         cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
         cu_d = check_cu_seqlens("cu_seqlens_d", cu_seqlens_d, q.device)
         if cu_q.numel() != cu_d.numel():
@@ -213,7 +213,7 @@ class PackedInputs:
         synchronisation) unless ``max_seqlen_d`` is given and ``read_values`` is False."""
         Q = _check_embeddings("Q", Q, (2, 3), "[Lq, dim] or [Nq, Lq, dim]", allow_float64)
         d = _check_embeddings("d", d, (2,), "[total_d_tokens, dim]", allow_float64)
-        _check_pair_types(Q, d, q_name="Q")
+        check_matches("d", d, "Q", Q)
         cu_d = check_cu_seqlens("cu_seqlens_d", cu_seqlens_d, Q.device)
         check_values = _check_hint("max_seqlen_d", max_seqlen_d) is None or read_values
         q_mask = check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), Q.device)
@@ -228,12 +228,3 @@ class PackedInputs:
     def finish(self, scores: torch.Tensor) -> torch.Tensor:
         """Corpus scores ``[Nq, B]`` shaped the way ``Q`` was passed (pairs: ``[N]`` unchanged)."""
         return scores[0] if self.squeeze_query else scores
-
-
-def _check_pair_types(q: torch.Tensor, d: torch.Tensor, q_name: str = "q") -> None:
-    if d.dtype != q.dtype:
-        raise TypeError(f"d has dtype {d.dtype} but {q_name} has {q.dtype}: pass both in one dtype")
-    if d.device != q.device:
-        raise ValueError(f"d is on {d.device} but {q_name} is on {q.device}")
-    if d.shape[-1] != q.shape[-1]:
-        raise ValueError(f"d has embedding dim {d.shape[-1]} but {q_name} has {q.shape[-1]}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MaxSimInputs", "KERNEL_DTYPES", "MASK_MODES", "check_mask"]
+__all__ = ["MaxSimInputs", "KERNEL_DTYPES", "MASK_MODES", "check_mask", "check_matches"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_MODES = ("exclude", "zero")
@@ -42,6 +42,16 @@ def check_mask(name: str, mask, expected_shape: tuple[int, ...], device: torch.d
     if mask.device != device:
         raise ValueError(f"{name} is on {mask.device} but the embeddings are on {device}")
     return mask
+
+
+def check_matches(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """``x`` must share ``ref``'s dtype, device and embedding dim (the last axis); errors name both."""
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}: pass both in one dtype")
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
+    if x.shape[-1] != ref.shape[-1]:
+        raise ValueError(f"{name} has embedding dim {x.shape[-1]} but {ref_name} has {ref.shape[-1]}")
 
 
 @dataclass(frozen=True)
@@ -76,12 +86,7 @@ class MaxSimInputs:
         allowed = KERNEL_DTYPES + ((torch.float64,) if allow_float64 else ())
         if Q.dtype not in allowed:
             raise TypeError(f"Q must have dtype in {[str(t) for t in allowed]}, got {Q.dtype}")
-        if D.dtype != Q.dtype:
-            raise TypeError(f"D has dtype {D.dtype} but Q has {Q.dtype}: pass both in one dtype")
-        if D.device != Q.device:
-            raise ValueError(f"D is on {D.device} but Q is on {Q.device}")
-        if D.shape[-1] != Q.shape[-1]:
-            raise ValueError(f"D has embedding dim {D.shape[-1]} but Q has {Q.shape[-1]}")
+        check_matches("D", D, "Q", Q)
 
         squeeze = Q.dim() == 2
         q = Q.unsqueeze(0) if squeeze else Q
