@@ -12,7 +12,11 @@ heuristic = _config._maxsim_forward_heuristic
 def test_hopper_gets_256_row_tiles_older_gpus_128():
     assert heuristic(1024, 1, 128, torch.float16, False, (9, 0), False).block_m == 256
     assert heuristic(1024, 1, 128, torch.float16, False, (8, 0), False).block_m == 128
-    assert heuristic(1024, 1, 128, torch.float32, False, (9, 0), False).block_m == 64
+    fp32 = heuristic(1024, 1, 128, torch.float32, False, (9, 0), False)
+    assert (fp32.block_m, fp32.num_stages) == (256, 3)
+    assert heuristic(32, 1, 128, torch.float32, False, (9, 0), False).num_stages == 2
+    assert heuristic(1024, 1, 128, torch.float32, False, (8, 0), False).block_m == 64
+    assert heuristic(1024, 1, 512, torch.float16, False, (9, 0), False).block_m == 64
 
 
 def test_short_queries_are_stacked_only_for_shared_documents():

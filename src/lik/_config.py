@@ -117,8 +117,12 @@ def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, arch, int
         # From benchmarks/tune_maxsim.py on an H200 (benchmarks/NOTES.md): 256 query rows against 64-token
         # document tiles for long or stacked queries, 32 x 64 with 4 warps for a single short query.
         # 256-row tiles were measured on Hopper only; older GPUs get the 128-row tile (fewer registers per SM).
-        wide = dtype == torch.float32 or block_d > 128
-        max_rows = 64 if wide else (256 if arch >= (9, 0) else 128)
+        # fp32 (TF32) at d <= 128 took the same 256 x 64 tiles in the H200 fp32 sweep (ColPali 1.28 -> 0.97 ms
+        # against 64-row tiles; 3 stages for tiles of 128+ rows, 2 for one short query); before Hopper, and for
+        # wider embeddings, fp32 keeps the small tiles (unmeasured, and their shared memory is smaller).
+        hopper = arch >= (9, 0)
+        wide = block_d > 128 or (dtype == torch.float32 and not hopper)
+        max_rows = 64 if wide else (256 if hopper else 128)
         block_n, stages = (32 if block_d > 256 else 64), (2 if wide else 3)
     group_rows = min(max(16, next_power_of_2(q_len)), max_rows)
     groups = 1
@@ -128,6 +132,8 @@ def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, arch, int
         groups = max(1, min(max_rows // group_rows, next_power_of_2(n_groups_total)))
     block_k = block_d if interpreted else min(block_d, 256)
     warps = 4 if interpreted or group_rows * groups < 128 else 8
+    if not interpreted and dtype == torch.float32 and group_rows * groups < 128:
+        stages = 2
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages)
 
 
