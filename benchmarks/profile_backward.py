@@ -4,8 +4,9 @@
 
 Per in-batch training shape (d 128, fp16, L2-normalised random data): the forward with argmax, dQ (documents per
 loop step 1 = the first version, and the configured / swept values), the atomic dD scatter (its fp32 zero-fill and
-its cast timed apart), the first deterministic dD (loop over queries), the one-hot dD (owned rows, and split over
-query ranges with fp32 atomics) over a few tiles, and the whole step through ``lik.maxsim`` (fast / deterministic).
+its cast timed apart), the deterministic dD routes (loop over queries, flat one-hot, sorted-winners gather over a
+few sort chunks and blocks, with its peak memory and the sort alone), and the whole step through ``lik.maxsim``
+(fast / deterministic, with peaks).
 Medians of ``triton.testing.do_bench`` (ms). Prints a table, writes ``$OUT/profile_backward.json`` (or --out).
 """
 
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import lik  # noqa: E402
 from lik import _config  # noqa: E402
 from lik.ops.maxsim import backward as bw  # noqa: E402
+from lik.ops.maxsim.backward_sorted import launch_dd_sorted, sorted_winners  # noqa: E402
 from lik.ops.maxsim.forward import maxsim_forward  # noqa: E402
 from lik.ops.maxsim.validation import MaxSimInputs  # noqa: E402
 
@@ -31,9 +33,8 @@ SHAPES = {  # Nq = B (in-batch), Lq, B, Ld
     "colbert-128": (32, 128, 180), "colbert-512": (32, 512, 180), "colbert-2048": (32, 2048, 180),
     "colpali-32": (1024, 32, 1024), "colpali-64": (1024, 64, 1024), "colpali-128": (1024, 128, 1024),
 }
-# (rows, doc_rows, warps, stages, splits)
-ONEHOT = [(32, 64, 4, 3, 1), (32, 64, 4, 1, 1), (32, 128, 8, 3, 1), (64, 64, 4, 3, 1), (64, 128, 8, 3, 1),
-          (32, 64, 4, 3, 2), (32, 64, 4, 3, 4)]
+# sorted-winners dD: (sort workspace entries, contributions per block, warps)
+SORTED = [(1 << 20, 16, 4), (1 << 22, 16, 4), (1 << 24, 16, 4), (1 << 22, 32, 4), (1 << 22, 8, 2), (1 << 22, 32, 8)]
 
 
 def bench(fn, rep):
@@ -80,25 +81,23 @@ def profile(name, rep, quick):
     row["dd_cast"] = bench(lambda: dd32.to(dtype), rep)
     dd = torch.empty(d.shape, dtype=dtype, device=dev)
     if not (quick and n * n * l_q > 2**25):
-        row["dd_owned_loop_v0"] = bench(lambda: bw.launch_dd_owned_loop(grad, q, argmax, dd, per_query=False, cfg=cfg,
-                                                                        block_k=block_k, n_k_blocks=n_k), rep)
-    for rows, doc_rows, warps, stages, splits in ONEHOT:
-        c = replace(cfg, onehot_rows=rows, onehot_doc_rows=doc_rows, onehot_warps=warps, onehot_stages=stages)
-        key = f"dd_onehot_r{rows}_dr{doc_rows}_w{warps}_s{stages}_split{splits}"
-        target = dd if splits == 1 else dd32
-
-        def run():
-            if splits > 1:
-                target.zero_()
-            bw.launch_dd_onehot(grad, q, argmax, target, splits=splits, per_query=False, cfg=c, block_k=block_k,
-                                n_k_blocks=n_k)
-        try:
-            row[key] = bench(run, rep)
-            run()
-            row[key + "_relerr_vs_atomic"] = rel(target, dd_ref)
-        except Exception as exc:  # a tile that does not fit (shared memory) is recorded, not fatal
-            row[key] = None
-            row[key + "_error"] = repr(exc)[:200]
+        if not (quick and l_q > 64):
+                row["dd_owned_loop_v0"] = bench(lambda: bw.launch_dd_owned_loop(
+                grad, q, argmax, dd, per_query=False, cfg=cfg, block_k=block_k, n_k_blocks=n_k), rep)
+        row["dd_onehot"] = bench(lambda: bw.launch_dd_onehot(grad, q, argmax, dd, per_query=False, cfg=cfg,
+                                                             block_k=block_k, n_k_blocks=n_k), rep)
+    # Sorted-winners gather: sort chunk (workspace) x contributions per block x warps.
+    row["sort_only"] = bench(lambda: sorted_winners(argmax, l_d, per_query=False), rep)
+    for workspace, entries, warps in SORTED:
+        c = replace(cfg, sort_workspace_entries=workspace, sort_entries=entries, sort_warps=warps)
+        key = f"dd_sorted_ws{workspace.bit_length() - 1}_e{entries}_w{warps}"
+        row[key] = bench(lambda: launch_dd_sorted(grad, q, argmax, dd, per_query=False, cfg=c, block_k=block_k,
+                                                  n_k_blocks=n_k), rep)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        launch_dd_sorted(grad, q, argmax, dd, per_query=False, cfg=c, block_k=block_k, n_k_blocks=n_k)
+        row[key + "_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row[key + "_relerr_vs_atomic"] = rel(dd, dd_ref)
     for mode in ("fast", "deterministic"):
         Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
         labels = torch.arange(n, device=dev)

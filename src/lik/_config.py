@@ -96,6 +96,14 @@ class MaxSimBackwardConfig:
     onehot_doc_rows: int = 16
     onehot_warps: int = 4
     onehot_stages: int = 1
+    # dD kernels: "fast" takes ``fast_dd`` ("atomic" scatter or "sorted" gather), "deterministic" takes
+    # ``deterministic_dd`` ("sorted", "onehot" or "loop"; never atomics). The sorted gather: contributions per
+    # block, warps, and winners per sort chunk (about 24 bytes of workspace each).
+    fast_dd: str = "atomic"
+    deterministic_dd: str = "sorted"
+    sort_entries: int = 16
+    sort_warps: int = 4
+    sort_workspace_entries: int = 1 << 20
 
 
 def maxsim_forward_config(

@@ -1,32 +1,45 @@
 """Every dD / dQ path of the MaxSim backward against the float64 reference (Triton interpreter on CPU).
 
-``"fast"`` is the fp32 atomic scatter; ``"deterministic"`` picks the flat one-hot dD (long queries) or the
-per-query one-hot loop (short ones) by query length. Each route is forced here on odd shapes, with masks in both
-modes, several query token blocks per query, partial dQ document steps and a feature block narrower than ``d``.
+dD routes: the fp32 atomic scatter (``"fast"`` by default), the sorted-winners gather (``"deterministic"`` by
+default, selectable for ``"fast"``), the flat one-hot and the per-query one-hot loop (deterministic, by config).
+Each route is forced here on odd shapes, with masks in both modes, several query token blocks per query, sort
+chunks of one document and of several, partial dQ document steps and a feature block narrower than ``d``.
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
 
 import lik
 from lik import _config
-from lik.ops.maxsim import backward as bw
+from lik.ops.maxsim.backward_sorted import chunk_documents, sorted_winners
 
 from .helpers import kernel_with_grads, rand_problem, reference_with_grads, rel_err
 
 # (Nq, Lq, B, Ld, d)
 SHAPES = [(5, 7, 3, 13, 8), (3, 37, 2, 40, 24), (1, 1, 1, 1, 1), (4, 3, 5, 33, 33)]
-# backward mode and, for "deterministic", whether the flat one-hot loop is forced on (True) or off (False)
-ROUTES = {"scatter": ("fast", None), "flat-onehot": ("deterministic", True), "query-loop": ("deterministic", False)}
+# route name -> (backward mode, config field values)
+ROUTES = {
+    "scatter": ("fast", {"fast_dd": "atomic"}),
+    "sorted-fast": ("fast", {"fast_dd": "sorted"}),
+    "sorted": ("deterministic", {"deterministic_dd": "sorted"}),
+    "sorted-chunked": ("deterministic", {"deterministic_dd": "sorted", "sort_workspace_entries": 1}),
+    "flat-onehot": ("deterministic", {"deterministic_dd": "onehot"}),
+    "query-loop": ("deterministic", {"deterministic_dd": "loop"}),
+}
 
 
-def _force(monkeypatch, route):
-    backward, flat = ROUTES[route]
-    if flat is not None:
-        monkeypatch.setattr(bw, "uses_flat_onehot", lambda l_q: flat)
-    return backward
+@contextlib.contextmanager
+def _route(name, **tiles):
+    """Force one dD route (and optional tiles) on the interpreter's backward config."""
+    backward, fields = ROUTES[name]
+    base = _config.maxsim_backward_config(dim=16, dtype=torch.float32, device=torch.device("cpu"))
+    with _config.override(maxsim_backward=replace(base, **fields, **tiles)):
+        yield backward
 
 
 @pytest.fixture(autouse=True)
@@ -54,29 +67,30 @@ def _check(rng, shape, *, per_query=False, masks=True, mask_mode="exclude", back
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("route", sorted(ROUTES))
 @pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
-def test_dd_routes(rng, monkeypatch, shape, route, mask_mode):
-    _check(rng, shape, mask_mode=mask_mode, backward=_force(monkeypatch, route))
+def test_dd_routes(rng, shape, route, mask_mode):
+    with _route(route) as backward:
+        _check(rng, shape, mask_mode=mask_mode, backward=backward)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dq_docs", [1, 3])
-@pytest.mark.parametrize("onehot", [(16, 16), (32, 32)])
-def test_tiles(rng, shape, dq_docs, onehot):
-    """Partial dQ document steps, one-hot row tiles larger than the query / document, narrow feature blocks."""
-    cfg = _config.MaxSimBackwardConfig(
-        block_rows=16, block_doc_rows=16, block_k=16, dq_docs=dq_docs, onehot_rows=onehot[0],
-        onehot_doc_rows=onehot[1],
-    )
-    with _config.override(maxsim_backward=cfg):
-        for backward in ("fast", "deterministic"):
+@pytest.mark.parametrize("tiles", [(16, 16, 1), (32, 32, 4)])
+def test_tiles(rng, shape, dq_docs, tiles):
+    """Partial dQ document steps, one-hot row tiles larger than the query / document, sorted-gather blocks of
+    1 and 4 contributions, narrow feature blocks."""
+    rows, doc_rows, entries = tiles
+    for route in ("scatter", "sorted", "flat-onehot", "query-loop"):  # one per kernel
+        with _route(route, block_k=16, dq_docs=dq_docs, onehot_rows=rows, onehot_doc_rows=doc_rows,
+                    sort_entries=entries) as backward:
             _check(rng, shape, backward=backward)
 
 
-@pytest.mark.parametrize("backward", ["fast", "deterministic"])
-def test_per_query_documents_and_no_masks(rng, backward):
-    _check(rng, (3, 20, 2, 19, 16), per_query=True, backward=backward)
-    _check(rng, (3, 20, 2, 19, 16), masks=False, backward=backward)
-    _check(rng, (2, 70, 3, 19, 16), backward=backward)  # long queries: the flat one-hot when deterministic
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_per_query_documents_and_no_masks(rng, route):
+    with _route(route) as backward:
+        _check(rng, (3, 20, 2, 19, 16), per_query=True, backward=backward)
+        _check(rng, (3, 20, 2, 19, 16), masks=False, backward=backward)
+        _check(rng, (2, 70, 3, 19, 16), backward=backward)
 
 
 def test_nan_is_never_dropped(rng):
@@ -85,12 +99,36 @@ def test_nan_is_never_dropped(rng):
     Q[0, 1, 3] = float("nan")
     grad = torch.randn(2, 2, generator=rng)
     for route in sorted(ROUTES):
-        with pytest.MonkeyPatch.context() as mp:
-            backward = _force(mp, route)
+        with _route(route) as backward:
             _, _, dd = kernel_with_grads(lik.maxsim, Q, D, None, None, grad, backward=backward)
             assert torch.isnan(dd[0]).any() and torch.isnan(dd[1]).any()
 
 
-def test_deterministic_route_heuristic():
-    assert bw.uses_flat_onehot(1024) and bw.uses_flat_onehot(65)
-    assert not bw.uses_flat_onehot(64) and not bw.uses_flat_onehot(32)
+def test_unknown_or_atomic_routes_are_refused(rng):
+    Q, D, _, _ = rand_problem(rng, 2, 5, 2, 7, 16, masks=False)
+    D.requires_grad_()
+    base = _config.maxsim_backward_config(dim=16, dtype=torch.float32, device=torch.device("cpu"))
+    for backward, fields in (("deterministic", {"deterministic_dd": "atomic"}), ("fast", {"fast_dd": "onehot"})):
+        with _config.override(maxsim_backward=replace(base, **fields)):
+            with pytest.raises(ValueError, match="dD route must be one of"):
+                lik.maxsim(Q, D, backward=backward).sum().backward()
+
+
+def test_sorted_winners_groups_rows_stably():
+    """Segments follow document rows; inside one, contributions keep their (query, doc, token) order; triples
+    without a winner (-1) are left out; per-query documents key by (query, doc, row)."""
+    argmax = torch.tensor([[[2, -1, 0], [1, 2, 2]], [[2, 0, -1], [-1, -1, 1]]], dtype=torch.int32)  # [Nq 2, B 2, Lq 3]
+    order, starts = sorted_winners(argmax, doc_len=3, per_query=False)
+    rows = [order[starts[r]:starts[r + 1]].tolist() for r in range(6)]
+    # flat index = (query * B + doc) * Lq + token
+    assert rows == [[2, 7], [], [0, 6], [], [3, 11], [4, 5]]
+    assert int(starts[-1]) == 8  # 8 winners; the 3 without one sort after every row
+    order, starts = sorted_winners(argmax, doc_len=3, per_query=True)
+    rows = [order[starts[r]:starts[r + 1]].tolist() for r in range(12)]
+    assert rows == [[2], [], [0], [], [3], [4, 5], [7], [], [6], [], [11], []]
+
+
+def test_sort_chunks_fit_the_workspace():
+    assert chunk_documents(n_queries=4, q_len=8, n_docs=100, workspace_entries=320) == 10
+    assert chunk_documents(n_queries=4, q_len=8, n_docs=100, workspace_entries=1) == 1
+    assert chunk_documents(n_queries=4, q_len=8, n_docs=5, workspace_entries=10**9) == 5

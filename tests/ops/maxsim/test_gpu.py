@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import lik
+from lik import _config
 from lik.ops.maxsim.backward import maxsim_bwd_dd_atomic_kernel, maxsim_bwd_dq_kernel
+from lik.ops.maxsim.backward_sorted import maxsim_bwd_dd_sorted_kernel
 from lik.ops.maxsim.forward import maxsim_fwd_kernel
 
 from .helpers import rel_err
@@ -75,6 +79,34 @@ def test_per_query_candidates(backward):
     assert rel_err(s, rs) < 1e-3 and rel_err(dq, rdq) < 1e-3 and rel_err(dd, rdd) < 1e-3
 
 
+DD_ROUTES = {  # name -> (backward, config fields)
+    "atomic": ("fast", {"fast_dd": "atomic"}),
+    "sorted-fast": ("fast", {"fast_dd": "sorted"}),
+    "sorted": ("deterministic", {"deterministic_dd": "sorted"}),
+    "sorted-chunked": ("deterministic", {"deterministic_dd": "sorted", "sort_workspace_entries": 1000}),
+    "onehot": ("deterministic", {"deterministic_dd": "onehot"}),
+    "loop": ("deterministic", {"deterministic_dd": "loop"}),
+}
+
+
+def _route_config(fields):
+    base = _config.maxsim_backward_config(dim=128, dtype=torch.float16, device=torch.device(CUDA))
+    return replace(base, **fields)
+
+
+@pytest.mark.parametrize("route", sorted(DD_ROUTES))
+@pytest.mark.parametrize("per_query", [False, True])
+def test_every_dd_route_matches_float64(route, per_query):
+    backward, fields = DD_ROUTES[route]
+    Q, D, qm, dm = _problem(6, 40, 9, 130, 128, torch.float16, per_query=per_query, seed=3)
+    grad = torch.randn(6, 9, device=CUDA)
+    with _config.override(maxsim_backward=_route_config(fields)):
+        s, dq, dd = _grads(Q, D, qm, dm, grad, backward=backward)
+    rs, rdq, rdd = _reference(Q, D, qm, dm, grad)
+    assert rel_err(dq, rdq) < 1e-3 and rel_err(dd, rdd) < 1e-3
+    assert torch.all(dd[~dm] == 0)
+
+
 def test_tf32_follows_matmul_precision():
     Q, D, _, _ = _problem(2, 64, 40, 256, 128, torch.float32)
     ref = lik.maxsim_reference(Q.double(), D.double())
@@ -105,6 +137,11 @@ def test_deterministic_backward_is_bitwise_repeatable_under_contention():
         torch.use_deterministic_algorithms(False)
     for a, b in zip(runs[0], auto):
         assert torch.equal(a, b)
+    # Sort chunks of a few documents: each row is still summed in one fixed order.
+    with _config.override(maxsim_backward=_route_config({"sort_workspace_entries": 3 * 64 * 32})):
+        chunked = [_grads(Q, D, None, None, grad, backward="deterministic") for _ in range(2)]
+    assert torch.equal(chunked[0][2], chunked[1][2])
+    assert rel_err(chunked[0][2], runs[0][2]) < 1e-5
 
 
 def test_nan_and_empty_document_on_gpu():
@@ -126,13 +163,14 @@ def _compiled_variants(kernel) -> int:
 
 def test_no_recompile_when_batch_or_lengths_change():
     """B, Ld and Lq (inside its power-of-two bucket) are runtime values: forward and backward compile once."""
-    kernels = [maxsim_fwd_kernel, maxsim_bwd_dq_kernel, maxsim_bwd_dd_atomic_kernel]
+    kernels = [maxsim_fwd_kernel, maxsim_bwd_dq_kernel, maxsim_bwd_dd_atomic_kernel, maxsim_bwd_dd_sorted_kernel]
 
     def step(n_q, l_q, n_docs, l_d):
         Q, D, qm, dm = _problem(n_q, l_q, n_docs, l_d, 128, torch.float16)
         Q.requires_grad_()
         D.requires_grad_()
-        lik.maxsim(Q, D, qm, dm, backward="fast").sum().backward()
+        for backward in ("fast", "deterministic"):
+            lik.maxsim(Q, D, qm, dm, backward=backward).sum().backward()
 
     step(40, 30, 64, 300)
     before = [_compiled_variants(k) for k in kernels]

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..._config import maxsim_backward_config, next_power_of_2
+from .backward_sorted import launch_dd_sorted
 from .forward import dot_precision, set_strides
 
 __all__ = [
@@ -34,6 +35,9 @@ __all__ = [
 ]
 
 BACKWARD_MODES = ("auto", "fast", "deterministic")
+# dD routes (``MaxSimBackwardConfig.fast_dd`` / ``deterministic_dd``); the deterministic ones use no atomics.
+FAST_DD = ("atomic", "sorted")
+DETERMINISTIC_DD = ("sorted", "onehot", "loop")
 
 
 # Strides that follow a batch size or a length are not specialised either (a stride's divisibility by 16
@@ -305,13 +309,6 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
     return dq
 
 
-def uses_flat_onehot(l_q: int) -> bool:
-    """Deterministic dD: the flat one-hot loop for long queries (ColPali: 1.8 / 7.3 / 28.7 ms at B 32 / 64 / 128
-    against 2.6 / 9.7 / 45.9 ms for the per-query loop on an H200), the per-query loop for short ones (ColBERT B 512:
-    4.8 ms against 6.3 ms)."""
-    return l_q > 64
-
-
 def launch_dd_onehot(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int, n_k_blocks: int):
     """Deterministic one-hot dD into ``dd`` (input dtype, each program owns its rows)."""
     n_sets, n_docs, l_d, dim = dd.shape
@@ -348,16 +345,19 @@ def maxsim_backward_dd(
         return torch.zeros(d_shape, dtype=dtype, device=grad.device)
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
-    if deterministic:
-        dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
-        launch = launch_dd_onehot if uses_flat_onehot(l_q) else launch_dd_owned_loop
-        launch(grad, q, argmax, dd, per_query=per_query, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
-        return dd
-    # "fast": the fp32 atomic scatter; on the H200 it beat a one-hot dD split over query ranges with fp32
-    # atomics at every training shape (5x at ColBERT B 512, 12x at ColPali B 64; NOTES-backward.md).
-    dd32 = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
-    launch_dd_atomic(grad, q, argmax, dd32, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
-    return dd32.to(dtype)
+    route = cfg.deterministic_dd if deterministic else cfg.fast_dd
+    allowed = DETERMINISTIC_DD if deterministic else FAST_DD
+    if route not in allowed:
+        raise ValueError(f"{'deterministic' if deterministic else 'fast'} dD route must be one of {allowed}, "
+                         f"got {route!r}")
+    if route == "atomic":
+        dd32 = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
+        launch_dd_atomic(grad, q, argmax, dd32, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
+        return dd32.to(dtype)
+    dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
+    launch = {"sorted": launch_dd_sorted, "onehot": launch_dd_onehot, "loop": launch_dd_owned_loop}[route]
+    launch(grad, q, argmax, dd, per_query=per_query, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
+    return dd
 
 
 def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: int):
