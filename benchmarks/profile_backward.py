@@ -34,7 +34,8 @@ SHAPES = {  # Nq = B (in-batch), Lq, B, Ld
     "colpali-32": (1024, 32, 1024), "colpali-64": (1024, 64, 1024), "colpali-128": (1024, 128, 1024),
 }
 # sorted-winners dD: (sort workspace entries, contributions per block, warps)
-SORTED = [(1 << 20, 16, 4), (1 << 22, 16, 4), (1 << 24, 16, 4), (1 << 22, 32, 4), (1 << 22, 8, 2), (1 << 22, 32, 8)]
+SORTED = [(1 << 20, 8, 2), (1 << 20, 4, 1), (1 << 20, 8, 1), (1 << 20, 16, 2), (1 << 21, 8, 2), (1 << 22, 8, 2),
+          (1 << 24, 8, 2)]
 
 
 def bench(fn, rep):

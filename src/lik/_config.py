@@ -101,8 +101,8 @@ class MaxSimBackwardConfig:
     # block, warps, and winners per sort chunk (about 24 bytes of workspace each).
     fast_dd: str = "atomic"
     deterministic_dd: str = "sorted"
-    sort_entries: int = 16
-    sort_warps: int = 4
+    sort_entries: int = 8
+    sort_warps: int = 2
     sort_workspace_entries: int = 1 << 20
 
 

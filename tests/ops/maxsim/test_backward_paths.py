@@ -120,12 +120,12 @@ def test_sorted_winners_groups_rows_stably():
     argmax = torch.tensor([[[2, -1, 0], [1, 2, 2]], [[2, 0, -1], [-1, -1, 1]]], dtype=torch.int32)  # [Nq 2, B 2, Lq 3]
     order, starts = sorted_winners(argmax, doc_len=3, per_query=False)
     rows = [order[starts[r]:starts[r + 1]].tolist() for r in range(6)]
-    # flat index = (query * B + doc) * Lq + token
-    assert rows == [[2, 7], [], [0, 6], [], [3, 11], [4, 5]]
+    # flat index into [B, Nq, Lq] = (doc * Nq + query) * Lq + token
+    assert rows == [[2, 4], [], [0, 3], [], [6, 11], [7, 8]]
     assert int(starts[-1]) == 8  # 8 winners; the 3 without one sort after every row
     order, starts = sorted_winners(argmax, doc_len=3, per_query=True)
     rows = [order[starts[r]:starts[r + 1]].tolist() for r in range(12)]
-    assert rows == [[2], [], [0], [], [3], [4, 5], [7], [], [6], [], [11], []]
+    assert rows == [[2], [], [0], [], [6], [7, 8], [4], [], [3], [], [11], []]
 
 
 def test_sort_chunks_fit_the_workspace():

@@ -26,51 +26,65 @@ __all__ = ["maxsim_bwd_dd_sorted_kernel", "sorted_winners", "launch_dd_sorted", 
 _BATCH_STRIDES = ["stride_gn", "stride_gb"]
 
 
-@triton.jit(do_not_specialize=["q_len", "chunk_docs", "doc_len", "first_doc", "n_k_blocks", *_BATCH_STRIDES])
+@triton.jit(do_not_specialize=["n_queries", "q_len", "chunk_docs", "doc_len", "first_doc", "n_k_blocks",
+                               *_BATCH_STRIDES])
 def maxsim_bwd_dd_sorted_kernel(
     q_ptr, grad_ptr, order_ptr, starts_ptr, dd_ptr,
-    q_len, chunk_docs, doc_len, first_doc, n_k_blocks,
+    n_queries, q_len, chunk_docs, doc_len, first_doc, n_k_blocks,
     stride_qn, stride_ql, stride_qk,
     stride_gn, stride_gb,
     stride_ddn, stride_ddb, stride_ddl, stride_ddk,
     DIM: tl.constexpr,
+    PER_QUERY: tl.constexpr,
     BLOCK_ENTRIES: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """One program per (document row of the chunk, feature block).
 
-    ``order`` lists flat indices into the chunk's ``[Nq, chunk_docs, Lq]`` winners, grouped by document row;
-    ``starts[r] : starts[r + 1]`` is row ``r``'s segment (row ``r = (set * chunk_docs + doc) * doc_len + t``).
-    Blocks of ``BLOCK_ENTRIES`` contributions are gathered at once and reduced in a fixed tree; blocks are added
-    in segment order. A row with an empty segment (no winner, masked, padding) stores exactly 0."""
+    ``order`` lists flat indices into the chunk's winners laid out ``[chunk_docs, Nq, Lq]``, grouped by document
+    row; ``starts[r] : starts[r + 1]`` is row ``r``'s segment (``r = (set * chunk_docs + doc) * doc_len + t``).
+    The row's document is known, so a contribution's query token is its index minus the document's base (no
+    64-bit division). Blocks of ``BLOCK_ENTRIES`` contributions are gathered at once and reduced in a fixed
+    tree; blocks are added in segment order. A row with an empty segment (no winner, masked, padding) stores
+    exactly 0."""
     pid = tl.program_id(0).to(tl.int64)
     k_block = pid % n_k_blocks
     row = pid // n_k_blocks
     position = row % doc_len
     rest = row // doc_len
-    doc = first_doc + rest % chunk_docs
+    doc_local = rest % chunk_docs
     doc_set = rest // chunk_docs
+    doc = first_doc + doc_local
     kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = kk < DIM
     offs = tl.arange(0, BLOCK_ENTRIES)
+    if PER_QUERY:
+        # Only query ``doc_set`` scores this document: one weight, tokens of one query.
+        doc_base = (doc_local * n_queries + doc_set) * q_len
+        weight = tl.load(grad_ptr + doc_set * stride_gn + doc * stride_gb)
+        q_base = q_ptr + doc_set * stride_qn
+    else:
+        doc_base = doc_local * n_queries * q_len
+        weight_base = grad_ptr + doc * stride_gb
     segment_start = tl.load(starts_ptr + row)
     segment_end = tl.load(starts_ptr + row + 1)
     acc = tl.zeros((BLOCK_K,), tl.float32)
     for first in range(segment_start, segment_end, BLOCK_ENTRIES):
         entries = first + offs
         in_segment = entries < segment_end
-        flat = tl.load(order_ptr + entries, mask=in_segment, other=0)
-        token = flat % q_len
-        pair = flat // q_len
-        query = pair // chunk_docs
-        scored_doc = first_doc + pair % chunk_docs
-        weight = tl.load(grad_ptr + query * stride_gn + scored_doc * stride_gb, mask=in_segment, other=0.0)
-        rows = tl.load(
-            q_ptr + query[:, None] * stride_qn + token[:, None] * stride_ql + kk[None, :] * stride_qk,
-            mask=in_segment[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        acc += tl.sum(weight[:, None] * rows.to(tl.float32), axis=0)
+        # Within one document the index fits 32 bits (Nq * Lq < 2**31 is checked on the host).
+        local = (tl.load(order_ptr + entries, mask=in_segment, other=0) - doc_base).to(tl.int32)
+        if PER_QUERY:
+            row_ptrs = q_base + local.to(tl.int64) * stride_ql
+            weights = tl.where(in_segment, weight, 0.0)
+        else:
+            query = local // q_len
+            token = local - query * q_len
+            row_ptrs = q_ptr + query.to(tl.int64) * stride_qn + token.to(tl.int64) * stride_ql
+            weights = tl.load(weight_base + query.to(tl.int64) * stride_gn, mask=in_segment, other=0.0)
+        rows = tl.load(row_ptrs[:, None] + kk[None, :] * stride_qk, mask=in_segment[:, None] & k_ok[None, :],
+                       other=0.0)
+        acc += tl.sum(weights[:, None] * rows.to(tl.float32), axis=0)
     tl.store(
         dd_ptr + doc_set * stride_ddn + doc * stride_ddb + position * stride_ddl + kk * stride_ddk,
         acc.to(dd_ptr.dtype.element_ty),
@@ -81,22 +95,24 @@ def maxsim_bwd_dd_sorted_kernel(
 def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the winners of ``argmax [Nq, Bc, Lq]`` (int32, -1: none) by document row.
 
-    Returns ``(order, starts)``: ``order`` (int64) lists flat indices into a contiguous ``[Nq, Bc, Lq]`` in the
-    order of their document row ``(set * Bc + doc) * doc_len + winner`` (``set`` is the query for per-query
-    documents, else 0), stable, so a row's contributions keep their (query, doc, token) order;
+    Returns ``(order, starts)``: ``order`` (int64) lists flat indices into the winners laid out
+    ``[Bc, Nq, Lq]`` in the order of their document row ``(set * Bc + doc) * doc_len + winner`` (``set`` is the
+    query for per-query documents, else 0), stable, so a row's contributions keep their (query, token) order;
     ``starts`` (int64, ``n_rows + 1``) are the segment bounds. Triples without a winner sort past the last row.
     A stable device sort and a binary search: deterministic, no host synchronisation."""
-    n_q, chunk_docs, _ = argmax.shape
+    n_q, chunk_docs, l_q = argmax.shape
     n_sets = n_q if per_query else 1
     n_rows = n_sets * chunk_docs * doc_len
     key_dtype = torch.int32 if n_rows < 2**31 - 1 else torch.int64
     device = argmax.device
-    row_base = torch.arange(chunk_docs, device=device, dtype=key_dtype).mul_(doc_len).view(1, chunk_docs, 1)
+    row_base = torch.arange(chunk_docs, device=device, dtype=key_dtype).mul_(doc_len).view(chunk_docs, 1, 1)
     if per_query:
-        row_base = row_base + torch.arange(n_q, device=device, dtype=key_dtype).mul_(chunk_docs * doc_len).view(
-            n_q, 1, 1
-        )
-    keys = (argmax.to(key_dtype) + row_base).masked_fill_(argmax < 0, n_rows).reshape(-1)
+        query_base = torch.arange(n_q, device=device, dtype=key_dtype).mul_(chunk_docs * doc_len)
+        row_base = row_base + query_base.view(1, n_q, 1)
+    winners = argmax.permute(1, 0, 2)
+    keys = torch.empty((chunk_docs, n_q, l_q), dtype=key_dtype, device=device)
+    torch.add(winners, row_base, out=keys)
+    keys = keys.masked_fill_(winners < 0, n_rows).view(-1)
     sorted_keys, order = torch.sort(keys, stable=True)
     del keys
     starts = torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=device, dtype=key_dtype))
@@ -113,14 +129,16 @@ def launch_dd_sorted(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int,
     then one program per document row gathers its segment. Every row of ``dd`` is written (empty rows as 0)."""
     n_sets, n_docs, l_d, dim = dd.shape
     n_q, l_q, _ = q.shape
+    if n_q * l_q >= 2**31:
+        raise ValueError(f"the sorted dD needs Nq * Lq < 2**31 query tokens, got {n_q} x {l_q}")
     step = chunk_documents(n_q, l_q, n_docs, cfg.sort_workspace_entries)
     for first_doc in range(0, n_docs, step):
         chunk_docs = min(step, n_docs - first_doc)
         order, starts = sorted_winners(argmax[:, first_doc:first_doc + chunk_docs], l_d, per_query)
         maxsim_bwd_dd_sorted_kernel[(n_sets * chunk_docs * l_d * n_k_blocks,)](
             q, grad, order, starts, dd,
-            l_q, chunk_docs, l_d, first_doc, n_k_blocks,
+            n_q, l_q, chunk_docs, l_d, first_doc, n_k_blocks,
             *q.stride(), *grad.stride(), *set_strides(dd),
-            DIM=dim, BLOCK_ENTRIES=cfg.sort_entries, BLOCK_K=block_k,
+            DIM=dim, PER_QUERY=per_query, BLOCK_ENTRIES=cfg.sort_entries, BLOCK_K=block_k,
             num_warps=cfg.sort_warps,
         )
