@@ -1,12 +1,12 @@
 """Time each kernel of the MaxSim training backward separately (issue 4).
 
-    python3 benchmarks/profile_backward.py [--shapes colbert-128,...] [--quick]
+    python3 benchmarks/profile_backward.py [--shapes colbert-128,...] 
 
 Per in-batch training shape (d 128, fp16, L2-normalised random data): the forward with argmax, dQ (documents per
 loop step 1 = the first version, and the configured / swept values), the atomic dD scatter (its fp32 zero-fill and
-its cast timed apart), the deterministic dD routes (loop over queries, flat one-hot, sorted-winners gather over a
-few sort chunks and blocks, with its peak memory and the sort alone), and the whole step through ``lik.maxsim``
-(fast / deterministic, with peaks).
+its cast timed apart), the sorted-winners gather over a few sort chunks, blocks and key widths (with its peak
+memory, and the sort alone), and the whole step through ``lik.maxsim`` (fast / deterministic, with peaks). The
+one-hot dD kernels this replaced were last profiled at commit 1e5e6cd (benchmarks/NOTES-backward.md).
 Medians of ``triton.testing.do_bench`` (ms). Prints a table, writes ``$OUT/profile_backward.json`` (or --out).
 """
 
@@ -34,8 +34,9 @@ SHAPES = {  # Nq = B (in-batch), Lq, B, Ld
     "colpali-32": (1024, 32, 1024), "colpali-64": (1024, 64, 1024), "colpali-128": (1024, 128, 1024),
 }
 # sorted-winners dD: (sort workspace entries, contributions per block, warps)
-SORTED = [(1 << 20, 8, 2), (1 << 20, 4, 1), (1 << 20, 8, 1), (1 << 20, 16, 2), (1 << 21, 8, 2), (1 << 22, 8, 2),
-          (1 << 24, 8, 2)]
+# (sort workspace entries, contributions per block, warps, cap on a chunk's rows: 32 767 gives 16-bit keys)
+SORTED = [(1 << 20, 8, 1, 0), (1 << 20, 4, 1, 0), (1 << 20, 16, 1, 0), (1 << 20, 8, 1, 32767), (1 << 22, 8, 1, 0),
+          (1 << 22, 8, 1, 32767), (1 << 24, 8, 1, 0)]
 
 
 def bench(fn, rep):
@@ -49,7 +50,7 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def profile(name, rep, quick):
+def profile(name, rep):
     l_q, n, l_d = SHAPES[name]
     dim, dtype, dev = 128, torch.float16, torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -81,17 +82,12 @@ def profile(name, rep, quick):
     dd_ref = dd32.clone()
     row["dd_cast"] = bench(lambda: dd32.to(dtype), rep)
     dd = torch.empty(d.shape, dtype=dtype, device=dev)
-    if not (quick and n * n * l_q > 2**25):
-        if not (quick and l_q > 64):
-                row["dd_owned_loop_v0"] = bench(lambda: bw.launch_dd_owned_loop(
-                grad, q, argmax, dd, per_query=False, cfg=cfg, block_k=block_k, n_k_blocks=n_k), rep)
-        row["dd_onehot"] = bench(lambda: bw.launch_dd_onehot(grad, q, argmax, dd, per_query=False, cfg=cfg,
-                                                             block_k=block_k, n_k_blocks=n_k), rep)
     # Sorted-winners gather: sort chunk (workspace) x contributions per block x warps.
     row["sort_only"] = bench(lambda: sorted_winners(argmax, l_d, per_query=False), rep)
-    for workspace, entries, warps in SORTED:
-        c = replace(cfg, sort_workspace_entries=workspace, sort_entries=entries, sort_warps=warps)
-        key = f"dd_sorted_ws{workspace.bit_length() - 1}_e{entries}_w{warps}"
+    for workspace, entries, warps, rows in SORTED:
+        c = replace(cfg, sort_workspace_entries=workspace, sort_entries=entries, sort_warps=warps,
+                    sort_chunk_rows=rows)
+        key = f"dd_sorted_ws{workspace.bit_length() - 1}_e{entries}_w{warps}" + ("_k16" if rows else "")
         row[key] = bench(lambda: launch_dd_sorted(grad, q, argmax, dd, per_query=False, cfg=c, block_k=block_k,
                                                   n_k_blocks=n_k), rep)
         torch.cuda.reset_peak_memory_stats()
@@ -125,14 +121,13 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--rep", type=int, default=60)
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     for name in args.shapes.split(","):
-        rows.append(profile(name, args.rep, args.quick))
+        rows.append(profile(name, args.rep))
         with open(os.path.join(args.out, "profile_backward.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print(json.dumps(rows[-1]), flush=True)

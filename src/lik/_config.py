@@ -81,28 +81,25 @@ class MaxSimForwardConfig:
 
 @dataclass(frozen=True)
 class MaxSimBackwardConfig:
-    """Tiles of the backward kernels: query rows per program (dQ, atomic dD) and document rows per program
-    (deterministic dD)."""
+    """Tiles of the backward kernels: query rows per program (dQ, atomic dD), document rows per program (the
+    packed kernels' deterministic dD), and the dD routes with the sorted gather's tiles."""
 
     block_rows: int
     block_doc_rows: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
-    # dQ: documents gathered per loop step (unrolled, all in flight). One-hot dD (deterministic, and "fast"
-    # where it wins): query rows per step, document rows per program, warps, pipeline depth.
+    # dQ: documents gathered per loop step (unrolled, all in flight).
     dq_docs: int = 2
-    onehot_rows: int = 16
-    onehot_doc_rows: int = 16
-    onehot_warps: int = 4
-    onehot_stages: int = 1
-    # dD kernels: "fast" takes ``fast_dd`` ("atomic" scatter or "sorted" gather), "deterministic" takes
-    # ``deterministic_dd`` ("sorted", "onehot" or "loop"; never atomics). The sorted gather: contributions per
-    # block, warps, and winners per sort chunk (about 24 bytes of workspace each).
-    fast_dd: str = "atomic"
+    # dD kernels: "fast" takes ``fast_dd`` ("atomic" scatter, "sorted" gather, or "auto": the atomic scatter
+    # while its fp32 buffer fits in L2, the sorted gather beyond), "deterministic" takes ``deterministic_dd``
+    # (only "sorted": no atomics). The sorted gather: contributions per block, warps, winners
+    # per sort chunk (about 44 bytes of workspace each at peak) and an optional cap on a chunk's document rows.
+    fast_dd: str = "auto"
     deterministic_dd: str = "sorted"
     sort_entries: int = 8
-    sort_warps: int = 2
+    sort_warps: int = 1
+    sort_chunk_rows: int = 0
     sort_workspace_entries: int = 1 << 20
 
 
@@ -155,7 +152,7 @@ def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device
     block_k = min(block_d, 128)
     return MaxSimBackwardConfig(
         block_rows=32, block_doc_rows=64, block_k=block_k, num_warps=4, num_stages=1,
-        dq_docs=2, onehot_rows=64, onehot_doc_rows=64, onehot_warps=4, onehot_stages=3,
+        dq_docs=2,
     )
 
 

@@ -1,9 +1,9 @@
 """Every dD / dQ path of the MaxSim backward against the float64 reference (Triton interpreter on CPU).
 
-dD routes: the fp32 atomic scatter (``"fast"`` by default), the sorted-winners gather (``"deterministic"`` by
-default, selectable for ``"fast"``), the flat one-hot and the per-query one-hot loop (deterministic, by config).
-Each route is forced here on odd shapes, with masks in both modes, several query token blocks per query, sort
-chunks of one document and of several, partial dQ document steps and a feature block narrower than ``d``.
+dD routes: the fp32 atomic scatter (``"fast"`` while its buffer fits in L2) and the sorted-winners gather
+(``"deterministic"``, and ``"fast"`` beyond L2). Each route is forced here on odd shapes, with masks in both
+modes, sort chunks of one document and of several, 16- and 32-bit sort keys, partial dQ document steps and a
+feature block narrower than ``d``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 import lik
 from lik import _config
+from lik.ops.maxsim import backward as bw
 from lik.ops.maxsim.backward_sorted import chunk_documents, sorted_winners
 
 from .helpers import kernel_with_grads, rand_problem, reference_with_grads, rel_err
@@ -27,9 +28,8 @@ ROUTES = {
     "scatter": ("fast", {"fast_dd": "atomic"}),
     "sorted-fast": ("fast", {"fast_dd": "sorted"}),
     "sorted": ("deterministic", {"deterministic_dd": "sorted"}),
-    "sorted-chunked": ("deterministic", {"deterministic_dd": "sorted", "sort_workspace_entries": 1}),
-    "flat-onehot": ("deterministic", {"deterministic_dd": "onehot"}),
-    "query-loop": ("deterministic", {"deterministic_dd": "loop"}),
+    "sorted-chunked": ("deterministic", {"sort_workspace_entries": 1}),
+    "sorted-row-capped": ("deterministic", {"sort_chunk_rows": 40}),
 }
 
 
@@ -74,14 +74,11 @@ def test_dd_routes(rng, shape, route, mask_mode):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dq_docs", [1, 3])
-@pytest.mark.parametrize("tiles", [(16, 16, 1), (32, 32, 4)])
-def test_tiles(rng, shape, dq_docs, tiles):
-    """Partial dQ document steps, one-hot row tiles larger than the query / document, sorted-gather blocks of
-    1 and 4 contributions, narrow feature blocks."""
-    rows, doc_rows, entries = tiles
-    for route in ("scatter", "sorted", "flat-onehot", "query-loop"):  # one per kernel
-        with _route(route, block_k=16, dq_docs=dq_docs, onehot_rows=rows, onehot_doc_rows=doc_rows,
-                    sort_entries=entries) as backward:
+@pytest.mark.parametrize("entries", [1, 4])
+def test_tiles(rng, shape, dq_docs, entries):
+    """Partial dQ document steps, sorted-gather blocks of 1 and 4 contributions, narrow feature blocks."""
+    for route in ("scatter", "sorted"):
+        with _route(route, block_k=16, dq_docs=dq_docs, sort_entries=entries) as backward:
             _check(rng, shape, backward=backward)
 
 
@@ -128,7 +125,25 @@ def test_sorted_winners_groups_rows_stably():
     assert rows == [[2], [], [0], [], [6], [7, 8], [4], [], [3], [], [11], []]
 
 
-def test_sort_chunks_fit_the_workspace():
+def test_sort_chunks_fit_the_workspace_and_row_cap():
     assert chunk_documents(n_queries=4, q_len=8, n_docs=100, workspace_entries=320) == 10
     assert chunk_documents(n_queries=4, q_len=8, n_docs=100, workspace_entries=1) == 1
     assert chunk_documents(n_queries=4, q_len=8, n_docs=5, workspace_entries=10**9) == 5
+    assert chunk_documents(4, 8, 1000, 10**9, rows_per_doc=180, max_rows=32767) == 182
+    assert chunk_documents(4, 8, 100, 10**9, rows_per_doc=10**6, max_rows=32767) == 1
+
+
+def test_fast_route_follows_l2(monkeypatch):
+    """"fast" scatters with atomics while the fp32 dD buffer fits in L2, and gathers sorted winners beyond."""
+    calls = []
+    monkeypatch.setattr(bw, "launch_dd_atomic", lambda *a, **k: calls.append("atomic"))
+    monkeypatch.setattr(bw, "launch_dd_sorted", lambda *a, **k: calls.append("sorted"))
+    q = torch.zeros(2, 3, 16)
+    argmax = torch.zeros(2, 4, 3, dtype=torch.int32)
+    grad = torch.zeros(2, 4)
+    for l2, expected in ((10**9, "atomic"), (100, "sorted")):
+        monkeypatch.setattr(bw, "l2_bytes", lambda device, l2=l2: l2)
+        bw.maxsim_backward_dd(grad, q, argmax, (1, 4, 5, 16), torch.float32, deterministic=False, per_query=False)
+        assert calls[-1] == expected
+    bw.maxsim_backward_dd(grad, q, argmax, (1, 4, 5, 16), torch.float32, deterministic=True, per_query=False)
+    assert calls[-1] == "sorted"

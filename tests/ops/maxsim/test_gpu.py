@@ -83,9 +83,8 @@ DD_ROUTES = {  # name -> (backward, config fields)
     "atomic": ("fast", {"fast_dd": "atomic"}),
     "sorted-fast": ("fast", {"fast_dd": "sorted"}),
     "sorted": ("deterministic", {"deterministic_dd": "sorted"}),
-    "sorted-chunked": ("deterministic", {"deterministic_dd": "sorted", "sort_workspace_entries": 1000}),
-    "onehot": ("deterministic", {"deterministic_dd": "onehot"}),
-    "loop": ("deterministic", {"deterministic_dd": "loop"}),
+    "sorted-chunked": ("deterministic", {"sort_workspace_entries": 1000}),
+    "sorted-16bit-keys": ("deterministic", {"sort_chunk_rows": 300}),
 }
 
 

@@ -6,13 +6,19 @@ With ``w[n, j] = dL/dscore[n, j]`` and ``t* = argmax[n, j, s]`` (-1: no gradient
   is deterministic.
 * ``dD[set, j, t] = sum_{n, s : t* = t} w[n, j] * Q[n, s]`` -- a scatter. Two ways:
 
-  - ``"fast"``: one fp32 atomic add per (row, feature) into an fp32 buffer, cast to the input dtype after;
-  - ``"deterministic"``: each program owns a tile of document rows and sums, query by query, a one-hot
-    product ``onehot(t* == t)^T @ Q`` (exact: the one-hot is 0/1 in the input dtype, accumulation is fp32),
-    scaled by ``w`` in fp32. No atomics, the same bits on every run.
+  - the atomic scatter (``"fast"`` while its buffer fits in L2): one fp32 atomic add per (row, feature) into
+    an fp32 buffer, cast to the input dtype after;
+  - the sorted-winners gather (``"deterministic"``, and ``"fast"`` beyond L2; ``backward_sorted.py``): the
+    winners sorted by document row, each row summed by the one program that owns it, in a fixed order. No
+    atomics, the same bits on every run.
+
+``winners_sum`` (a one-hot product over one query's tokens) serves the packed variable-length backward.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import triton
@@ -20,13 +26,11 @@ import triton.language as tl
 
 from ..._config import maxsim_backward_config, next_power_of_2
 from .backward_sorted import launch_dd_sorted
-from .forward import dot_precision, set_strides
+from .forward import set_strides
 
 __all__ = [
     "maxsim_bwd_dq_kernel",
     "maxsim_bwd_dd_atomic_kernel",
-    "maxsim_bwd_dd_owned_kernel",
-    "maxsim_bwd_dd_onehot_kernel",
     "winners_sum",
     "feature_blocks",
     "maxsim_backward_dq",
@@ -36,8 +40,8 @@ __all__ = [
 
 BACKWARD_MODES = ("auto", "fast", "deterministic")
 # dD routes (``MaxSimBackwardConfig.fast_dd`` / ``deterministic_dd``); the deterministic ones use no atomics.
-FAST_DD = ("atomic", "sorted")
-DETERMINISTIC_DD = ("sorted", "onehot", "loop")
+FAST_DD = ("auto", "atomic", "sorted")
+DETERMINISTIC_DD = ("sorted",)
 
 
 # Strides that follow a batch size or a length are not specialised either (a stride's divisibility by 16
@@ -168,121 +172,6 @@ def winners_sum(
     return part
 
 
-@triton.jit(
-    do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks", *_BATCH_STRIDES]
-)
-def maxsim_bwd_dd_owned_kernel(
-    q_ptr, grad_ptr, argmax_ptr, dd_ptr,
-    n_queries, q_len, n_docs, doc_len, n_doc_blocks, n_k_blocks,
-    stride_qn, stride_ql, stride_qk,
-    stride_gn, stride_gb,
-    stride_an, stride_ab, stride_al,
-    stride_ddn, stride_ddb, stride_ddl, stride_ddk,
-    DIM: tl.constexpr,
-    PER_QUERY: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_DOC_ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    k_block = pid % n_k_blocks
-    rest = pid // n_k_blocks
-    doc_block = rest % n_doc_blocks
-    rest = rest // n_doc_blocks
-    doc = rest % n_docs
-    doc_set = rest // n_docs
-    positions = doc_block * BLOCK_DOC_ROWS + tl.arange(0, BLOCK_DOC_ROWS)
-    kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = kk < DIM
-    if PER_QUERY:
-        first_query = doc_set
-        last_query = doc_set + 1
-    else:
-        first_query = doc_set * 0
-        last_query = n_queries
-    acc = tl.zeros((BLOCK_DOC_ROWS, BLOCK_K), tl.float32)
-    for query in range(first_query, last_query):
-        per_query = winners_sum(
-            q_ptr + query * stride_qn, argmax_ptr + query * stride_an + doc * stride_ab, q_len, positions, kk,
-            stride_ql, stride_qk, stride_al, DIM, BLOCK_ROWS, BLOCK_DOC_ROWS, BLOCK_K, DOT_PRECISION,
-        )
-        acc += tl.load(grad_ptr + query * stride_gn + doc * stride_gb) * per_query
-    tl.store(
-        dd_ptr + doc_set * stride_ddn + doc * stride_ddb + positions[:, None] * stride_ddl + kk[None, :] * stride_ddk,
-        acc.to(dd_ptr.dtype.element_ty),
-        mask=(positions < doc_len)[:, None] & k_ok[None, :],
-    )
-
-
-@triton.jit(
-    do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_doc_blocks", "n_k_blocks", "n_tok_blocks",
-                       *_BATCH_STRIDES]
-)
-def maxsim_bwd_dd_onehot_kernel(
-    q_ptr, grad_ptr, argmax_ptr, dd_ptr,
-    n_queries, q_len, n_docs, doc_len, n_doc_blocks, n_k_blocks, n_tok_blocks,
-    stride_qn, stride_ql, stride_qk,
-    stride_gn, stride_gb,
-    stride_an, stride_ab, stride_al,
-    stride_ddn, stride_ddb, stride_ddl, stride_ddk,
-    DIM: tl.constexpr,
-    PER_QUERY: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_DOC_ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """dD by one-hot products, one flat loop over (query, query-token block) steps.
-
-    A program owns ``BLOCK_DOC_ROWS`` rows of one document (one feature block) and sums over every query that
-    scores it. Each step loads one block of query tokens and their winners, forms
-    ``onehot(winner == position)`` (0/1 in the input dtype: the product is an exact selection, accumulated in
-    fp32) and adds ``w[query, doc] * (onehot @ Q_block)`` in fp32. One flat loop (no nested per-query loop) lets
-    the compiler pipeline the loads of the next steps behind the current product. Each program owns its rows and
-    stores them in the input dtype: no atomics, bitwise repeatable.
-    """
-    pid = tl.program_id(0).to(tl.int64)
-    k_block = pid % n_k_blocks
-    rest = pid // n_k_blocks
-    doc_block = rest % n_doc_blocks
-    rest = rest // n_doc_blocks
-    doc = rest % n_docs
-    doc_set = rest // n_docs
-    first_position = doc_block * BLOCK_DOC_ROWS
-    positions = first_position + tl.arange(0, BLOCK_DOC_ROWS)
-    kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = kk < DIM
-    if PER_QUERY:
-        first_query = doc_set
-        n_own = doc_set * 0 + 1
-    else:
-        first_query = doc_set * 0
-        n_own = n_queries
-    q_base = q_ptr + first_query * stride_qn
-    a_base = argmax_ptr + first_query * stride_an + doc * stride_ab
-    g_base = grad_ptr + first_query * stride_gn + doc * stride_gb
-    offs_rows = tl.arange(0, BLOCK_ROWS)
-    acc = tl.zeros((BLOCK_DOC_ROWS, BLOCK_K), tl.float32)
-    for step in range(0, n_own * n_tok_blocks):
-        qi = step // n_tok_blocks
-        tokens = (step - qi * n_tok_blocks) * BLOCK_ROWS + offs_rows
-        qi = qi.to(tl.int64)
-        winner = tl.load(a_base + qi * stride_an + tokens * stride_al, mask=tokens < q_len, other=-1)
-        # Only rows whose winner lies in this block are read (a NaN elsewhere never meets a 0 of the one-hot).
-        mine = (winner >= first_position) & (winner < first_position + BLOCK_DOC_ROWS)
-        rows = tl.load(
-            q_base + qi * stride_qn + tokens[:, None] * stride_ql + kk[None, :] * stride_qk,
-            mask=mine[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        one_hot = (positions[:, None] == winner[None, :]).to(rows.dtype)
-        weight = tl.load(g_base + qi * stride_gn)
-        acc += weight * tl.dot(one_hot, rows, input_precision=DOT_PRECISION)
-    out = dd_ptr + doc_set * stride_ddn + doc * stride_ddb + positions[:, None] * stride_ddl + kk[None, :] * stride_ddk
-    tl.store(out, acc.to(dd_ptr.dtype.element_ty), mask=(positions < doc_len)[:, None] & k_ok[None, :])
-
-
 def feature_blocks(dim: int, block_k: int) -> tuple[int, int]:
     """``(block_k, n_blocks)``: the feature tile (at least 16 wide, at most the padded ``dim``) and how many."""
     block_k = min(block_k, max(16, next_power_of_2(dim)))
@@ -309,22 +198,6 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
     return dq
 
 
-def launch_dd_onehot(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int, n_k_blocks: int):
-    """Deterministic one-hot dD into ``dd`` (input dtype, each program owns its rows)."""
-    n_sets, n_docs, l_d, dim = dd.shape
-    n_q, l_q, _ = q.shape
-    n_doc_blocks = triton.cdiv(l_d, cfg.onehot_doc_rows)
-    block_rows = max(16, min(cfg.onehot_rows, next_power_of_2(l_q)))
-    maxsim_bwd_dd_onehot_kernel[(n_sets * n_docs * n_doc_blocks * n_k_blocks,)](
-        q, grad, argmax, dd,
-        n_q, l_q, n_docs, l_d, n_doc_blocks, n_k_blocks, triton.cdiv(l_q, block_rows),
-        *q.stride(), *grad.stride(), *argmax.stride(), *dd.stride(),
-        DIM=dim, PER_QUERY=per_query, BLOCK_ROWS=block_rows,
-        BLOCK_DOC_ROWS=cfg.onehot_doc_rows, BLOCK_K=block_k, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.onehot_warps, num_stages=cfg.onehot_stages,
-    )
-
-
 def maxsim_backward_dd(
     grad: torch.Tensor,
     q: torch.Tensor,
@@ -346,6 +219,8 @@ def maxsim_backward_dd(
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
     route = cfg.deterministic_dd if deterministic else cfg.fast_dd
+    if route == "auto" and not deterministic:
+        route = "atomic" if 4 * math.prod(d_shape) <= l2_bytes(grad.device) else "sorted"
     allowed = DETERMINISTIC_DD if deterministic else FAST_DD
     if route not in allowed:
         raise ValueError(f"{'deterministic' if deterministic else 'fast'} dD route must be one of {allowed}, "
@@ -355,9 +230,20 @@ def maxsim_backward_dd(
         launch_dd_atomic(grad, q, argmax, dd32, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
         return dd32.to(dtype)
     dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
-    launch = {"sorted": launch_dd_sorted, "onehot": launch_dd_onehot, "loop": launch_dd_owned_loop}[route]
-    launch(grad, q, argmax, dd, per_query=per_query, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
+    launch_dd_sorted(grad, q, argmax, dd, per_query=per_query, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
     return dd
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The device's L2 size (the interpreter's CPU counts as 50 MB, an H100's / H200's)."""
+    if device.type != "cuda":
+        return 50 << 20
+    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: int):
@@ -370,20 +256,5 @@ def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: in
         l_q, n_docs, n_row_blocks, n_k_blocks,
         *q.stride(), *grad.stride(), *argmax.stride(), *set_strides(dd32),
         DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-
-def launch_dd_owned_loop(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int, n_k_blocks: int):
-    """Deterministic dD for short queries: a loop over queries, each a nested loop over its token blocks."""
-    n_sets, n_docs, l_d, dim = dd.shape
-    n_q, l_q, _ = q.shape
-    n_doc_blocks = triton.cdiv(l_d, cfg.block_doc_rows)
-    maxsim_bwd_dd_owned_kernel[(n_sets * n_docs * n_doc_blocks * n_k_blocks,)](
-        q, grad, argmax, dd,
-        n_q, l_q, n_docs, l_d, n_doc_blocks, n_k_blocks,
-        *q.stride(), *grad.stride(), *argmax.stride(), *dd.stride(),
-        DIM=dim, PER_QUERY=per_query, BLOCK_ROWS=max(16, cfg.block_rows), BLOCK_DOC_ROWS=cfg.block_doc_rows,
-        BLOCK_K=block_k, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

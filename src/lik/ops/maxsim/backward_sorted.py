@@ -8,7 +8,9 @@ work is one gather of ``Nq * B * Lq`` query rows, the same element count as the 
 the one-hot dD's ``2 * Nq * B * Lq * Ld * d`` tensor-core FLOPs (the forward's cost again).
 
 Memory: the sort works on documents in chunks so that its keys, order and the sort's own buffers stay within a
-fixed workspace (``sort_workspace_entries`` triples per chunk, about 24 bytes each) whatever ``B``.
+fixed workspace (``sort_workspace_entries`` triples per chunk, about 44 bytes each at peak) whatever ``B``.
+Keys take the narrowest integer type that holds a chunk's row count (16 bits up to 32 767 rows: half the radix
+passes of 32-bit keys); ``sort_chunk_rows`` can cap a chunk's rows to get there.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool) -> tuple
     n_q, chunk_docs, l_q = argmax.shape
     n_sets = n_q if per_query else 1
     n_rows = n_sets * chunk_docs * doc_len
-    key_dtype = torch.int32 if n_rows < 2**31 - 1 else torch.int64
+    # The narrowest key type: a radix sort makes one pass per key byte.
+    key_dtype = next(t for t in (torch.int16, torch.int32, torch.int64) if n_rows < torch.iinfo(t).max)
     device = argmax.device
     row_base = torch.arange(chunk_docs, device=device, dtype=key_dtype).mul_(doc_len).view(chunk_docs, 1, 1)
     if per_query:
@@ -119,9 +122,15 @@ def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool) -> tuple
     return order, starts
 
 
-def chunk_documents(n_queries: int, q_len: int, n_docs: int, workspace_entries: int) -> int:
-    """Documents per sort chunk: as many as keep ``n_queries * docs * q_len`` winners within the workspace."""
-    return max(1, min(n_docs, workspace_entries // max(1, n_queries * q_len)))
+def chunk_documents(
+    n_queries: int, q_len: int, n_docs: int, workspace_entries: int, rows_per_doc: int = 1, max_rows: int = 0
+) -> int:
+    """Documents per sort chunk: as many as keep ``n_queries * docs * q_len`` winners within the workspace and,
+    if ``max_rows`` is set, ``docs * rows_per_doc`` document rows (sort keys) within ``max_rows``."""
+    docs = min(n_docs, workspace_entries // max(1, n_queries * q_len))
+    if max_rows:
+        docs = min(docs, max_rows // max(1, rows_per_doc))
+    return max(1, docs)
 
 
 def launch_dd_sorted(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int, n_k_blocks: int):
@@ -131,7 +140,7 @@ def launch_dd_sorted(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int,
     n_q, l_q, _ = q.shape
     if n_q * l_q >= 2**31:
         raise ValueError(f"the sorted dD needs Nq * Lq < 2**31 query tokens, got {n_q} x {l_q}")
-    step = chunk_documents(n_q, l_q, n_docs, cfg.sort_workspace_entries)
+    step = chunk_documents(n_q, l_q, n_docs, cfg.sort_workspace_entries, n_sets * l_d, cfg.sort_chunk_rows)
     for first_doc in range(0, n_docs, step):
         chunk_docs = min(step, n_docs - first_doc)
         order, starts = sorted_winners(argmax[:, first_doc:first_doc + chunk_docs], l_d, per_query)
