@@ -128,3 +128,14 @@ def test_smoke_run_end_to_end(tmp_path, capsys, monkeypatch):
     assert "[forward]" in table and "[train]" in table
     assert capsys.readouterr().out.rstrip().endswith(table.rstrip().splitlines()[-1])
     assert format_table(results) == table.rstrip("\n")
+
+
+def test_shape_filter():
+    from lik.bench.runner import _selected_shapes, parse_args
+
+    names = [s.name for s in _selected_shapes(parse_args(["--suite", "train", "--shapes", "colpali-train,B2048"]))]
+    assert names == [
+        "train/colbert-train/B2048", "train/colpali-train/B32", "train/colpali-train/B64", "train/colpali-train/B128"
+    ]
+    with pytest.raises(SystemExit, match="no shape matches"):
+        _selected_shapes(parse_args(["--suite", "train", "--shapes", "visual"]))

@@ -314,6 +314,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lik bench", description=__doc__.splitlines()[0])
     p.add_argument("--suite", default="all",
                    help="comma-separated suites: forward, multi, train, or all (default all)")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated substrings; keep only shapes whose name contains one (e.g. colpali-train)")
     p.add_argument("--methods", default=None,
                    help="comma-separated method names or sweeps (default: all), e.g. lik,flash-maxsim,eager-chunked")
     p.add_argument("--out", default="bench_out", help="output directory (JSON, table, plot); default bench_out")
@@ -351,8 +353,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "fp16")]
     if dtype == torch.float32 and device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32, the fp32 setting the issue's bar is about
-    suites = list(SUITES) if args.suite == "all" else args.suite.split(",")
-    shapes = select_shapes(suites, quick=args.quick, smoke=args.smoke)
+    shapes = _selected_shapes(args)
     methods = select_methods(args.methods.split(",") if args.methods else None)
     rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 3)
     rep_ms = args.rep_ms or (20.0 if args.smoke else 50.0 if args.quick else 100.0)
@@ -412,13 +413,23 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     return results
 
 
+def _selected_shapes(args: argparse.Namespace) -> list[Shape]:
+    suites = list(SUITES) if args.suite == "all" else args.suite.split(",")
+    shapes = select_shapes(suites, quick=args.quick, smoke=args.smoke)
+    if args.shapes:
+        wanted = [w for w in args.shapes.split(",") if w]
+        shapes = [s for s in shapes if any(w in s.name for w in wanted)]
+        if not shapes:
+            raise SystemExit(f"lik bench: no shape matches --shapes {args.shapes!r}")
+    return shapes
+
+
 def registry_listing(args: argparse.Namespace) -> str:
     """The shapes and methods a run with ``args`` would cover (no device work)."""
     itemsize = torch.finfo(DTYPES[args.dtype or ("fp32" if args.smoke else "fp16")]).bits // 8
-    suites = list(SUITES) if args.suite == "all" else args.suite.split(",")
     methods = select_methods(args.methods.split(",") if args.methods else None)
     lines = [f"{'shape':30s} {'GFLOP':>10s} {'MB':>10s}  methods"]
-    for shape in select_shapes(suites, quick=args.quick, smoke=args.smoke):
+    for shape in _selected_shapes(args):
         names = [m.name for m in methods if shape.suite in m.suites and m.applies(shape)]
         lines.append(f"{shape.name:30s} {flop_count(shape) / 1e9:10.1f} {min_bytes(shape, itemsize) / 1e6:10.1f}  "
                      + ", ".join(names))
