@@ -26,7 +26,8 @@ triton_interpreter = pytest.importorskip("triton.runtime.interpreter")
 
 _DTYPES = {
     torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-    torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1",
+    torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
+    torch.bool: "i1",
 }
 _OPTIONS = ("num_warps", "num_stages")
 

@@ -100,6 +100,8 @@ class MaxSimBackwardConfig:
     sort_entries: int = 8
     sort_warps: int = 1
     sort_chunk_rows: int = 0
+    # The atomic scatter's fp32 buffer, in bytes (documents are scattered a chunk at a time through it).
+    atomic_workspace_bytes: int = 16 << 20
     sort_workspace_entries: int = 1 << 20
 
 

@@ -26,6 +26,7 @@ SHAPES = [(5, 7, 3, 13, 8), (3, 37, 2, 40, 24), (1, 1, 1, 1, 1), (4, 3, 5, 33, 3
 # route name -> (backward mode, config field values)
 ROUTES = {
     "scatter": ("fast", {"fast_dd": "atomic"}),
+    "scatter-chunked": ("fast", {"fast_dd": "atomic", "atomic_workspace_bytes": 1}),
     "sorted-fast": ("fast", {"fast_dd": "sorted"}),
     "sorted": ("deterministic", {"deterministic_dd": "sorted"}),
     "sorted-chunked": ("deterministic", {"sort_workspace_entries": 1}),
@@ -48,9 +49,10 @@ def _kernels_only():
         pytest.skip("kernel paths run under TRITON_INTERPRET=1 (or on the GPU tests)")
 
 
-def _check(rng, shape, *, per_query=False, masks=True, mask_mode="exclude", backward="fast", tol=2e-6):
+def _check(rng, shape, *, per_query=False, masks=True, mask_mode="exclude", backward="fast", tol=2e-6,
+           dtype=torch.float32):
     n_q, l_q, n_docs, l_d, dim = shape
-    Q, D, qm, dm = rand_problem(rng, n_q, l_q, n_docs, l_d, dim, per_query=per_query, masks=masks)
+    Q, D, qm, dm = rand_problem(rng, n_q, l_q, n_docs, l_d, dim, per_query=per_query, masks=masks, dtype=dtype)
     grad = torch.randn((n_q, n_docs), generator=rng)
     s, dq, dd = kernel_with_grads(lik.maxsim, Q, D, qm, dm, grad, mask_mode=mask_mode, backward=backward)
     rs, rdq, rdd = reference_with_grads(Q, D, qm, dm, grad, mask_mode)
@@ -88,6 +90,14 @@ def test_per_query_documents_and_no_masks(rng, route):
         _check(rng, (3, 20, 2, 19, 16), per_query=True, backward=backward)
         _check(rng, (3, 20, 2, 19, 16), masks=False, backward=backward)
         _check(rng, (2, 70, 3, 19, 16), backward=backward)
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("per_query", [False, True])
+def test_fp16_routes(rng, route, per_query):
+    """fp16 gradients: the atomic scatter goes through its fp32 buffer (chunked or not) and a cast."""
+    with _route(route) as backward:
+        _check(rng, (3, 9, 5, 21, 16), per_query=per_query, backward=backward, tol=1e-3, dtype=torch.float16)
 
 
 def test_nan_is_never_dropped(rng):

@@ -81,6 +81,7 @@ def test_per_query_candidates(backward):
 
 DD_ROUTES = {  # name -> (backward, config fields)
     "atomic": ("fast", {"fast_dd": "atomic"}),
+    "atomic-chunked": ("fast", {"fast_dd": "atomic", "atomic_workspace_bytes": 200_000}),
     "sorted-fast": ("fast", {"fast_dd": "sorted"}),
     "sorted": ("deterministic", {"deterministic_dd": "sorted"}),
     "sorted-chunked": ("deterministic", {"sort_workspace_entries": 1000}),

@@ -7,7 +7,7 @@ With ``w[n, j] = dL/dscore[n, j]`` and ``t* = argmax[n, j, s]`` (-1: no gradient
 * ``dD[set, j, t] = sum_{n, s : t* = t} w[n, j] * Q[n, s]`` -- a scatter. Two ways:
 
   - the atomic scatter (``"fast"`` while its buffer fits in L2): one fp32 atomic add per (row, feature) into
-    an fp32 buffer, cast to the input dtype after;
+    an fp32 buffer, a chunk of documents at a time, each chunk cast to the input dtype;
   - the sorted-winners gather (``"deterministic"``, and ``"fast"`` beyond L2; ``backward_sorted.py``): the
     winners sorted by document row, each row summed by the one program that owns it, in a fixed order. No
     atomics, the same bits on every run.
@@ -35,6 +35,7 @@ __all__ = [
     "feature_blocks",
     "maxsim_backward_dq",
     "maxsim_backward_dd",
+    "scatter_dd_atomic",
     "BACKWARD_MODES",
 ]
 
@@ -226,9 +227,7 @@ def maxsim_backward_dd(
         raise ValueError(f"{'deterministic' if deterministic else 'fast'} dD route must be one of {allowed}, "
                          f"got {route!r}")
     if route == "atomic":
-        dd32 = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
-        launch_dd_atomic(grad, q, argmax, dd32, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
-        return dd32.to(dtype)
+        return scatter_dd_atomic(grad, q, argmax, d_shape, dtype, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
     dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
     launch_dd_sorted(grad, q, argmax, dd, per_query=per_query, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
     return dd
@@ -244,6 +243,29 @@ def l2_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return 50 << 20
     return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def scatter_dd_atomic(grad, q, argmax, d_shape, dtype, *, cfg, block_k: int, n_k_blocks: int) -> torch.Tensor:
+    """dD by fp32 atomics, a chunk of documents at a time through an fp32 buffer of at most
+    ``cfg.atomic_workspace_bytes`` (at least one document), each chunk cast into the input-dtype result.
+
+    The buffer stays L2-sized whatever ``B`` (the atomics land in L2, and the step's peak memory does not grow
+    by ``4 B Ld d`` bytes); fp32 inputs accumulate straight into the result."""
+    n_sets, n_docs, l_d, dim = d_shape
+    if dtype == torch.float32:
+        dd = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
+        launch_dd_atomic(grad, q, argmax, dd, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
+        return dd
+    dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
+    step = max(1, min(n_docs, cfg.atomic_workspace_bytes // (4 * n_sets * l_d * dim)))
+    buffer = torch.empty((n_sets, step, l_d, dim), dtype=torch.float32, device=grad.device)
+    for first in range(0, n_docs, step):
+        chunk = buffer[:, :min(step, n_docs - first)]
+        chunk.zero_()
+        docs = slice(first, first + chunk.shape[1])
+        launch_dd_atomic(grad[:, docs], q, argmax[:, docs], chunk, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
+        dd[:, docs].copy_(chunk)
+    return dd
 
 
 def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: int):

@@ -37,7 +37,7 @@ def maxsim_fwd_kernel(
     q_mask_ptr,
     d_mask_ptr,
     partial_ptr,  # fp32 [n_chunks, Nq, B]
-    argmax_ptr,  # int32 [Nq, B, Lq]
+    argmax_ptr,  # int16 / int32 [Nq, B, Lq]
     n_queries,
     q_len,
     doc_len,
@@ -100,7 +100,11 @@ def maxsim_fwd_kernel(
     if STORE_ARGMAX:
         has_grad = row_counts & (key != NO_KEY) & ((key & 1) == 0)
         index = tl.where(has_grad, key >> 1, -1)
-        tl.store(argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al, index, mask=row_in_range)
+        tl.store(
+            argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al,
+            index.to(argmax_ptr.dtype.element_ty),
+            mask=row_in_range,
+        )
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -124,14 +128,16 @@ def _mask_arg(mask: torch.Tensor | None, fallback: torch.Tensor, ndim: int):
 def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on canonical inputs.
 
-    Returns fp32 scores ``[Nq, B]`` and, if ``store_argmax``, int32 ``[Nq, B, Lq]`` winner indices (-1 where a
-    row gets no gradient: masked query token, empty document, or a masked winner in ``mask_mode="zero"``).
+    Returns fp32 scores ``[Nq, B]`` and, if ``store_argmax``, ``[Nq, B, Lq]`` winner indices (-1 where a row
+    gets no gradient: masked query token, empty document, or a masked winner in ``mask_mode="zero"``): int16
+    when ``Ld < 32 768`` (half the memory a training step keeps between forward and backward), else int32.
     """
     q, d = inputs.q, inputs.d
     n_q, l_q, dim = q.shape
     n_sets, n_docs, l_d, _ = d.shape
     device = q.device
-    argmax = torch.empty((n_q, n_docs, l_q), dtype=torch.int32, device=device) if store_argmax else None
+    argmax_dtype = torch.int16 if l_d < 2**15 else torch.int32
+    argmax = torch.empty((n_q, n_docs, l_q), dtype=argmax_dtype, device=device) if store_argmax else None
     if min(n_q, n_docs, l_q, l_d, dim) == 0:
         if argmax is not None:
             argmax.fill_(-1)
