@@ -33,6 +33,7 @@ __all__ = [
     "override",
     "interpreting",
     "next_power_of_2",
+    "cdiv",
 ]
 
 _OVERRIDES: dict[str, object] = {}
@@ -41,6 +42,11 @@ _OVERRIDES: dict[str, object] = {}
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for launch grids (``triton.cdiv`` is a Triton constexpr function: ~5 us per host call)."""
+    return -(-a // b)
 
 
 def next_power_of_2(n: int) -> int:
@@ -91,11 +97,12 @@ class MaxSimBackwardConfig:
     num_stages: int = 1
     # dQ: documents gathered per loop step (unrolled, all in flight).
     dq_docs: int = 2
-    # dD kernels: "fast" takes ``fast_dd`` ("atomic" scatter, "sorted" gather, or "auto": the atomic scatter
-    # while its fp32 buffer fits in L2, the sorted gather beyond), "deterministic" takes ``deterministic_dd``
-    # (only "sorted": no atomics). The sorted gather: contributions per block, warps, winners
-    # per sort chunk (about 44 bytes of workspace each at peak) and an optional cap on a chunk's document rows.
-    fast_dd: str = "auto"
+    # dD kernels: "fast" takes ``fast_dd`` ("atomic" scatter or "sorted" gather), "deterministic" takes
+    # ``deterministic_dd`` (only "sorted": no atomics). H200 (benchmarks/NOTES-backward.md): the atomic scatter
+    # through a 16 MiB buffer beat the sorted gather at every training shape (ColBERT B 2048: 18.5 vs 20.9 ms).
+    # The sorted gather: contributions per block, warps, winners per sort chunk (about 44 bytes of workspace
+    # each at peak) and an optional cap on a chunk's document rows (32 767 or fewer: 16-bit sort keys).
+    fast_dd: str = "atomic"
     deterministic_dd: str = "sorted"
     sort_entries: int = 8
     sort_warps: int = 1
@@ -148,13 +155,15 @@ def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device
     forced = _OVERRIDES.get("maxsim_backward")
     if forced is not None:
         return forced
-    block_d = max(16, next_power_of_2(dim))
-    if interpreting():
+    return _maxsim_backward_heuristic(max(16, next_power_of_2(dim)), interpreting())
+
+
+@functools.lru_cache(maxsize=64)
+def _maxsim_backward_heuristic(block_d: int, interpreted: bool) -> MaxSimBackwardConfig:
+    if interpreted:
         return MaxSimBackwardConfig(block_rows=16, block_doc_rows=16, block_k=block_d)
-    block_k = min(block_d, 128)
     return MaxSimBackwardConfig(
-        block_rows=32, block_doc_rows=64, block_k=block_k, num_warps=4, num_stages=1,
-        dq_docs=2,
+        block_rows=32, block_doc_rows=64, block_k=min(block_d, 128), num_warps=4, num_stages=1, dq_docs=2,
     )
 
 

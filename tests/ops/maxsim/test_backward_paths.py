@@ -1,7 +1,7 @@
 """Every dD / dQ path of the MaxSim backward against the float64 reference (Triton interpreter on CPU).
 
-dD routes: the fp32 atomic scatter (``"fast"`` while its buffer fits in L2) and the sorted-winners gather
-(``"deterministic"``, and ``"fast"`` beyond L2). Each route is forced here on odd shapes, with masks in both
+dD routes: the fp32 atomic scatter (``"fast"``; chunked through a bounded buffer) and the sorted-winners gather
+(``"deterministic"``; selectable for ``"fast"``). Each route is forced here on odd shapes, with masks in both
 modes, sort chunks of one document and of several, 16- and 32-bit sort keys, partial dQ document steps and a
 feature block narrower than ``d``.
 """
@@ -16,7 +16,6 @@ import torch
 
 import lik
 from lik import _config
-from lik.ops.maxsim import backward as bw
 from lik.ops.maxsim.backward_sorted import chunk_documents, sorted_winners
 
 from .helpers import kernel_with_grads, rand_problem, reference_with_grads, rel_err
@@ -141,19 +140,3 @@ def test_sort_chunks_fit_the_workspace_and_row_cap():
     assert chunk_documents(n_queries=4, q_len=8, n_docs=5, workspace_entries=10**9) == 5
     assert chunk_documents(4, 8, 1000, 10**9, rows_per_doc=180, max_rows=32767) == 182
     assert chunk_documents(4, 8, 100, 10**9, rows_per_doc=10**6, max_rows=32767) == 1
-
-
-def test_fast_route_follows_l2(monkeypatch):
-    """"fast" scatters with atomics while the fp32 dD buffer fits in L2, and gathers sorted winners beyond."""
-    calls = []
-    monkeypatch.setattr(bw, "launch_dd_atomic", lambda *a, **k: calls.append("atomic"))
-    monkeypatch.setattr(bw, "launch_dd_sorted", lambda *a, **k: calls.append("sorted"))
-    q = torch.zeros(2, 3, 16)
-    argmax = torch.zeros(2, 4, 3, dtype=torch.int32)
-    grad = torch.zeros(2, 4)
-    for l2, expected in ((10**9, "atomic"), (100, "sorted")):
-        monkeypatch.setattr(bw, "l2_bytes", lambda device, l2=l2: l2)
-        bw.maxsim_backward_dd(grad, q, argmax, (1, 4, 5, 16), torch.float32, deterministic=False, per_query=False)
-        assert calls[-1] == expected
-    bw.maxsim_backward_dd(grad, q, argmax, (1, 4, 5, 16), torch.float32, deterministic=True, per_query=False)
-    assert calls[-1] == "sorted"

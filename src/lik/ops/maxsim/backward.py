@@ -6,25 +6,22 @@ With ``w[n, j] = dL/dscore[n, j]`` and ``t* = argmax[n, j, s]`` (-1: no gradient
   is deterministic.
 * ``dD[set, j, t] = sum_{n, s : t* = t} w[n, j] * Q[n, s]`` -- a scatter. Two ways:
 
-  - the atomic scatter (``"fast"`` while its buffer fits in L2): one fp32 atomic add per (row, feature) into
-    an fp32 buffer, a chunk of documents at a time, each chunk cast to the input dtype;
-  - the sorted-winners gather (``"deterministic"``, and ``"fast"`` beyond L2; ``backward_sorted.py``): the
-    winners sorted by document row, each row summed by the one program that owns it, in a fixed order. No
-    atomics, the same bits on every run.
+  - the atomic scatter (``"fast"``): one fp32 atomic add per (row, feature) into an L2-sized fp32 buffer, a
+    chunk of documents at a time, each chunk cast to the input dtype;
+  - the sorted-winners gather (``"deterministic"``; ``backward_sorted.py``): the winners sorted by document
+    row, each row summed by the one program that owns it, in a fixed order. No atomics, the same bits on
+    every run.
 
 ``winners_sum`` (a one-hot product over one query's tokens) serves the packed variable-length backward.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ..._config import maxsim_backward_config, next_power_of_2
+from ..._config import cdiv, maxsim_backward_config, next_power_of_2
 from .backward_sorted import launch_dd_sorted
 from .forward import set_strides
 
@@ -41,7 +38,7 @@ __all__ = [
 
 BACKWARD_MODES = ("auto", "fast", "deterministic")
 # dD routes (``MaxSimBackwardConfig.fast_dd`` / ``deterministic_dd``); the deterministic ones use no atomics.
-FAST_DD = ("auto", "atomic", "sorted")
+FAST_DD = ("atomic", "sorted")
 DETERMINISTIC_DD = ("sorted",)
 
 
@@ -176,7 +173,7 @@ def winners_sum(
 def feature_blocks(dim: int, block_k: int) -> tuple[int, int]:
     """``(block_k, n_blocks)``: the feature tile (at least 16 wide, at most the padded ``dim``) and how many."""
     block_k = min(block_k, max(16, next_power_of_2(dim)))
-    return block_k, triton.cdiv(dim, block_k)
+    return block_k, cdiv(dim, block_k)
 
 
 def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor, q_shape, dtype) -> torch.Tensor:
@@ -188,7 +185,7 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
         return dq
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
-    n_row_blocks = triton.cdiv(l_q, cfg.block_rows)
+    n_row_blocks = cdiv(l_q, cfg.block_rows)
     maxsim_bwd_dq_kernel[(n_q * n_row_blocks * n_k_blocks,)](
         d, grad, argmax, dq,
         l_q, n_docs, n_row_blocks, n_k_blocks,
@@ -220,8 +217,6 @@ def maxsim_backward_dd(
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
     route = cfg.deterministic_dd if deterministic else cfg.fast_dd
-    if route == "auto" and not deterministic:
-        route = "atomic" if 4 * math.prod(d_shape) <= l2_bytes(grad.device) else "sorted"
     allowed = DETERMINISTIC_DD if deterministic else FAST_DD
     if route not in allowed:
         raise ValueError(f"{'deterministic' if deterministic else 'fast'} dD route must be one of {allowed}, "
@@ -231,18 +226,6 @@ def maxsim_backward_dd(
     dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
     launch_dd_sorted(grad, q, argmax, dd, per_query=per_query, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
     return dd
-
-
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).L2_cache_size
-
-
-def l2_bytes(device: torch.device) -> int:
-    """The device's L2 size (the interpreter's CPU counts as 50 MB, an H100's / H200's)."""
-    if device.type != "cuda":
-        return 50 << 20
-    return _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def scatter_dd_atomic(grad, q, argmax, d_shape, dtype, *, cfg, block_k: int, n_k_blocks: int) -> torch.Tensor:
@@ -272,7 +255,7 @@ def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: in
     """The per-(query row, feature) fp32 atomic scatter into the pre-zeroed ``dd32``."""
     n_q, l_q, dim = q.shape
     n_docs = dd32.shape[1]
-    n_row_blocks = triton.cdiv(l_q, cfg.block_rows)
+    n_row_blocks = cdiv(l_q, cfg.block_rows)
     maxsim_bwd_dd_atomic_kernel[(n_q * n_row_blocks * n_docs * n_k_blocks,)](
         q, grad, argmax, dd32,
         l_q, n_docs, n_row_blocks, n_k_blocks,

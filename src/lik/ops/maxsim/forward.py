@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import maxsim_forward_config, next_power_of_2
+from ..._config import cdiv, maxsim_forward_config, next_power_of_2
 from .tile import NO_KEY, maxsim_doc_rows, query_rows, store_group_sums
 from .validation import MaxSimInputs
 
@@ -151,8 +151,8 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         per_query=inputs.per_query_documents,
         device=device,
     )
-    n_chunks = triton.cdiv(l_q, cfg.group_rows)
-    n_row_blocks = triton.cdiv(n_q * n_chunks, cfg.groups)
+    n_chunks = cdiv(l_q, cfg.group_rows)
+    n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
     partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device)
     block_d = max(16, next_power_of_2(dim))
     block_k = min(cfg.block_k, block_d)
@@ -172,7 +172,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         GROUPS=cfg.groups,
         BLOCK_N=cfg.block_n,
         BLOCK_K=block_k,
-        NUM_K=triton.cdiv(block_d, block_k),
+        NUM_K=cdiv(block_d, block_k),
         HAS_Q_MASK=inputs.q_mask is not None,
         HAS_D_MASK=inputs.d_mask is not None,
         EXCLUDE=inputs.mask_mode == "exclude",

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import maxsim_backward_config, maxsim_varlen_config, next_power_of_2
+from ..._config import cdiv, maxsim_backward_config, maxsim_varlen_config, next_power_of_2
 from .backward import feature_blocks, maxsim_backward_dq, maxsim_bwd_dd_atomic_kernel, winners_sum
 from .forward import dot_precision
 from .function import resolve_backward, uses_kernels
@@ -325,13 +325,13 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
     block_k = min(cfg.block_k, block_d)
     if inputs.pairs:
         # At least one program per pair: the hint only sizes the grid (see the kernel).
-        n_chunks = n_row_blocks = max(1, triton.cdiv(l_q, cfg.group_rows))
+        n_chunks = n_row_blocks = max(1, cdiv(l_q, cfg.group_rows))
         partial = torch.empty((n_chunks, 1, n_docs), dtype=torch.float32, device=device)
         q_strides = (0, *q.stride())
         argmax_strides = (0, 0, 1)
     else:
-        n_chunks = triton.cdiv(l_q, cfg.group_rows)
-        n_row_blocks = triton.cdiv(n_q * n_chunks, cfg.groups)
+        n_chunks = cdiv(l_q, cfg.group_rows)
+        n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
         partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device)
         q_strides = q.stride()
         argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
@@ -347,7 +347,7 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         GROUPS=1 if inputs.pairs else cfg.groups,
         BLOCK_N=cfg.block_n,
         BLOCK_K=block_k,
-        NUM_K=triton.cdiv(block_d, block_k),
+        NUM_K=cdiv(block_d, block_k),
         PAIRS=inputs.pairs,
         HAS_Q_MASK=q_mask is not None,
         STORE_ARGMAX=store_argmax,
@@ -382,7 +382,7 @@ def _launch_tokens(grad, inputs: PackedInputs, argmax, *, dq, dd32) -> None:
     n_pairs = grad.shape[0]
     dq_arg, dq_strides = (dq, dq.stride()) if dq is not None else (grad, (0, 0))
     dd_arg, dd_strides = (dd32, dd32.stride()) if dd32 is not None else (grad, (0, 0))
-    maxsim_varlen_bwd_tokens_kernel[(triton.cdiv(q.shape[0], cfg.block_rows) * n_k_blocks,)](
+    maxsim_varlen_bwd_tokens_kernel[(cdiv(q.shape[0], cfg.block_rows) * n_k_blocks,)](
         q, d, grad, inputs.cu_q, argmax, dq_arg, dd_arg,
         q.shape[0], n_pairs, _search_steps(n_pairs), n_k_blocks,
         *q.stride(), *d.stride(), grad.stride(0), argmax.stride(0), *dq_strides, *dd_strides,
@@ -410,7 +410,7 @@ def packed_backward_dd(
             q_strides, grad_strides, argmax_strides, l_q = (0, *q.stride()), (0, grad.stride(0)), (0, 0, 1), 0
         else:
             q_strides, grad_strides, argmax_strides, l_q = q.stride(), grad.stride(), argmax.stride(), q.shape[1]
-        maxsim_varlen_bwd_dd_owned_kernel[(triton.cdiv(d.shape[0], cfg.block_doc_rows) * n_k_blocks,)](
+        maxsim_varlen_bwd_dd_owned_kernel[(cdiv(d.shape[0], cfg.block_doc_rows) * n_k_blocks,)](
             q, grad, inputs.cu_q if inputs.pairs else inputs.cu_d, inputs.cu_d, argmax, dd,
             q.shape[0] if not inputs.pairs else 1, l_q, q.shape[0] if inputs.pairs else 0, d.shape[0], n_docs,
             _search_steps(n_docs), n_k_blocks,
@@ -426,7 +426,7 @@ def packed_backward_dd(
     else:
         # The padded atomic kernel as is: absolute winners and a [1, B, Td, dim] view of dd32 (strides 0).
         n_q, l_q, _ = q.shape
-        n_row_blocks = triton.cdiv(l_q, cfg.block_rows)
+        n_row_blocks = cdiv(l_q, cfg.block_rows)
         maxsim_bwd_dd_atomic_kernel[(n_q * n_row_blocks * n_docs * n_k_blocks,)](
             q, grad, argmax, dd32,
             l_q, n_docs, n_row_blocks, n_k_blocks,

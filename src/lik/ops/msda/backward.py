@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import msda_backward_config
+from ..._config import cdiv, msda_backward_config
 from .forward import RUNTIME_INTS, level_strides, transposed_value
 from .sampling import (
     corner_pointers, corner_setup, gather_corners, gather_pairs, load_sample, pair_pointers, point_block, query_rows,
@@ -225,7 +225,7 @@ def msda_backward(
     n_rows = n * n_queries * heads
     cfg = msda_backward_config(n_rows=n_rows, dim=dim, n_samples=n_levels * n_points, dtype=value.dtype,
                                device=device, n_queries=n_queries, n_pixels=n_pixels)
-    n_chunks = triton.cdiv(dim, cfg.block_d) if dim else 1
+    n_chunks = cdiv(dim, cfg.block_d) if dim else 1
     n_samples = n_rows * n_levels * n_points
     if n_samples == 0 or dim == 0:
         return torch.zeros_like(value), torch.zeros_like(loc), torch.zeros_like(attn)
@@ -256,7 +256,7 @@ def msda_backward(
     else:
         cells, n_cells, no_bucket, buckets = starts, 0, 0, gvalue
 
-    grid = (triton.cdiv(n_rows, cfg.block_rows), n_chunks)
+    grid = (cdiv(n_rows, cfg.block_rows), n_chunks)
     msda_bwd_kernel[grid](
         value, shapes, starts, cells, loc, attn, grad_out,
         gvalue, gloc, gattn, buckets,
@@ -284,7 +284,7 @@ def msda_backward(
     sorted_buckets, order = torch.sort(buckets, stable=True)
     offsets = torch.searchsorted(sorted_buckets, torch.arange(no_bucket + 1, device=device))
     n_value_rows = n * n_pixels * heads
-    grid = (triton.cdiv(n_value_rows, cfg.gather_rows), triton.cdiv(dim, cfg.block_d))
+    grid = (cdiv(n_value_rows, cfg.gather_rows), cdiv(dim, cfg.block_d))
     msda_bwd_value_kernel[grid](
         shapes, starts, cells, loc, attn, grad_out, offsets, order, gvalue,
         n_value_rows, n_pixels, n_queries, heads, n_levels, n_points, n_cells,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import msda_forward_config
+from ..._config import cdiv, msda_forward_config
 from .sampling import corner_setup, gather_corners, gather_pairs, load_sample, point_block, query_rows, x_weights
 
 __all__ = ["msda_fwd_kernel", "msda_forward", "transposed_value", "RUNTIME_INTS"]
@@ -114,7 +114,7 @@ def msda_forward(
                               device=value.device, n_queries=n_queries, n_pixels=value.shape[1])
     if cfg.transpose:
         value = transposed_value(value)
-    grid = (triton.cdiv(n_rows, cfg.block_rows), triton.cdiv(dim, cfg.block_d))
+    grid = (cdiv(n_rows, cfg.block_rows), cdiv(dim, cfg.block_d))
     msda_fwd_kernel[grid](
         value, shapes, starts, loc, attn, out,
         n_rows, n_queries, heads, n_levels, n_points,
