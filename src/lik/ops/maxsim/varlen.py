@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, maxsim_backward_config, maxsim_varlen_config, next_power_of_2
-from .backward import feature_blocks, maxsim_backward_dq, maxsim_bwd_dd_atomic_kernel, winners_sum
+from .backward import feature_blocks, launch_dd_atomic, maxsim_backward_dq, winners_sum
 from .forward import dot_precision
 from .function import resolve_backward, uses_kernels
 from .packing import PackedInputs
@@ -424,16 +424,9 @@ def packed_backward_dd(
     if inputs.pairs:
         _launch_tokens(grad, inputs, argmax, dq=None, dd32=dd32)
     else:
-        # The padded atomic kernel as is: absolute winners and a [1, B, Td, dim] view of dd32 (strides 0).
-        n_q, l_q, _ = q.shape
-        n_row_blocks = cdiv(l_q, cfg.block_rows)
-        maxsim_bwd_dd_atomic_kernel[(n_q * n_row_blocks * n_docs * n_k_blocks,)](
-            q, grad, argmax, dd32,
-            l_q, n_docs, n_row_blocks, n_k_blocks,
-            *q.stride(), *grad.stride(), *argmax.stride(), 0, 0, *dd32.stride(),
-            DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        # The padded atomic scatter as is: absolute winners and a [1, B, Td, dim] view of dd32 (strides 0).
+        launch_dd_atomic(grad, q, argmax, dd32.expand(1, n_docs, *dd32.shape), cfg=cfg, block_k=block_k,
+                         n_k_blocks=n_k_blocks)
     return dd32.to(d.dtype)
 
 
