@@ -167,6 +167,34 @@ def test_ties_across_tiles_keep_the_earlier_tile(path):
     assert torch.all(dd[0, 33] == 0) and torch.any(dd[0, 2] != 0)
 
 
+@pytest.mark.parametrize("backward", ["fast", "deterministic"])
+@pytest.mark.parametrize("first_token_masked", [False, True])
+def test_rows_that_only_see_minus_inf_take_token_0(path, backward, first_token_masked):
+    """Every similarity of document 0 is -inf (an -inf feature): the reference's max picks token 0, so its
+    gradient goes to token 0, or nowhere when token 0 is masked; no other token of that document gets any."""
+    gen = torch.Generator().manual_seed(11)
+    Q = torch.randn(2, 3, 16, generator=gen)
+    Q[..., 0] = Q[..., 0].abs() + 0.5
+    D = torch.randn(2, 40, 16, generator=gen)
+    D[0, :, 0] = -float("inf")
+    dm = torch.ones(2, 40, dtype=torch.bool)
+    dm[0, 0] = not first_token_masked
+    grad = torch.randn(2, 2, generator=gen)
+    s, dq, dd = kernel_with_grads(lik.maxsim, Q, D, None, dm, grad, backward=backward)
+    rs, rdq, rdd = reference_with_grads(Q, D, None, dm, grad)
+    assert torch.all(s[:, 0] == -float("inf"))
+    torch.testing.assert_close(s.double(), rs.double(), rtol=1e-6, atol=1e-6)
+    # The kernels' feature 0 of dQ is infinite when token 0 wins unmasked, finite (no gradient from document 0)
+    # when it is masked; the reference's einsum backward has NaN there either way (0 * inf at losing tokens).
+    if path == "kernel":
+        assert torch.isfinite(dq[..., 0]).all() == first_token_masked
+        assert torch.isfinite(dq[..., 0]).any() == first_token_masked
+    torch.testing.assert_close(dq[..., 1:].double(), rdq[..., 1:].double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dd.double(), rdd.double(), rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert torch.all(dd[0, 1:] == 0)
+    assert torch.all(dd[0, 0] == 0) == first_token_masked
+
+
 def test_non_contiguous_inputs(rng, path):
     Qs = torch.randn(8, 3, 32, generator=rng)  # [Lq, Nq, 2d] storage
     Ds = torch.randn(11, 5, 2, 16, generator=rng)  # [Ld, B, 2, d] storage
