@@ -79,8 +79,6 @@ class MaxSimForwardConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
-    # Running max per (row, column slot), reduced once per document, instead of a reduction per tile.
-    slot_state: bool = False
 
     @property
     def block_m(self) -> int:

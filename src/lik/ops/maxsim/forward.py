@@ -60,7 +60,6 @@ def maxsim_fwd_kernel(
     EXCLUDE: tl.constexpr,
     STORE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SLOT_STATE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0).to(tl.int64)
@@ -89,7 +88,7 @@ def maxsim_fwd_kernel(
         d_ptr + doc_set * stride_dn + doc * stride_db,
         d_mask_ptr + doc_set * stride_dmn + doc * stride_dmb,
         doc_len, stride_dl, stride_dk, stride_dml,
-        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, DOT_PRECISION, SLOT_STATE,
+        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, DOT_PRECISION,
     )
     row_counts = row_valid
     if EXCLUDE:
@@ -179,7 +178,6 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         EXCLUDE=inputs.mask_mode == "exclude",
         STORE_ARGMAX=store_argmax,
         DOT_PRECISION=dot_precision(q.dtype),
-        SLOT_STATE=cfg.slot_state,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -16,8 +16,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "nan_max", "query_rows", "store_group_sums", "similarity_tile", "absorb_tile", "finish_rows", "masked_tile",
-    "maxsim_doc_rows",
+    "nan_max", "query_rows", "store_group_sums", "similarity_tile", "absorb_tile", "masked_tile", "maxsim_doc_rows",
     "NO_KEY",
 ]
 
@@ -103,48 +102,18 @@ def similarity_tile(
 
 
 @triton.jit
-def absorb_tile(sim, col_key, best, key, TRACK_ARGMAX: tl.constexpr, SLOT_STATE: tl.constexpr):
-    """Fold one tile of (already masked) similarities into the running max (and winner key).
-
-    With ``SLOT_STATE`` the state is ``[BLOCK_M, BLOCK_N]``: one running max per (row, column slot), updated
-    elementwise with no reduction (two compares and two selects per similarity when tracking the winner);
-    :func:`finish_rows` reduces the slots once per document. Otherwise the state is per row and every tile is
-    reduced."""
-    if SLOT_STATE:
-        if TRACK_ARGMAX:
-            # Strictly greater (or a first NaN) replaces: a slot keeps its earliest winner, a NaN sticks.
-            take = ~(sim <= best) & (best == best)
-            key = tl.where(take, col_key[None, :], key)
-            best = tl.where(take, sim, best)
-        else:
-            best = nan_max(best, sim)
+def absorb_tile(sim, col_key, best, key, TRACK_ARGMAX: tl.constexpr):
+    """Fold one tile of (already masked) similarities into the per-row running max (and winner key)."""
+    tile_best = tl.reduce(sim, 1, nan_max)
+    if TRACK_ARGMAX:
+        winner = (sim == tile_best[:, None]) | (sim != sim)
+        tile_key = tl.min(tl.where(winner, col_key[None, :], NO_KEY), axis=1)
+        # Strictly greater keeps the earlier tile on ties; the first NaN sticks.
+        take = (tile_best > best) | ((tile_best != tile_best) & (best == best)) | (key == NO_KEY)
+        key = tl.where(take, tile_key, key)
+        best = tl.where(take, tile_best, best)
     else:
-        tile_best = tl.reduce(sim, 1, nan_max)
-        if TRACK_ARGMAX:
-            winner = (sim == tile_best[:, None]) | (sim != sim)
-            tile_key = tl.min(tl.where(winner, col_key[None, :], NO_KEY), axis=1)
-            # Strictly greater keeps the earlier tile on ties; the first NaN sticks.
-            take = (tile_best > best) | ((tile_best != tile_best) & (best == best)) | (key == NO_KEY)
-            key = tl.where(take, tile_key, key)
-            best = tl.where(take, tile_best, best)
-        else:
-            best = nan_max(best, tile_best)
-    return best, key
-
-
-@triton.jit
-def finish_rows(best, key, first_key, TRACK_ARGMAX: tl.constexpr, SLOT_STATE: tl.constexpr):
-    """Per-row ``(best, key)`` from the running state: reduce the slots of ``SLOT_STATE``.
-
-    A row none of whose slots ever took a value saw only ``-inf`` similarities; the reference's ``max`` then
-    picks token 0, whose key is ``first_key`` (``NO_KEY`` for an empty document)."""
-    if SLOT_STATE:
-        row_best = tl.reduce(best, 1, nan_max)
-        if TRACK_ARGMAX:
-            winner = (best == row_best[:, None]) | (best != best)
-            row_key = tl.min(tl.where(winner, key, NO_KEY), axis=1)
-            key = tl.where(row_key == NO_KEY, first_key, row_key)
-        best = row_best
+        best = nan_max(best, tile_best)
     return best, key
 
 
@@ -154,7 +123,6 @@ def masked_tile(
     stride_dml, best, key,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLOT_STATE: tl.constexpr,
 ):
     """One document tile starting at token ``start`` with every check on (mask, ragged end).
 
@@ -175,7 +143,7 @@ def masked_tile(
     else:
         sim = tl.where(in_range[None, :], sim, float("-inf"))
     col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY).to(tl.int32)
-    best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX, SLOT_STATE)
+    best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
     return best, key, tl.sum(col_valid.to(tl.int32), axis=0)
 
 
@@ -200,7 +168,6 @@ def maxsim_doc_rows(
     EXCLUDE: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SLOT_STATE: tl.constexpr,
 ):
     """Stream one document through a block of query rows.
 
@@ -208,12 +175,8 @@ def maxsim_doc_rows(
     nothing valid was seen), the winner key (meaningful only with ``TRACK_ARGMAX``), and the number of valid
     document tokens (used by ``mask_mode="exclude"`` to score an all-masked document 0).
     """
-    if SLOT_STATE:
-        best = tl.full((BLOCK_M, BLOCK_N), float("-inf"), tl.float32)
-        key = tl.full((BLOCK_M, BLOCK_N), NO_KEY, tl.int32)
-    else:
-        best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
+    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
     n_valid = tl.zeros((), tl.int32)
     masked_from = 0
     if not HAS_D_MASK:
@@ -233,20 +196,13 @@ def maxsim_doc_rows(
                     q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, cols >= 0,
                     DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
                 )
-            best, key = absorb_tile(sim, (cols * 2).to(tl.int32), best, key, TRACK_ARGMAX, SLOT_STATE)
+            best, key = absorb_tile(sim, (cols * 2).to(tl.int32), best, key, TRACK_ARGMAX)
     # Every tile of a masked document, or the ragged tail of an unmasked one.
     for start in range(masked_from, doc_len, BLOCK_N):
         best, key, tile_valid = masked_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, start, stride_dl, stride_dk,
             stride_dml, best, key,
-            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, DOT_PRECISION, SLOT_STATE,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, DOT_PRECISION,
         )
         n_valid += tile_valid
-    first_key = NO_KEY
-    if SLOT_STATE and TRACK_ARGMAX:
-        first_masked = 0
-        if HAS_D_MASK:
-            first_masked = (tl.load(doc_mask_ptr, mask=doc_len > 0, other=1) == 0).to(tl.int32)
-        first_key = tl.where(doc_len > 0, first_masked, NO_KEY)
-    best, key = finish_rows(best, key, first_key, TRACK_ARGMAX, SLOT_STATE)
     return best, key, n_valid

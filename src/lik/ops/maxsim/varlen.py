@@ -80,7 +80,7 @@ def _score_rows(
     q_row_ptrs, row_in_range, row_valid, argmax_ptrs, stride_qk,
     doc_ptr, doc_start, doc_len, stride_dl, stride_dk,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
-    STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, SLOT_STATE: tl.constexpr,
+    STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Best similarity of each query row against one packed document (0 where the row adds nothing), and the
     winner's absolute packed row stored at ``argmax_ptrs`` (-1: masked row, empty document, NaN-free nothing)."""
@@ -98,7 +98,7 @@ def _score_rows(
     best, key, n_valid = maxsim_doc_rows(
         q_rows, q_row_ptrs, row_valid, stride_qk,
         doc_ptr + doc_start * stride_dl, doc_ptr, doc_len, stride_dl, stride_dk, 0,
-        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, True, STORE_ARGMAX, DOT_PRECISION, SLOT_STATE,
+        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, True, STORE_ARGMAX, DOT_PRECISION,
     )
     counted = row_valid & (n_valid > 0)
     if STORE_ARGMAX:
@@ -145,7 +145,6 @@ def maxsim_varlen_fwd_kernel(
     HAS_Q_MASK: tl.constexpr,
     STORE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SLOT_STATE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0).to(tl.int64)
@@ -164,7 +163,7 @@ def maxsim_varlen_fwd_kernel(
             total += _score_rows(
                 q_ptr + token * stride_ql, in_range, in_range, argmax_ptr + token * stride_al, stride_qk,
                 d_ptr, doc_start, doc_len, stride_dl, stride_dk,
-                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION, SLOT_STATE,
+                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION,
             )
         tl.store(partial_ptr + row_block * stride_pc + doc * stride_pb, tl.sum(total, axis=0))
     else:
@@ -177,7 +176,7 @@ def maxsim_varlen_fwd_kernel(
             q_ptr + query * stride_qn + token * stride_ql, in_range, valid,
             argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al, stride_qk,
             d_ptr, doc_start, doc_len, stride_dl, stride_dk,
-            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION, SLOT_STATE,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION,
         )
         store_group_sums(
             partial_ptr, best, row_block, n_chunks, n_queries, doc, stride_pc, stride_pn, stride_pb, GROUP_ROWS, GROUPS,
@@ -353,7 +352,6 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         HAS_Q_MASK=q_mask is not None,
         STORE_ARGMAX=store_argmax,
         DOT_PRECISION=dot_precision(q.dtype),
-        SLOT_STATE=cfg.slot_state,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
