@@ -3,8 +3,8 @@
     python3 benchmarks/step_profile.py [--shape colbert-128] [--out $OUT]
 
 In-batch step (fp16, d 128): ``lik.maxsim`` + cross-entropy + backward. For each mode prints the do_bench
-median, the host time of one step (wall clock, synchronised), and torch.profiler's CUDA kernel table (top 12
-by device time); writes ``$OUT/step_profile.txt``.
+median, the host time of one step (wall clock, synchronised), torch.profiler's CUDA kernel table (top 12 by
+device time) and its host-op table (top 25 by self CPU time); writes ``$OUT/step_profile.txt``.
 """
 
 from __future__ import annotations
@@ -63,6 +63,14 @@ def main():
         except (AttributeError, KeyError, ValueError):
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
         lines.append(table)
+        # Host side: where the Python / dispatcher time of a step goes (self CPU time per op).
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as cpu_prof:
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+        lines.append(f"-- {mode}: host ops over 20 steps (self CPU time)")
+        lines.append(cpu_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
+                                                   max_name_column_width=60))
     text = "\n".join(lines)
     with open(os.path.join(args.out, "step_profile.txt"), "w") as f:
         f.write(text)
