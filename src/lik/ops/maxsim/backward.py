@@ -180,9 +180,10 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
     """``dQ [Nq, Lq, dim]`` in the input dtype from ``grad [Nq, B]`` (fp32) and the saved argmax."""
     n_q, l_q, dim = q_shape
     n_docs = d.shape[1]
-    dq = torch.zeros((n_q, l_q, dim), dtype=dtype, device=grad.device)
-    if dq.numel() == 0 or n_docs == 0:
-        return dq
+    if n_q * l_q * dim == 0 or n_docs == 0:
+        return torch.zeros((n_q, l_q, dim), dtype=dtype, device=grad.device)
+    # Every element is stored by the kernel (rows with no winner as 0): no fill launch.
+    dq = torch.empty((n_q, l_q, dim), dtype=dtype, device=grad.device)
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
     n_row_blocks = cdiv(l_q, cfg.block_rows)

@@ -19,9 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._config import cdiv
 from .forward import set_strides
 
-__all__ = ["maxsim_bwd_dd_sorted_kernel", "sorted_winners", "launch_dd_sorted", "chunk_documents"]
+__all__ = [
+    "maxsim_bwd_dd_sorted_kernel", "winner_keys_kernel", "sorted_winners", "launch_dd_sorted", "chunk_documents",
+]
 
 # The gradient's row stride follows the batch size: not specialised (no recompile when B changes). Embedding
 # strides stay specialised (16-byte aligned rows, vector loads; benchmarks/NOTES.md, version 6).
@@ -94,8 +97,38 @@ def maxsim_bwd_dd_sorted_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["n_queries", "chunk_docs", "q_len", "doc_len", "n_rows", "n_winners",
+                               "stride_an", "stride_ab"])
+def winner_keys_kernel(
+    argmax_ptr, keys_ptr,
+    n_queries, chunk_docs, q_len, doc_len, n_rows, n_winners,
+    stride_an, stride_ab, stride_al,
+    PER_QUERY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``keys[(doc * Nq + query) * Lq + token]``: the document row of each winner, ``(set * Bc + doc) * doc_len +
+    argmax[query, doc, token]`` (``set`` = query for per-query documents, else 0), or ``n_rows`` (after every
+    row) where there is no winner. One pass instead of the six tensor operations it replaces (host launch cost
+    dominates small training steps)."""
+    flat = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = flat < n_winners
+    token = flat % q_len
+    rest = flat // q_len
+    query = rest % n_queries
+    doc = rest // n_queries
+    winner = tl.load(argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al, mask=in_range, other=-1)
+    doc_row = doc
+    if PER_QUERY:
+        doc_row = query * chunk_docs + doc
+    key = tl.where(winner >= 0, doc_row * doc_len + winner.to(tl.int64), n_rows)
+    tl.store(keys_ptr + flat, key.to(keys_ptr.dtype.element_ty), mask=in_range)
+
+
+_KEYS_BLOCK = 1024
+
+
 def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the winners of ``argmax [Nq, Bc, Lq]`` (int32, -1: none) by document row.
+    """Group the winners of ``argmax [Nq, Bc, Lq]`` (int16 / int32, -1: none) by document row.
 
     Returns ``(order, starts)``: ``order`` (int64) lists flat indices into the winners laid out
     ``[Bc, Nq, Lq]`` in the order of their document row ``(set * Bc + doc) * doc_len + winner`` (``set`` is the
@@ -108,14 +141,13 @@ def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool) -> tuple
     # The narrowest key type: a radix sort makes one pass per key byte.
     key_dtype = next(t for t in (torch.int16, torch.int32, torch.int64) if n_rows < torch.iinfo(t).max)
     device = argmax.device
-    row_base = torch.arange(chunk_docs, device=device, dtype=key_dtype).mul_(doc_len).view(chunk_docs, 1, 1)
-    if per_query:
-        query_base = torch.arange(n_q, device=device, dtype=key_dtype).mul_(chunk_docs * doc_len)
-        row_base = row_base + query_base.view(1, n_q, 1)
-    winners = argmax.permute(1, 0, 2)
-    keys = torch.empty((chunk_docs, n_q, l_q), dtype=key_dtype, device=device)
-    torch.add(winners, row_base, out=keys)
-    keys = keys.masked_fill_(winners < 0, n_rows).view(-1)
+    n_winners = argmax.numel()
+    keys = torch.empty(n_winners, dtype=key_dtype, device=device)
+    if n_winners:
+        winner_keys_kernel[(cdiv(n_winners, _KEYS_BLOCK),)](
+            argmax, keys, n_q, chunk_docs, l_q, doc_len, n_rows, n_winners, *argmax.stride(),
+            PER_QUERY=per_query, BLOCK=_KEYS_BLOCK,
+        )
     sorted_keys, order = torch.sort(keys, stable=True)
     del keys
     starts = torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=device, dtype=key_dtype))

@@ -1,0 +1,109 @@
+"""Host (CPU) cost of each piece of a MaxSim training step, for the launch-bound small shapes (issue 4).
+
+    python3 benchmarks/host_profile.py [--shape colbert-128] [--out $OUT]
+
+Each piece is called 200 times in a row without synchronising; the wall time per call is its host cost when the
+GPU keeps up (the pieces are small at ColBERT B 128). Also lists, from torch.profiler, the Python stack of any
+host<->device copy in a deterministic step (a hidden copy there would serialise host and device).
+Writes ``host_profile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+import lik  # noqa: E402
+from lik import _config  # noqa: E402
+from lik.ops.maxsim import backward as bw  # noqa: E402
+from lik.ops.maxsim.backward_sorted import launch_dd_sorted, sorted_winners  # noqa: E402
+from lik.ops.maxsim.forward import maxsim_forward  # noqa: E402
+from lik.ops.maxsim.validation import MaxSimInputs  # noqa: E402
+
+SHAPES = {"colbert-128": (32, 128, 180), "colbert-512": (32, 512, 180), "colpali-32": (1024, 32, 1024)}
+
+
+def host_us(fn, calls=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - started) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="colbert-128", choices=sorted(SHAPES))
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    l_q, n, l_d = SHAPES[args.shape]
+    dev, dtype, dim = torch.device("cuda"), torch.float16, 128
+    gen = torch.Generator(device=dev).manual_seed(0)
+    Q = torch.nn.functional.normalize(torch.randn(n, l_q, dim, device=dev, generator=gen), dim=-1).to(dtype)
+    D = torch.nn.functional.normalize(torch.randn(n, l_d, dim, device=dev, generator=gen), dim=-1).to(dtype)
+    labels = torch.arange(n, device=dev)
+    inputs = MaxSimInputs.build(Q, D, None, None, "exclude")
+    q, d = inputs.q, inputs.d
+    scores, argmax = maxsim_forward(inputs, store_argmax=True)
+    grad = (torch.softmax(scores, dim=1) - torch.eye(n, device=dev)).float().contiguous() / n
+    cfg = _config.maxsim_backward_config(dim=dim, dtype=dtype, device=dev)
+    block_k, n_k = bw.feature_blocks(dim, cfg.block_k)
+    dd = torch.empty(d.shape, dtype=dtype, device=dev)
+    keys = argmax.permute(1, 0, 2).to(torch.int16).reshape(-1)
+    sorted_keys = torch.sort(keys, stable=True)[0]
+    bounds = torch.arange(n * l_d + 1, device=dev, dtype=torch.int16)
+    pieces = {
+        "MaxSimInputs.build": lambda: MaxSimInputs.build(Q, D, None, None, "exclude"),
+        "forward with argmax": lambda: maxsim_forward(inputs, store_argmax=True),
+        "dQ": lambda: bw.maxsim_backward_dq(grad, d, argmax, q.shape, dtype),
+        "dD fast (atomic)": lambda: bw.maxsim_backward_dd(grad, q, argmax, d.shape, dtype, deterministic=False,
+                                                          per_query=False),
+        "dD deterministic (sorted)": lambda: bw.maxsim_backward_dd(grad, q, argmax, d.shape, dtype,
+                                                                   deterministic=True, per_query=False),
+        "  sorted_winners": lambda: sorted_winners(argmax, l_d, False),
+        "  launch_dd_sorted": lambda: launch_dd_sorted(grad, q, argmax, dd, per_query=False, cfg=cfg,
+                                                       block_k=block_k, n_k_blocks=n_k),
+        "  torch.sort(stable) alone": lambda: torch.sort(keys, stable=True),
+        "  torch.searchsorted alone": lambda: torch.searchsorted(sorted_keys, bounds),
+        "  torch.arange alone": lambda: torch.arange(n * l_d + 1, device=dev, dtype=torch.int16),
+        "empty kernel-free op (torch.empty)": lambda: torch.empty(16, device=dev),
+    }
+    for mode in ("fast", "deterministic"):
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+
+        def step(mode=mode, Qg=Qg, Dg=Dg):
+            Qg.grad = Dg.grad = None
+            torch.nn.functional.cross_entropy(lik.maxsim(Qg, Dg, backward=mode), labels).backward()
+
+        pieces[f"whole step, {mode}"] = step
+    result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "host_us_per_call": {name: host_us(fn) for name, fn in pieces.items()}}
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(3):
+            Qg.grad = Dg.grad = None
+            torch.nn.functional.cross_entropy(lik.maxsim(Qg, Dg, backward="deterministic"), labels).backward()
+        torch.cuda.synchronize()
+    copies = [e for e in prof.events() if "Memcpy" in e.name or "memcpy" in e.name or e.name == "aten::item"]
+    result["copies"] = [{"name": e.name, "stack": list(e.stack)[:12]} for e in copies[:6]]
+    with open(os.path.join(args.out, "host_profile.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    for name, us in result["host_us_per_call"].items():
+        print(f"{name:40} {us:8.1f} us")
+    for c in result["copies"]:
+        print(c["name"], "<-", " | ".join(c["stack"][:6]))
+
+
+if __name__ == "__main__":
+    main()
