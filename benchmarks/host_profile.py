@@ -3,7 +3,8 @@
     python3 benchmarks/host_profile.py [--shape colbert-128] [--out $OUT]
 
 Each piece is called 200 times in a row without synchronising; the wall time per call is its host cost when the
-GPU keeps up (the pieces are small at ColBERT B 128). Also lists, from torch.profiler, the Python stack of any
+GPU keeps up (the pieces are small at ColBERT B 128). Whole steps are also timed with device events and with a
+synchronise after each step. Also lists, from torch.profiler, the Python stack of any
 host<->device copy in a deterministic step (a hidden copy there would serialise host and device).
 Writes ``host_profile.json``.
 """
@@ -39,6 +40,29 @@ def host_us(fn, calls=200):
     host = (time.perf_counter() - started) / calls * 1e6
     torch.cuda.synchronize()
     return host
+
+
+def step_costs(step, calls=200):
+    """Host time per step without synchronising, wall time per step with a synchronise after each, and
+    device-event time per step over the unsynchronised loop (equal to the host time when launch-bound)."""
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        step()
+    end.record()
+    host = (time.perf_counter() - began) / calls * 1e6
+    torch.cuda.synchronize()
+    events = start.elapsed_time(end) / calls * 1e3
+    began = time.perf_counter()
+    for _ in range(calls):
+        step()
+        torch.cuda.synchronize()
+    synced = (time.perf_counter() - began) / calls * 1e6
+    return {"host_us": host, "event_us": events, "synced_us": synced}
 
 
 def main():
@@ -79,6 +103,7 @@ def main():
         "  torch.arange alone": lambda: torch.arange(n * l_d + 1, device=dev, dtype=torch.int16),
         "empty kernel-free op (torch.empty)": lambda: torch.empty(16, device=dev),
     }
+    steps = {}
     for mode in ("fast", "deterministic"):
         Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
 
@@ -87,8 +112,10 @@ def main():
             torch.nn.functional.cross_entropy(lik.maxsim(Qg, Dg, backward=mode), labels).backward()
 
         pieces[f"whole step, {mode}"] = step
+        steps[mode] = step
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "host_us_per_call": {name: host_us(fn) for name, fn in pieces.items()}}
+              "host_us_per_call": {name: host_us(fn) for name, fn in pieces.items()},
+              "steps": {mode: step_costs(step) for mode, step in steps.items()}}
     Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(3):
@@ -101,6 +128,9 @@ def main():
         json.dump(result, f, indent=1)
     for name, us in result["host_us_per_call"].items():
         print(f"{name:40} {us:8.1f} us")
+    for mode, costs in result["steps"].items():
+        print(f"step {mode:14} host {costs['host_us']:7.1f} us, events {costs['event_us']:7.1f} us, "
+              f"synchronised {costs['synced_us']:7.1f} us")
     for c in result["copies"]:
         print(c["name"], "<-", " | ".join(c["stack"][:6]))
 
