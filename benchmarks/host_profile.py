@@ -11,7 +11,6 @@ Writes ``host_profile.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,13 +20,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import lik  # noqa: E402
-from lik import _config  # noqa: E402
 from lik.ops.maxsim import backward as bw  # noqa: E402
 from lik.ops.maxsim.backward_sorted import launch_dd_sorted, sorted_winners  # noqa: E402
 from lik.ops.maxsim.forward import maxsim_forward  # noqa: E402
 from lik.ops.maxsim.validation import MaxSimInputs  # noqa: E402
-
-SHAPES = {"colbert-128": (32, 128, 180), "colbert-512": (32, 512, 180), "colpali-32": (1024, 32, 1024)}
+from train_shapes import SHAPES, backward_problem, parse_shape_args  # noqa: E402
 
 
 def host_us(fn, calls=200):
@@ -66,23 +63,12 @@ def step_costs(step, calls=200):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="colbert-128", choices=sorted(SHAPES))
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    l_q, n, l_d = SHAPES[args.shape]
-    dev, dtype, dim = torch.device("cuda"), torch.float16, 128
-    gen = torch.Generator(device=dev).manual_seed(0)
-    Q = torch.nn.functional.normalize(torch.randn(n, l_q, dim, device=dev, generator=gen), dim=-1).to(dtype)
-    D = torch.nn.functional.normalize(torch.randn(n, l_d, dim, device=dev, generator=gen), dim=-1).to(dtype)
+    args = parse_shape_args()
+    _, n, l_d = SHAPES[args.shape]
+    prob = backward_problem(args.shape)
+    Q, D, inputs, q, d, argmax, grad = prob.Q, prob.D, prob.inputs, prob.q, prob.d, prob.argmax, prob.grad
+    cfg, block_k, n_k, dtype, dev = prob.cfg, prob.block_k, prob.n_k, prob.dtype, Q.device
     labels = torch.arange(n, device=dev)
-    inputs = MaxSimInputs.build(Q, D, None, None, "exclude")
-    q, d = inputs.q, inputs.d
-    scores, argmax = maxsim_forward(inputs, store_argmax=True)
-    grad = (torch.softmax(scores, dim=1) - torch.eye(n, device=dev)).float().contiguous() / n
-    cfg = _config.maxsim_backward_config(dim=dim, dtype=dtype, device=dev)
-    block_k, n_k = bw.feature_blocks(dim, cfg.block_k)
     dd = torch.empty(d.shape, dtype=dtype, device=dev)
     keys = argmax.permute(1, 0, 2).to(torch.int16).reshape(-1)
     sorted_keys = torch.sort(keys, stable=True)[0]

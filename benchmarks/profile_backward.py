@@ -27,12 +27,7 @@ from lik import _config  # noqa: E402
 from lik.ops.maxsim import backward as bw  # noqa: E402
 from lik.ops.maxsim.backward_sorted import launch_dd_sorted, sorted_winners  # noqa: E402
 from lik.ops.maxsim.forward import maxsim_forward  # noqa: E402
-from lik.ops.maxsim.validation import MaxSimInputs  # noqa: E402
-
-SHAPES = {  # Nq = B (in-batch), Lq, B, Ld
-    "colbert-128": (32, 128, 180), "colbert-512": (32, 512, 180), "colbert-2048": (32, 2048, 180),
-    "colpali-32": (1024, 32, 1024), "colpali-64": (1024, 64, 1024), "colpali-128": (1024, 128, 1024),
-}
+from train_shapes import SHAPES, backward_problem  # noqa: E402
 # sorted-winners dD: (sort workspace entries, contributions per block, warps)
 # (sort workspace entries, contributions per block, warps, cap on a chunk's rows: 32 767 gives 16-bit keys)
 SORTED = [(1 << 20, 8, 1, 0), (1 << 20, 8, 1, 32767), (1 << 22, 8, 1, 0)]
@@ -51,16 +46,9 @@ def rel(a, b):
 
 def profile(name, rep):
     l_q, n, l_d = SHAPES[name]
-    dim, dtype, dev = 128, torch.float16, torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    Q = torch.nn.functional.normalize(torch.randn(n, l_q, dim, device=dev, generator=gen), dim=-1).to(dtype)
-    D = torch.nn.functional.normalize(torch.randn(n, l_d, dim, device=dev, generator=gen), dim=-1).to(dtype)
-    inputs = MaxSimInputs.build(Q, D, None, None, "exclude")
-    q, d = inputs.q, inputs.d
-    scores, argmax = maxsim_forward(inputs, store_argmax=True)
-    grad = (torch.softmax(scores, dim=1) - torch.eye(n, device=dev)).float().contiguous() / n
-    cfg = _config.maxsim_backward_config(dim=dim, dtype=dtype, device=dev)
-    block_k, n_k = bw.feature_blocks(dim, cfg.block_k)
+    prob = backward_problem(name)
+    Q, D, inputs, q, d, argmax, grad = prob.Q, prob.D, prob.inputs, prob.q, prob.d, prob.argmax, prob.grad
+    cfg, block_k, n_k, dtype, dev = prob.cfg, prob.block_k, prob.n_k, prob.dtype, Q.device
     row = {"shape": name, "Lq": l_q, "B": n, "Ld": l_d, "config": cfg.__dict__.copy()}
     row["fwd_argmax"] = bench(lambda: maxsim_forward(inputs, store_argmax=True), rep)
     row["fwd_scores_only"] = bench(lambda: maxsim_forward(inputs, store_argmax=False), rep)

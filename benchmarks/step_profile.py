@@ -9,7 +9,6 @@ device time) and its host-op table (top 25 by self CPU time); writes ``$OUT/step
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -19,22 +18,14 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import lik  # noqa: E402
-
-SHAPES = {"colbert-128": (32, 128, 180), "colbert-512": (32, 512, 180), "colpali-32": (1024, 32, 1024)}
+from train_shapes import SHAPES, in_batch_inputs, parse_shape_args  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="colbert-128", choices=sorted(SHAPES))
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_shape_args()
     l_q, n, l_d = SHAPES[args.shape]
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    Q = torch.nn.functional.normalize(torch.randn(n, l_q, 128, device=dev, generator=gen), dim=-1).half()
-    D = torch.nn.functional.normalize(torch.randn(n, l_d, 128, device=dev, generator=gen), dim=-1).half()
-    labels = torch.arange(n, device=dev)
+    Q, D = in_batch_inputs(args.shape)
+    labels = torch.arange(n, device=Q.device)
     lines = [f"{args.shape}: Nq = B = {n}, Lq {l_q}, Ld {l_d}, fp16, {torch.cuda.get_device_name()}"]
     for mode in ("fast", "deterministic"):
         Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
