@@ -24,13 +24,18 @@ DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 _BYTES_PER_CANDIDATE = 64
 
 
-def _check_k(k, n_docs: int) -> int:
-    if isinstance(k, bool):
-        raise TypeError(f"k must be an integer, got {k!r}")
+def _as_int(value, name: str, expected: str) -> int:
+    """``value`` as a Python int (any ``__index__`` type, never a bool), else a ``TypeError`` naming ``name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
     try:
-        k = operator.index(k)
+        return operator.index(value)
     except TypeError:
-        raise TypeError(f"k must be an integer, got {type(k).__name__}") from None
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}") from None
+
+
+def _check_k(k, n_docs: int) -> int:
+    k = _as_int(k, "k", "an integer")
     if k < 0 or k > n_docs:
         raise ValueError(f"k must be in [0, B] = [0, {n_docs}] (B = number of documents in D), got k={k}")
     return k
@@ -39,12 +44,7 @@ def _check_k(k, n_docs: int) -> int:
 def _check_chunk_size(chunk_size, n_queries: int) -> int:
     if chunk_size is None:
         return max(1, DEFAULT_BUDGET_BYTES // (max(1, n_queries) * _BYTES_PER_CANDIDATE))
-    if isinstance(chunk_size, bool):
-        raise TypeError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
-    try:
-        chunk_size = operator.index(chunk_size)
-    except TypeError:
-        raise TypeError(f"chunk_size must be a positive integer or None, got {type(chunk_size).__name__}") from None
+    chunk_size = _as_int(chunk_size, "chunk_size", "a positive integer or None")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer or None, got chunk_size={chunk_size}")
     return chunk_size

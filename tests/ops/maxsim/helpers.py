@@ -46,3 +46,21 @@ def rel_err(x, ref):
     if denom == 0:
         return (x - ref).norm().item()
     return ((x - ref).norm() / denom).item()
+
+
+def check_against_reference(Q, D, q_mask, d_mask, grad, *, mask_mode="exclude", backward="fast", tol=2e-6):
+    """``lik.maxsim`` against the float64 reference: scores, both gradients (relative error below ``tol``, in the
+    input dtypes) and exactly-zero gradients at masked positions. Returns ``(scores, dq, dd, reference scores)``."""
+    import lik
+
+    s, dq, dd = kernel_with_grads(lik.maxsim, Q, D, q_mask, d_mask, grad, mask_mode=mask_mode, backward=backward)
+    rs, rdq, rdd = reference_with_grads(Q, D, q_mask, d_mask, grad, mask_mode)
+    assert dq.dtype == Q.dtype and dd.dtype == D.dtype
+    assert rel_err(s, rs) < tol
+    assert rel_err(dq, rdq) < tol
+    assert rel_err(dd, rdd) < tol
+    if q_mask is not None:
+        assert torch.all(dq[~q_mask] == 0)
+    if d_mask is not None:
+        assert torch.all(dd[~d_mask] == 0)
+    return s, dq, dd, rs
