@@ -5,11 +5,14 @@ configurations and fp16 eager einsum, reports each as % of the floor (measured c
 writes everything as JSON. Usage on the device::
 
     PYTHONPATH=src python3 benchmarks/tune_maxsim.py --out $OUT
+    # persistent launches around the shipped tiles only (document tiles, stages, programs per SM):
+    PYTHONPATH=src python3 benchmarks/tune_maxsim.py --near-heuristic --programs-per-sm 0,1,2,4 --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -29,6 +32,7 @@ SHAPES = {  # name: (Nq, Lq, B, Ld)
     "multi-textual": (32, 32, 1024, 300),
     "multi-long-doc": (32, 32, 1024, 1024),
     "multi-colpali": (32, 1024, 128, 1024),
+    "colpali-10k": (1, 1024, 10000, 1024),
 }
 DIM = 128
 
@@ -42,6 +46,11 @@ def ceilings() -> tuple[float, float]:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    # The same rate over a 4x longer matmul (~6 ms, as long as a ColPali B = 10 000 call): sustained clocks.
+    wide = torch.randn(8192, 4 * 8192, device="cuda", dtype=torch.float16)
+    long_ms = triton.testing.do_bench(lambda: a @ wide, warmup=10, rep=300, return_mode="median")
+    print(f"cuBLAS fp16: 8192^3 {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s ({ms:.2f} ms), "
+          f"8192 x 8192 x 32768 {8 * 8192**3 / long_ms / 1e9:.0f} TFLOP/s ({long_ms:.2f} ms)", flush=True)
     return bandwidth, 2 * 8192**3 / (ms * 1e-3)
 
 
@@ -73,12 +82,21 @@ def candidates(l_q: int, n_q: int, wide: bool = False):
         yield _config.MaxSimForwardConfig(group_rows, total // group_rows, block_n, DIM, warps, stages)
 
 
+def near(cfg: _config.MaxSimForwardConfig):
+    """The shipped tiles with other document tiles and stage counts."""
+    for block_n, stages in itertools.product((64, 128), (cfg.num_stages, cfg.num_stages + 1)):
+        if cfg.block_m * block_n <= 256 * 128:
+            yield dataclasses.replace(cfg, block_n=block_n, num_stages=stages)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="fp32 runs with TF32 products")
+    parser.add_argument("--near-heuristic", action="store_true", help="sweep only around the shipped tiles")
+    parser.add_argument("--programs-per-sm", default="0", help="persistent launches to try (0: one per document)")
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
     if dtype == torch.float32:
@@ -111,7 +129,11 @@ def main() -> None:
         except torch.OutOfMemoryError:
             einsum = float("nan")
         rows = []
-        for cfg in candidates(l_q, n_q, wide=dtype == torch.float32):
+        shipped = _config.maxsim_forward_config(q_len=l_q, n_queries=n_q, dim=DIM, dtype=dtype, per_query=False,
+                                                device=Q.device)
+        tiles = near(shipped) if args.near_heuristic else candidates(l_q, n_q, wide=dtype == torch.float32)
+        programs = [int(p) for p in args.programs_per_sm.split(",")]
+        for cfg in (dataclasses.replace(t, programs_per_sm=p) if p else t for t in tiles for p in programs):
             with _config.override(maxsim_forward=cfg):
                 try:
                     out = lik.maxsim(Q, D)

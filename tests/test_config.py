@@ -26,6 +26,27 @@ def test_short_queries_are_stacked_only_for_shared_documents():
     assert (per_query.group_rows, per_query.groups, per_query.num_warps) == (32, 1, 4)
 
 
+def test_persistent_launch_only_for_stacked_short_queries():
+    stacked = heuristic(32, 32, 128, torch.float16, False, (9, 0), False)
+    single = heuristic(32, 1, 128, torch.float16, False, (9, 0), False)
+    long_query = heuristic(1024, 1, 128, torch.float16, False, (9, 0), False)
+    assert stacked.programs_per_sm == 2
+    assert single.programs_per_sm == long_query.programs_per_sm == 0
+    assert (single.block_n, single.num_stages) == (128, 4)
+    assert heuristic(32, 32, 128, torch.float32, False, (9, 0), False).programs_per_sm == 0
+    assert heuristic(32, 32, 128, torch.float16, False, (9, 0), True).programs_per_sm == 0
+
+
+def test_persistent_launch_gives_every_sm_its_programs_and_never_more_than_the_documents():
+    cfg = _config.MaxSimForwardConfig(32, 8, 64, 128, programs_per_sm=2)
+    cpu = torch.device("cpu")  # one SM off CUDA
+    assert _config.maxsim_forward_doc_programs(cfg, n_row_blocks=1, n_docs=5, device=cpu) == 2
+    assert _config.maxsim_forward_doc_programs(cfg, n_row_blocks=4, n_docs=5, device=cpu) == 1
+    assert _config.maxsim_forward_doc_programs(cfg, n_row_blocks=1, n_docs=1, device=cpu) == 1
+    one_per_doc = _config.MaxSimForwardConfig(32, 8, 64, 128)
+    assert _config.maxsim_forward_doc_programs(one_per_doc, n_row_blocks=4, n_docs=7, device=cpu) == 7
+
+
 def test_variants_do_not_depend_on_length_inside_a_bucket():
     configs = {heuristic(q_len, 4, 128, torch.float16, False, (9, 0), False) for q_len in range(17, 33)}
     assert len(configs) == 1

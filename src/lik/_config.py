@@ -24,6 +24,7 @@ __all__ = [
     "MaxSimForwardConfig",
     "MaxSimBackwardConfig",
     "maxsim_forward_config",
+    "maxsim_forward_doc_programs",
     "maxsim_backward_config",
     "maxsim_varlen_config",
     "MsdaForwardConfig",
@@ -32,6 +33,7 @@ __all__ = [
     "msda_backward_config",
     "override",
     "interpreting",
+    "sm_count",
     "next_power_of_2",
     "cdiv",
 ]
@@ -58,6 +60,19 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 1 off CUDA (the interpreter then runs a persistent launch with one
+    program per row block, which is what its tests want to exercise)."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _arch(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         return (0, 0)
@@ -70,7 +85,8 @@ class MaxSimForwardConfig:
 
     A program owns ``groups`` query-row groups of ``group_rows`` rows each (``group_rows`` is the power-of-two
     bucket of ``Lq``, capped; a longer query is split into several groups whose partial sums are added) and one
-    document, whose tokens it streams in tiles of ``block_n``. 
+    document, whose tokens it streams in tiles of ``block_n``. With ``programs_per_sm`` > 0 the launch is
+    persistent: about that many programs per SM in all, each keeping its query rows and looping over documents.
     """
 
     group_rows: int
@@ -79,6 +95,7 @@ class MaxSimForwardConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    programs_per_sm: int = 0
 
     @property
     def block_m(self) -> int:
@@ -146,9 +163,28 @@ def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, arch, int
         groups = max(1, min(max_rows // group_rows, next_power_of_2(n_groups_total)))
     block_k = block_d if interpreted else min(block_d, 256)
     warps = 4 if interpreted or group_rows * groups < 128 else 8
+    programs_per_sm = 0
     if not interpreted and dtype == torch.float32 and group_rows * groups < 128:
         stages = 2
-    return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages)
+    elif not interpreted and not wide and dtype != torch.float32:
+        # H200 sweep (tune_maxsim.py --near-heuristic, NOTES.md v14): one short query streams documents best in
+        # 128-token tiles, 4 stages (long-doc 0.077 -> 0.074 ms, textual unchanged); stacked short queries gain
+        # from a persistent launch, 2 programs per SM (multi textual 0.223 -> 0.191 ms, multi long-doc 0.52).
+        if groups == 1 and group_rows <= 32 and not per_query:
+            block_n, stages = 128, 4
+        if groups > 1:
+            programs_per_sm = 2
+    return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm)
+
+
+def maxsim_forward_doc_programs(
+    cfg: MaxSimForwardConfig, *, n_row_blocks: int, n_docs: int, device: torch.device
+) -> int:
+    """Programs per row block of the forward launch: one per document, or, for a persistent launch, enough to
+    give every SM about ``cfg.programs_per_sm`` programs (each then loops over ``n_docs / result`` documents)."""
+    if cfg.programs_per_sm <= 0:
+        return n_docs
+    return max(1, min(n_docs, cdiv(cfg.programs_per_sm * sm_count(device), n_row_blocks)))
 
 
 def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device) -> MaxSimBackwardConfig:
@@ -209,7 +245,7 @@ def _msda_tile(
     block_p = min(next_power_of_2(max(n_samples, 1)), max_points)
     block_rows = max(1, min(16, budget // (block_d * block_p)))
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = sm_count(device)
         while block_rows > 1 and -(-n_rows // block_rows) * (full_d // block_d) < 4 * sms:
             block_rows //= 2
     return block_rows, block_p, block_d

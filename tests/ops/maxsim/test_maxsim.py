@@ -260,10 +260,15 @@ def test_integer_masks_equal_bool_masks(rng, path):
         _config.MaxSimForwardConfig(group_rows=32, groups=2, block_n=16, block_k=16),
         _config.MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=64),
         _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=32, block_k=16),
+        # Persistent launches (one SM off CUDA): programs loop over all 4 documents, over 2 each, or over 2 or 1.
+        _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=16, programs_per_sm=1),
+        _config.MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=64, programs_per_sm=10),
+        _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=16, programs_per_sm=27),
     ],
 )
 def test_forced_launch_configs_agree(rng, forced):
-    """Other tilings (k split into chunks, more stacked groups, long-query splits) give the same numbers."""
+    """Other tilings (k split into chunks, more stacked groups, long-query splits, persistent launches that
+    loop over documents) give the same numbers."""
     Q, D, qm, dm = rand_problem(rng, 3, 37, 4, 23, 40)
     grad = torch.randn(3, 4, generator=rng)
     rs, rdq, rdd = reference_with_grads(Q, D, qm, dm, grad)
@@ -272,6 +277,17 @@ def test_forced_launch_configs_agree(rng, forced):
         for backward in ("fast", "deterministic"):
             s, dq, dd = kernel_with_grads(lik.maxsim, Q, D, qm, dm, grad, backward=backward)
             assert rel_err(s, rs) < 2e-6 and rel_err(dq, rdq) < 2e-6 and rel_err(dd, rdd) < 2e-6
+
+
+def test_persistent_launch_with_per_query_documents(rng):
+    """A persistent launch over per-query candidate documents (each query its own document set)."""
+    Q, D, qm, dm = rand_problem(rng, 3, 19, 5, 21, 24, per_query=True)
+    grad = torch.randn(3, 5, generator=rng)
+    rs, rdq, rdd = reference_with_grads(Q, D, qm, dm, grad)
+    forced = _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=32, programs_per_sm=4)
+    with _config.override(maxsim_forward=forced):
+        s, dq, dd = kernel_with_grads(lik.maxsim, Q, D, qm, dm, grad)
+    assert rel_err(s, rs) < 2e-6 and rel_err(dq, rdq) < 2e-6 and rel_err(dd, rdd) < 2e-6
 
 
 @pytest.mark.parametrize("mask_mode", ["exclude", "zero"])

@@ -4,6 +4,8 @@ Query rows are addressed as *groups*: a group is ``group_rows`` consecutive toke
 bucket of ``Lq``, capped by the config), so a short query is one padded group and a long one is several groups
 whose partial sums are added afterwards (exact: the score is a sum over query tokens). A program owns ``groups``
 consecutive groups (several short queries stacked into one tall tile when documents are shared) and one document.
+With ``programs_per_sm`` set (a persistent launch), a program keeps its query rows and walks documents
+``doc``, ``doc + doc_programs``, ...: the query block is loaded once per program instead of once per document.
 Lengths and batch sizes are runtime arguments and are not specialised on, so they never trigger a recompile.
 """
 
@@ -13,11 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import cdiv, maxsim_forward_config, next_power_of_2
+from ..._config import cdiv, maxsim_forward_config, maxsim_forward_doc_programs, next_power_of_2
 from .tile import NO_KEY, maxsim_doc_rows, query_rows, store_group_sums
 from .validation import MaxSimInputs
 
-__all__ = ["maxsim_fwd_kernel", "maxsim_forward", "dot_precision", "set_strides"]
+__all__ = ["maxsim_fwd_kernel", "score_document", "maxsim_forward", "dot_precision", "set_strides"]
 
 # Lengths, counts and the strides that follow them are not specialised on (Triton would otherwise compile a new
 # variant when one of them becomes 1 or changes its divisibility by 16). The embedding strides stay specialised:
@@ -25,9 +27,44 @@ __all__ = ["maxsim_fwd_kernel", "maxsim_forward", "dot_precision", "set_strides"
 # is what lets Triton load them with wide vector loads (measured on the H200: the query block loaded element by
 # element cost ColPali 0.58 -> 0.70 ms).
 _RUNTIME_INTS = [
-    "n_queries", "q_len", "doc_len", "n_chunks", "n_row_blocks",
+    "n_queries", "q_len", "n_docs", "doc_len", "n_chunks", "n_row_blocks", "doc_programs",
     "stride_qmn", "stride_dmn", "stride_dmb", "stride_pc", "stride_pn", "stride_an", "stride_ab",
 ]
+
+
+@triton.jit
+def score_document(
+    q_rows, q_row_ptrs, row_valid, row_in_range, query, token, row_block, doc, doc_set,
+    d_ptr, d_mask_ptr, partial_ptr, argmax_ptr, n_queries, doc_len, n_chunks, stride_qk,
+    stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml,
+    stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+    DIM: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr,
+    STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Stream document ``doc`` through the program's query rows; write its group sums (and winners)."""
+    best, key, n_valid = maxsim_doc_rows(
+        q_rows, q_row_ptrs, row_valid, stride_qk,
+        d_ptr + doc_set * stride_dn + doc * stride_db,
+        d_mask_ptr + doc_set * stride_dmn + doc * stride_dmb,
+        doc_len, stride_dl, stride_dk, stride_dml,
+        DIM, GROUP_ROWS * GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, DOT_PRECISION,
+    )
+    row_counts = row_valid
+    if EXCLUDE:
+        row_counts = row_valid & (n_valid > 0)
+    store_group_sums(
+        partial_ptr, tl.where(row_counts, best, 0.0), row_block, n_chunks, n_queries, doc,
+        stride_pc, stride_pn, stride_pb, GROUP_ROWS, GROUPS,
+    )
+    if STORE_ARGMAX:
+        has_grad = row_counts & (key != NO_KEY) & ((key & 1) == 0)
+        index = tl.where(has_grad, key >> 1, -1)
+        tl.store(
+            argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al,
+            index.to(argmax_ptr.dtype.element_ty),
+            mask=row_in_range,
+        )
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -40,9 +77,11 @@ def maxsim_fwd_kernel(
     argmax_ptr,  # int16 / int32 [Nq, B, Lq]
     n_queries,
     q_len,
+    n_docs,
     doc_len,
     n_chunks,
     n_row_blocks,
+    doc_programs,  # programs per row block; each takes every doc_programs-th document
     stride_qn, stride_ql, stride_qk,
     stride_dn, stride_db, stride_dl, stride_dk,
     stride_qmn, stride_qml,
@@ -60,11 +99,11 @@ def maxsim_fwd_kernel(
     EXCLUDE: tl.constexpr,
     STORE_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0).to(tl.int64)
     row_block = pid % n_row_blocks
-    doc = pid // n_row_blocks
 
     query, token, row_in_range, row_valid = query_rows(
         row_block, n_queries, q_len, n_chunks, q_mask_ptr, stride_qmn, stride_qml, GROUP_ROWS, GROUPS, HAS_Q_MASK,
@@ -83,27 +122,22 @@ def maxsim_fwd_kernel(
     # Shared documents have stride_dn == 0; per-query documents run with GROUPS == 1, so the first group's
     # query is every row's query.
     doc_set = (row_block * GROUPS) // n_chunks
-    best, key, n_valid = maxsim_doc_rows(
-        q_rows, q_row_ptrs, row_valid, stride_qk,
-        d_ptr + doc_set * stride_dn + doc * stride_db,
-        d_mask_ptr + doc_set * stride_dmn + doc * stride_dmb,
-        doc_len, stride_dl, stride_dk, stride_dml,
-        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, DOT_PRECISION,
-    )
-    row_counts = row_valid
-    if EXCLUDE:
-        row_counts = row_valid & (n_valid > 0)
-    store_group_sums(
-        partial_ptr, tl.where(row_counts, best, 0.0), row_block, n_chunks, n_queries, doc,
-        stride_pc, stride_pn, stride_pb, GROUP_ROWS, GROUPS,
-    )
-    if STORE_ARGMAX:
-        has_grad = row_counts & (key != NO_KEY) & ((key & 1) == 0)
-        index = tl.where(has_grad, key >> 1, -1)
-        tl.store(
-            argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al,
-            index.to(argmax_ptr.dtype.element_ty),
-            mask=row_in_range,
+    if PERSISTENT:
+        for doc in range(pid // n_row_blocks, n_docs, doc_programs):
+            score_document(
+                q_rows, q_row_ptrs, row_valid, row_in_range, query, token, row_block, doc, doc_set,
+                d_ptr, d_mask_ptr, partial_ptr, argmax_ptr, n_queries, doc_len, n_chunks, stride_qk,
+                stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml,
+                stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+                DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, DOT_PRECISION,
+            )
+    else:
+        score_document(
+            q_rows, q_row_ptrs, row_valid, row_in_range, query, token, row_block, pid // n_row_blocks, doc_set,
+            d_ptr, d_mask_ptr, partial_ptr, argmax_ptr, n_queries, doc_len, n_chunks, stride_qk,
+            stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml,
+            stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+            DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, DOT_PRECISION,
         )
 
 
@@ -162,10 +196,11 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     d_mask_strides = (0 if n_sets == 1 else d_mask_strides[0], *d_mask_strides[1:])
     argmax_arg = argmax if argmax is not None else partial
     argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
-    grid = (n_row_blocks * n_docs,)
+    doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
+    grid = (n_row_blocks * doc_programs,)
     maxsim_fwd_kernel[grid](
         q, d, q_mask, d_mask, partial, argmax_arg,
-        n_q, l_q, l_d, n_chunks, n_row_blocks,
+        n_q, l_q, n_docs, l_d, n_chunks, n_row_blocks, doc_programs,
         *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides,
         DIM=dim,
         GROUP_ROWS=cfg.group_rows,
@@ -178,6 +213,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         EXCLUDE=inputs.mask_mode == "exclude",
         STORE_ARGMAX=store_argmax,
         DOT_PRECISION=dot_precision(q.dtype),
+        PERSISTENT=cfg.programs_per_sm > 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
