@@ -130,7 +130,7 @@ def main() -> None:
             einsum = float("nan")
         rows = []
         shipped = _config.maxsim_forward_config(q_len=l_q, n_queries=n_q, dim=DIM, dtype=dtype, per_query=False,
-                                                device=Q.device)
+                                                device=Q.device, doc_len=l_d)
         tiles = near(shipped) if args.near_heuristic else candidates(l_q, n_q, wide=dtype == torch.float32)
         programs = [int(p) for p in args.programs_per_sm.split(",")]
         for cfg in (dataclasses.replace(t, programs_per_sm=p) if p else t for t in tiles for p in programs):

@@ -29,10 +29,15 @@ def test_short_queries_are_stacked_only_for_shared_documents():
 def test_persistent_launch_only_for_stacked_short_queries():
     stacked = heuristic(32, 32, 128, torch.float16, False, (9, 0), False)
     single = heuristic(32, 1, 128, torch.float16, False, (9, 0), False)
+    single_long_docs = heuristic(32, 1, 128, torch.float16, False, (9, 0), False, True)
     long_query = heuristic(1024, 1, 128, torch.float16, False, (9, 0), False)
     assert stacked.programs_per_sm == 2
     assert single.programs_per_sm == long_query.programs_per_sm == 0
-    assert (single.block_n, single.num_stages) == (128, 4)
+    assert (single.block_n, single.num_stages) == (64, 3)
+    assert (single_long_docs.block_n, single_long_docs.num_stages) == (128, 4)
+    cuda_like = dict(q_len=32, n_queries=1, dim=128, dtype=torch.float16, per_query=False, device=torch.device("cpu"))
+    assert _config.maxsim_forward_config(**cuda_like, doc_len=_config.LONG_DOCUMENT - 1) == \
+        _config.maxsim_forward_config(**cuda_like, doc_len=1)
     assert heuristic(32, 32, 128, torch.float32, False, (9, 0), False).programs_per_sm == 0
     assert heuristic(32, 32, 128, torch.float16, False, (9, 0), True).programs_per_sm == 0
 

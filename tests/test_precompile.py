@@ -17,6 +17,18 @@ def test_warmup_counts_calls_per_variant():
     assert lik.warmup([(2, 5, 16)], device="cpu", masks=True, training=True) == 3 * 3
 
 
+def test_warmup_covers_the_long_document_variant_where_it_differs(monkeypatch):
+    from lik import _config
+    from lik.precompile import _document_length_buckets
+
+    monkeypatch.setattr(_config, "interpreting", lambda: False)  # the GPU heuristics
+    monkeypatch.setattr(_config, "_arch", lambda device: (9, 0))
+    cpu = torch.device("cpu")
+    assert _document_length_buckets(1, 32, 128, torch.float16, cpu) == [8, _config.LONG_DOCUMENT]
+    assert _document_length_buckets(4, 32, 128, torch.float16, cpu) == [8]
+    assert _document_length_buckets(1, 1024, 128, torch.float16, cpu) == [8]
+
+
 @pytest.mark.parametrize("shape", [(0, 5, 16), (1, -1, 16), (1, 5, 0)])
 def test_warmup_rejects_empty_shapes(shape):
     with pytest.raises(ValueError, match="positive"):
@@ -40,8 +52,10 @@ def _variants(kernel) -> int:
 
 @pytest.mark.gpu
 def test_after_warmup_no_compile_and_cuda_graph_capture():
-    lik.warmup([(4, 32, 128)], dtype=torch.float16, masks=False)
+    lik.warmup([(4, 32, 128), (1, 32, 128)], dtype=torch.float16, masks=False)
     compiled = _variants(maxsim_fwd_kernel)
+    for doc_len in (180, 1024):  # one short query: short and long documents take different tiles
+        lik.maxsim(torch.randn(32, 128, device="cuda").half(), torch.randn(20, doc_len, 128, device="cuda").half())
     Q = torch.nn.functional.normalize(torch.randn(4, 30, 128, device="cuda"), dim=-1).half()
     D = torch.nn.functional.normalize(torch.randn(300, 180, 128, device="cuda"), dim=-1).half()
     expected = lik.maxsim(Q, D)

@@ -24,6 +24,7 @@ __all__ = [
     "MaxSimForwardConfig",
     "MaxSimBackwardConfig",
     "maxsim_forward_config",
+    "LONG_DOCUMENT",
     "maxsim_forward_doc_programs",
     "maxsim_backward_config",
     "maxsim_varlen_config",
@@ -129,18 +130,27 @@ class MaxSimBackwardConfig:
     sort_workspace_entries: int = 1 << 20
 
 
+LONG_DOCUMENT = 512  # tokens: from here one short query streams documents in 128-token tiles
+
+
 def maxsim_forward_config(
-    *, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, per_query: bool, device: torch.device
+    *, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, per_query: bool, device: torch.device,
+    doc_len: int = 0,
 ) -> MaxSimForwardConfig:
-    """Pick the forward tiles for ``n_queries`` queries of ``q_len`` tokens."""
+    """Pick the forward tiles for ``n_queries`` queries of ``q_len`` tokens against documents of ``doc_len``
+    tokens (only whether ``doc_len >= LONG_DOCUMENT`` matters: two variants at most per query bucket)."""
     forced = _OVERRIDES.get("maxsim_forward")
     if forced is not None:
         return replace(forced, groups=1) if per_query else forced
-    return _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, _arch(device), interpreting())
+    return _maxsim_forward_heuristic(
+        q_len, n_queries, dim, dtype, per_query, _arch(device), interpreting(), doc_len >= LONG_DOCUMENT
+    )
 
 
 @functools.lru_cache(maxsize=4096)
-def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, arch, interpreted) -> MaxSimForwardConfig:
+def _maxsim_forward_heuristic(
+    q_len, n_queries, dim, dtype, per_query, arch, interpreted, long_docs=False
+) -> MaxSimForwardConfig:
     block_d = max(16, next_power_of_2(dim))
     if interpreted:
         max_rows, block_n, warps, stages = 32, 16, 4, 1
@@ -167,10 +177,11 @@ def _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, per_query, arch, int
     if not interpreted and dtype == torch.float32 and group_rows * groups < 128:
         stages = 2
     elif not interpreted and not wide and dtype != torch.float32:
-        # H200 sweep (tune_maxsim.py --near-heuristic, NOTES.md v14): one short query streams documents best in
-        # 128-token tiles, 4 stages (long-doc 0.077 -> 0.074 ms, textual unchanged); stacked short queries gain
-        # from a persistent launch, 2 programs per SM (multi textual 0.223 -> 0.191 ms, multi long-doc 0.52).
-        if groups == 1 and group_rows <= 32 and not per_query:
+        # H200 sweeps (tune_maxsim.py --near-heuristic, NOTES.md v14): one short query streams long documents
+        # best in 128-token tiles, 4 stages (long-doc 0.077 -> 0.074 ms); short documents keep 64-token tiles
+        # (textual B = 10 000: 0.200 -> 0.218 ms with 128); stacked short queries gain from a persistent launch,
+        # 2 programs per SM (multi textual 0.223 -> 0.191 ms, multi long-doc 0.52).
+        if groups == 1 and group_rows <= 32 and not per_query and long_docs:
             block_n, stages = 128, 4
         if groups > 1:
             programs_per_sm = 2

@@ -1,19 +1,23 @@
 """``lik.warmup``: compile, before serving, the kernel variants that some query shapes will need.
 
 A variant is fixed by the query-length bucket, how many short queries are stacked in a tile, ``d``, the dtype,
-the masks and whether a gradient is needed; batch sizes and document lengths are runtime values. Warming up
-with one document of any length therefore covers every corpus those queries will meet, and afterwards
-``lik.maxsim`` neither compiles nor synchronises with the host, so it can be captured in a CUDA graph.
+the masks, whether a gradient is needed and, for one short query, whether documents are long (at least
+``lik._config.LONG_DOCUMENT`` tokens: larger document tiles); batch sizes and document lengths are otherwise
+runtime values. Warming up with one short and (where it differs) one long document therefore covers every
+corpus those queries will meet, and afterwards ``lik.maxsim`` neither compiles nor synchronises with the host,
+so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Iterable
 
 import torch
 
+from ._config import LONG_DOCUMENT, maxsim_forward_config
 from .ops.maxsim import maxsim
 
 __all__ = ["warmup", "main"]
@@ -50,23 +54,37 @@ def warmup(
         if min(n_queries, q_len, dim) <= 0:
             raise ValueError(f"shapes must be positive (Nq, Lq, d) triples, got {(n_queries, q_len, dim)}")
         Q = torch.randn(n_queries, q_len, dim, device=device).to(dtype)
-        D = torch.randn(1, 8, dim, device=device).to(dtype)
-        mask_options = [(None, None)]
-        if masks:
-            mask_options.append((torch.ones(n_queries, q_len, dtype=torch.bool, device=device),
-                                 torch.ones(1, 8, dtype=torch.bool, device=device)))
-        for q_mask, d_mask in mask_options:
-            for mask_mode in ("exclude", "zero") if q_mask is not None else ("exclude",):
-                with torch.no_grad():
-                    maxsim(Q, D, q_mask, d_mask, mask_mode=mask_mode)
-                calls += 1
-                if training:
-                    for backward in ("fast", "deterministic"):
-                        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-                        maxsim(Qg, Dg, q_mask, d_mask, mask_mode=mask_mode, backward=backward).sum().backward()
-                        calls += 1
+        for doc_len in _document_length_buckets(n_queries, q_len, dim, dtype, device):
+            calls += _warm_one(Q, torch.randn(1, doc_len, dim, device=device).to(dtype), masks, training)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return calls
+
+
+def _document_length_buckets(n_queries, q_len, dim, dtype, device) -> list[int]:
+    """One document length per forward variant: long documents get their own tiles for some query shapes."""
+    config = functools.partial(
+        maxsim_forward_config, q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype, per_query=False, device=device
+    )
+    return [8] if config(doc_len=8) == config(doc_len=LONG_DOCUMENT) else [8, LONG_DOCUMENT]
+
+
+def _warm_one(Q: torch.Tensor, D: torch.Tensor, masks: bool, training: bool) -> int:
+    calls = 0
+    mask_options = [(None, None)]
+    if masks:
+        mask_options.append((torch.ones(Q.shape[:2], dtype=torch.bool, device=Q.device),
+                             torch.ones(D.shape[:2], dtype=torch.bool, device=D.device)))
+    for q_mask, d_mask in mask_options:
+        for mask_mode in ("exclude", "zero") if q_mask is not None else ("exclude",):
+            with torch.no_grad():
+                maxsim(Q, D, q_mask, d_mask, mask_mode=mask_mode)
+            calls += 1
+            if training:
+                for backward in ("fast", "deterministic"):
+                    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+                    maxsim(Qg, Dg, q_mask, d_mask, mask_mode=mask_mode, backward=backward).sum().backward()
+                    calls += 1
     return calls
 
 

@@ -184,6 +184,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         dtype=q.dtype,
         per_query=inputs.per_query_documents,
         device=device,
+        doc_len=l_d,
     )
     n_chunks = cdiv(l_q, cfg.group_rows)
     n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
