@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--near-heuristic", action="store_true", help="sweep only around the shipped tiles")
     parser.add_argument("--programs-per-sm", default="0", help="persistent launches to try (0: one per document)")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     dtype = DTYPES[args.dtype]
     if dtype == torch.float32:
         torch.set_float32_matmul_precision("high")  # TF32, the fp32 setting issue 3's bar is about

@@ -38,7 +38,10 @@ def test_persistent_launch_only_for_stacked_short_queries():
     cuda_like = dict(q_len=32, n_queries=1, dim=128, dtype=torch.float16, per_query=False, device=torch.device("cpu"))
     assert _config.maxsim_forward_config(**cuda_like, doc_len=_config.LONG_DOCUMENT - 1) == \
         _config.maxsim_forward_config(**cuda_like, doc_len=1)
-    assert heuristic(32, 32, 128, torch.float32, False, (9, 0), False).programs_per_sm == 0
+    assert heuristic(32, 32, 128, torch.float32, False, (9, 0), False).programs_per_sm == 2
+    assert heuristic(32, 32, 128, torch.float32, False, (8, 0), False).programs_per_sm == 0  # unmeasured
+    assert heuristic(32, 32, 128, torch.float16, False, (8, 0), False).programs_per_sm == 0
+    assert heuristic(32, 1, 128, torch.float32, False, (9, 0), False, True).block_n == 64  # fp32 tiles: 2x smem
     assert heuristic(32, 32, 128, torch.float16, False, (9, 0), True).programs_per_sm == 0
 
 

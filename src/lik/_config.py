@@ -176,12 +176,13 @@ def _maxsim_forward_heuristic(
     programs_per_sm = 0
     if not interpreted and dtype == torch.float32 and group_rows * groups < 128:
         stages = 2
-    elif not interpreted and not wide and dtype != torch.float32:
+    elif not interpreted and hopper and not wide:
         # H200 sweeps (tune_maxsim.py --near-heuristic, NOTES.md v14): one short query streams long documents
         # best in 128-token tiles, 4 stages (long-doc 0.077 -> 0.074 ms); short documents keep 64-token tiles
         # (textual B = 10 000: 0.200 -> 0.218 ms with 128); stacked short queries gain from a persistent launch,
-        # 2 programs per SM (multi textual 0.223 -> 0.191 ms, multi long-doc 0.52).
-        if groups == 1 and group_rows <= 32 and not per_query and long_docs:
+        # 2 programs per SM (fp16 multi textual 0.223 -> 0.191 ms, multi long-doc 0.52; fp32 / TF32 multi
+        # textual 0.447 -> 0.314, multi long-doc 1.03 -> 0.95).
+        if groups == 1 and group_rows <= 32 and not per_query and long_docs and dtype != torch.float32:
             block_n, stages = 128, 4
         if groups > 1:
             programs_per_sm = 2
