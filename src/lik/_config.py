@@ -313,10 +313,19 @@ def maxsim_varlen_config(
     cfg = maxsim_forward_config(
         q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype, per_query=pairs, device=device
     )
-    measured = dtype in (torch.float16, torch.bfloat16) and dim <= 128 and cfg.block_m <= 32
-    if interpreting() or "maxsim_forward" in _OVERRIDES or not measured:
+    if interpreting() or "maxsim_forward" in _OVERRIDES:
         return cfg
-    return replace(cfg, block_n=32 if pairs else 128, num_warps=4, num_stages=3)
+    return _varlen_tiles(cfg, dtype, dim, pairs)
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_tiles(cfg: MaxSimForwardConfig, dtype: torch.dtype, dim: int, pairs: bool) -> MaxSimForwardConfig:
+    # Cached: a packed call is launch-bound, and building a dataclass per call is host time.
+    # The packed kernels have no persistent launch (programs_per_sm is the padded kernel's).
+    measured = dtype in (torch.float16, torch.bfloat16) and dim <= 128 and cfg.block_m <= 32
+    if not measured:
+        return replace(cfg, programs_per_sm=0)
+    return replace(cfg, block_n=32 if pairs else 128, num_warps=4, num_stages=3, programs_per_sm=0)
 
 
 @contextlib.contextmanager

@@ -54,6 +54,8 @@ def _check_pairs(rng, q_lens, d_lens, dim, *, backward="fast", hints=True, q_hin
     assert s.dtype == torch.float32 and s.shape == (len(q_lens),)
     assert dq.dtype == q.dtype and dd.dtype == d.dtype and dq.shape == q.shape and dd.shape == d.shape
     assert rel_err(s, rs) < TOL and rel_err(dq, rdq) < TOL and rel_err(dd, rdd) < TOL
+    # Inputs without gradients take the inference launch (no autograd node, no argmax): the same bits.
+    assert torch.equal(lik.maxsim_varlen(q, d, cu_q, cu_d, *hint_args, backward=backward), s)
     return s
 
 
@@ -70,6 +72,8 @@ def _check_corpus(rng, n_q, l_q, d_lens, dim, *, squeeze=False, masked=True, bac
     assert rel_err(s, rs) < TOL and rel_err(dq, rdq) < TOL and rel_err(dd, rdd) < TOL
     if masked:
         assert torch.all(dq[~q_mask] == 0)
+    with torch.no_grad():  # the inference launch, even for inputs that require gradients
+        assert torch.equal(lik.maxsim_packed(Q.requires_grad_(), d, cu_d, q_mask, backward=backward), s)
     return s
 
 

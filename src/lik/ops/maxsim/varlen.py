@@ -476,6 +476,11 @@ class MaxSimPackedFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _needs_grad(inputs: PackedInputs) -> bool:
+    # Inference skips the autograd node and the argmax buffer (host time: these calls are launch-bound).
+    return torch.is_grad_enabled() and (inputs.q.requires_grad or inputs.d.requires_grad)
+
+
 def maxsim_varlen(
     q: torch.Tensor,
     d: torch.Tensor,
@@ -521,6 +526,8 @@ def maxsim_varlen(
     )
     if not kernels:
         return packed_reference(inputs)
+    if not _needs_grad(inputs):
+        return packed_forward(inputs, store_argmax=False)[0]
     return MaxSimPackedFunction.apply(
         inputs.q, inputs.d, inputs.cu_q, inputs.cu_d, None, inputs.max_seqlen_q, deterministic
     )
@@ -566,6 +573,8 @@ def maxsim_packed(
     )
     if not kernels:
         return inputs.finish(packed_reference(inputs))
+    if not _needs_grad(inputs):
+        return inputs.finish(packed_forward(inputs, store_argmax=False)[0])
     scores = MaxSimPackedFunction.apply(
         inputs.q, inputs.d, None, inputs.cu_d, inputs.q_mask, inputs.max_seqlen_q, deterministic
     )
