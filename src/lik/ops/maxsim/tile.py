@@ -122,17 +122,15 @@ def masked_tile(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, start, stride_dl, stride_dk,
     stride_dml, best, key,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
-    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One document tile starting at token ``start`` with every check on (mask, ragged end).
+    """One tile of a masked document starting at token ``start``, with every check on (mask, ragged end).
 
     Returns ``(best, key, n_valid)`` with ``n_valid`` the tile's valid tokens."""
     cols = start + tl.arange(0, BLOCK_N)
     in_range = cols < doc_len
-    col_valid = in_range
-    if HAS_D_MASK:
-        flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
-        col_valid = in_range & (flags != 0)
+    flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
+    col_valid = in_range & (flags != 0)
     sim = similarity_tile(
         q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, col_valid,
         DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
@@ -183,14 +181,14 @@ def maxsim_doc_rows(
             best, key, tile_valid = masked_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, start, stride_dl,
                 stride_dk, stride_dml, best, key,
-                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, DOT_PRECISION,
+                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, EXCLUDE, TRACK_ARGMAX, DOT_PRECISION,
             )
             n_valid += tile_valid
     else:
         # An unmasked document in one loop without load predicates: the ragged tail re-reads the last token
         # (clamped rows) and its extra columns are set to -inf. Predicate-free loads let the pipeliner issue
         # plain cp.async (H200: ColPali 0.58 -> 0.50 ms, NOTES.md v7); one loop instead of a full-tile loop plus a
-        # checked tail keeps the registers of a persistent launch down (NOTES.md v9).
+        # checked tail keeps the registers of a persistent launch down (NOTES.md v14).
         n_valid += doc_len
         offs_n = tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
