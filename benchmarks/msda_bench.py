@@ -177,14 +177,12 @@ def time_method(fn, p, deterministic=False):
 
 
 def sweep():
-    """lik's forward and backward under forced launch configurations: gathers per corner or per x-pair, value in
-    [N, S, M, D] or transposed to [N, M, S, D] (the copy is inside the timed call), (rows, points at a time);
+    """lik's forward and backward under forced launch configurations: value in [N, S, M, D] or transposed to
+    [N, M, S, D] (the copy is inside the timed call), (rows, warps) with all P points of a level per tile;
     encoder (realistic and uniform, fp32; realistic bf16) and decoder (realistic fp32)."""
     import lik._config as config
 
-    layouts = [(False, False), (True, False), (False, True), (True, True)]  # (pair, transpose)
-    fwd_tiles = [(16, 8, 4), (16, 4, 4), (32, 4, 4), (8, 8, 4), (32, 8, 8)]
-    bwd_tiles = [(16, 4, 4), (8, 4, 4), (32, 4, 4), (16, 8, 4)]
+    tiles = [(4, 1), (8, 1), (8, 2), (16, 4), (32, 4), (2, 1)]  # (rows, warps)
     problems = [(ENCODER, "realistic", torch.float32), (ENCODER, "uniform", torch.float32),
                 (ENCODER, "realistic", torch.bfloat16), (DECODER, "realistic", torch.float32)]
     results = []
@@ -192,31 +190,20 @@ def sweep():
         p = make_problem(scale, sampling, dtype)
         fn = methods(p)["lik"]
         x = leaves(p)
-        full = scale is ENCODER and sampling == "realistic" and dtype == torch.float32
-        f_tiles = fwd_tiles if full else fwd_tiles[:2]
-        b_tiles = bwd_tiles if full else bwd_tiles[:2]
         out = fn(*x)
-        for pair, transpose in layouts:
-            for rows, points, warps in f_tiles:
-                cfg = config.MsdaForwardConfig(block_rows=rows, block_points=points, block_d=32, num_warps=warps,
-                                               pair=pair, transpose=transpose)
-                with config.override(msda_forward=cfg):
-                    ms = triton.testing.do_bench(lambda: fn(*[t.detach() for t in x]), return_mode="median")
-                results.append(dict(kind="fwd", scale=scale["name"], sampling=sampling, dtype=str(dtype)[6:],
-                                    pair=pair, transpose=transpose, rows=rows, points=points, warps=warps, ms=ms))
-                print(f"sweep {scale['name']} {sampling} {str(dtype)[6:]} fwd pair {pair:d} transpose "
-                      f"{transpose:d} rows {rows:3} points {points:3} warps {warps}: {ms:.3f} ms", flush=True)
-            for rows, points, warps in b_tiles:
-                cfg = config.MsdaBackwardConfig(block_rows=rows, block_points=points, block_d=32, gather_rows=32,
-                                                num_warps=warps, pair=pair, transpose=transpose)
-                with config.override(msda_backward=cfg):
-                    ms = triton.testing.do_bench(
+        for transpose in (False, True):
+            for rows, warps in tiles if not transpose else tiles[:1]:
+                common = dict(block_rows=rows, block_points=POINTS, block_d=DIM, num_warps=warps, transpose=transpose)
+                with config.override(msda_forward=config.MsdaForwardConfig(**common)):
+                    fwd = triton.testing.do_bench(lambda: fn(*[t.detach() for t in x]), return_mode="median")
+                with config.override(msda_backward=config.MsdaBackwardConfig(gather_rows=32, **common)):
+                    bwd = triton.testing.do_bench(
                         lambda: torch.autograd.grad(out, x, p["grad"], retain_graph=True), return_mode="median"
                     )
-                results.append(dict(kind="bwd", scale=scale["name"], sampling=sampling, dtype=str(dtype)[6:],
-                                    pair=pair, transpose=transpose, rows=rows, points=points, warps=warps, ms=ms))
-                print(f"sweep {scale['name']} {sampling} {str(dtype)[6:]} bwd pair {pair:d} transpose "
-                      f"{transpose:d} rows {rows:3} points {points:3} warps {warps}: {ms:.3f} ms", flush=True)
+                results.append(dict(scale=scale["name"], sampling=sampling, dtype=str(dtype)[6:], transpose=transpose,
+                                    rows=rows, warps=warps, fwd_ms=fwd, bwd_ms=bwd))
+                print(f"sweep {scale['name']} {sampling} {str(dtype)[6:]} transpose {transpose:d} rows {rows:3} "
+                      f"warps {warps}: fwd {fwd:.3f} ms, bwd {bwd:.3f} ms", flush=True)
         del p, x, out
         torch.cuda.empty_cache()
     return results

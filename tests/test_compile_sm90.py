@@ -133,6 +133,11 @@ def _msda_workload():
         loc = torch.rand(2, 7, 8, 2, 4, 2, generator=gen).to(dtype).requires_grad_()
         weights = torch.rand(2, 7, 8, 2, 4, generator=gen).to(dtype).requires_grad_()
         lik.ms_deform_attn(value, shapes, starts, loc, weights).sum().backward()
+        torch.use_deterministic_algorithms(True)
+        try:  # the bucket-writing backward and the value-gradient gather
+            lik.ms_deform_attn(value, shapes, starts, loc, weights).sum().backward()
+        finally:
+            torch.use_deterministic_algorithms(False)
 
 
 WORKLOADS = {"maxsim": _maxsim_workload, "varlen": _varlen_workload, "msda": _msda_workload}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lik import _config
@@ -58,3 +59,23 @@ def test_persistent_launch_gives_every_sm_its_programs_and_never_more_than_the_d
 def test_variants_do_not_depend_on_length_inside_a_bucket():
     configs = {heuristic(q_len, 4, 128, torch.float16, False, (9, 0), False) for q_len in range(17, 33)}
     assert len(configs) == 1
+
+
+@pytest.mark.parametrize(
+    "dim, points, expected",
+    [
+        (32, 4, (4, 4, 32, 1)),  # encoder / decoder shape: 4 rows x 4 points x 32 channels, one warp
+        (32, 3, (4, 4, 32, 1)),  # P rounds up to a power of two (one masked point slot)
+        (32, 8, (2, 8, 32, 1)),
+        (256, 4, (1, 4, 128, 1)),  # wide heads: 128-channel blocks over a grid axis
+        (128, 16, (1, 16, 128, 4)),  # many points: more warps, never a point loop
+        (64, 64, (1, 64, 64, 8)),
+    ],
+)
+def test_msda_tile_holds_every_point_of_a_level(dim, points, expected):
+    cpu = torch.device("cpu")
+    fwd = _config.msda_forward_config(n_rows=10**6, dim=dim, n_points=points, device=cpu)
+    bwd = _config.msda_backward_config(n_rows=10**6, dim=dim, n_points=points, device=cpu)
+    for cfg in (fwd, bwd):
+        assert (cfg.block_rows, cfg.block_points, cfg.block_d, cfg.num_warps) == expected
+        assert cfg.block_points >= points and not cfg.transpose

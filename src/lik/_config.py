@@ -217,16 +217,15 @@ def _maxsim_backward_heuristic(block_d: int, interpreted: bool) -> MaxSimBackwar
 
 @dataclass(frozen=True)
 class MsdaForwardConfig:
-    """Tile of the deformable-attention forward: ``block_rows`` queries of one head, ``block_points`` sampling
-    points at a time (all L * P are walked), ``block_d`` channels."""
+    """Tile of the deformable-attention forward: ``block_rows`` queries of one head, ``block_points`` >= P
+    sampling points (all points of one level at a time; the levels are walked in a loop), ``block_d`` channels."""
 
     block_rows: int
     block_points: int
     block_d: int
-    num_warps: int = 4
+    num_warps: int = 1
     num_stages: int = 1
-    pair: bool = True  # x-neighbour corners as one [rows, points, 2, channels] tile (heuristic: off)
-    transpose: bool = False  # gather from a [N, M, S, D] copy of value (contiguous corner pairs)
+    transpose: bool = False  # gather from a [N, M, S, D] copy of value (measured slower; never chosen)
 
 
 @dataclass(frozen=True)
@@ -238,63 +237,50 @@ class MsdaBackwardConfig:
     block_points: int
     block_d: int
     gather_rows: int
-    num_warps: int = 4
+    num_warps: int = 1
     num_stages: int = 1
-    pair: bool = True
     transpose: bool = False
 
 
-def _msda_tile(
-    n_rows: int, dim: int, n_samples: int, max_points: int, budget: int, device: torch.device
-) -> tuple[int, int, int]:
-    # Every channel of a head up to 128 in one program (wider heads split over a grid axis), up to
-    # ``max_points`` points at once; rows fill ``budget`` elements per [rows, points, channels] corner tile (at
-    # most 16 rows), then shrink until there are a few programs per SM (the decoder has only N * 300 * M rows).
-    # Measured on an H200 at encoder scale, D = 32, fp32 (benchmarks/NOTES-msda.md): forward 16 rows x 8 points
-    # 0.89 ms against 1.68 ms for 4 x 16; backward 16 x 4 2.75 ms against 3.10 ms for 2 x 16; 8 warps slower.
+# Elements of one [rows, points, channels] corner tile per warp: 16 per thread (four 16-byte fp32 loads).
+_MSDA_TILE_PER_WARP = 512
+
+
+def _msda_tile(n_rows: int, dim: int, n_points: int, device: torch.device) -> tuple[int, int, int, int]:
+    # Every channel of a head up to 128 (wider heads split over a grid axis) and every point of a level in one
+    # tile (the kernels have no point loop); one warp per 512 elements of a corner tile, rows to fill it, then fewer
+    # rows until there are a few programs per SM (the decoder has only N * 300 * M rows). Measured on an H200 at
+    # encoder scale, D = 32, P = 4 (benchmarks/NOTES-msda.md, change 4): 4 rows x 1 warp and 16 rows x 4 warps
+    # are equal in fp32 (0.76 ms), 1 warp is faster in bf16 (0.56 against 0.78 ms).
     full_d = next_power_of_2(max(dim, 1))
     block_d = min(full_d, 128)
-    block_p = min(next_power_of_2(max(n_samples, 1)), max_points)
-    block_rows = max(1, min(16, budget // (block_d * block_p)))
+    block_p = next_power_of_2(max(n_points, 1))
+    num_warps = min(8, max(1, block_p * block_d // _MSDA_TILE_PER_WARP))
+    block_rows = max(1, num_warps * _MSDA_TILE_PER_WARP // (block_d * block_p))
     if device.type == "cuda":
         sms = sm_count(device)
         while block_rows > 1 and -(-n_rows // block_rows) * (full_d // block_d) < 4 * sms:
             block_rows //= 2
-    return block_rows, block_p, block_d
+    return block_rows, block_p, block_d, num_warps
 
 
-def _msda_transpose(n_queries: int, n_pixels: int, n_samples: int) -> bool:
-    # A [N, M, S, D] copy of value (one read + write of it) pays when the points read every pixel of a head about
-    # once or more (encoder: L * P reads per pixel); the decoder reads a fraction of it and keeps its memory.
-    # Measured on the H200 (benchmarks/NOTES-msda.md, change 3): slower in every case (copy + no L1 gain), so off.
-    return False
-
-
-def msda_forward_config(
-    *, n_rows: int, dim: int, n_samples: int, dtype: torch.dtype, device: torch.device, n_queries: int = 0,
-    n_pixels: int = 0,
-) -> MsdaForwardConfig:
-    """Forward tile for ``n_rows`` = N * M * Lq rows of ``dim`` channels and ``n_samples`` = L * P points."""
+def msda_forward_config(*, n_rows: int, dim: int, n_points: int, device: torch.device) -> MsdaForwardConfig:
+    """Forward tile for ``n_rows`` = N * M * Lq rows of ``dim`` channels and ``n_points`` points per level."""
     forced = _OVERRIDES.get("msda_forward")
     if forced is not None:
         return forced
-    block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 8, 4096, device)
-    return MsdaForwardConfig(block_rows, block_p, block_d, num_warps=4, num_stages=1, pair=False,
-                             transpose=_msda_transpose(n_queries, n_pixels, n_samples))
+    block_rows, block_p, block_d, num_warps = _msda_tile(n_rows, dim, n_points, device)
+    return MsdaForwardConfig(block_rows, block_p, block_d, num_warps=num_warps)
 
 
-def msda_backward_config(
-    *, n_rows: int, dim: int, n_samples: int, dtype: torch.dtype, device: torch.device, n_queries: int = 0,
-    n_pixels: int = 0,
-) -> MsdaBackwardConfig:
+def msda_backward_config(*, n_rows: int, dim: int, n_points: int, device: torch.device) -> MsdaBackwardConfig:
+    """Backward tiles: the forward's tile (the same one-warp rule measured best for the backward too: 2.51 ms
+    against 2.60 for 8 rows x 4 warps, encoder fp32) and 32 value rows per program for the deterministic gather."""
     forced = _OVERRIDES.get("msda_backward")
     if forced is not None:
         return forced
-    # 8 rows x 4 points: 2.64 / 2.68 / 2.93 ms (encoder realistic fp32 / uniform fp32 / realistic bf16, H200)
-    # against 2.75 / 2.81 / 3.52 for 16 x 4; x-pairs equal or slower except bf16 (2.84), kept off.
-    block_rows, block_p, block_d = _msda_tile(n_rows, dim, n_samples, 4, 1024, device)
-    return MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=4, num_stages=1, pair=False,
-                              transpose=_msda_transpose(n_queries, n_pixels, n_samples))
+    block_rows, block_p, block_d, num_warps = _msda_tile(n_rows, dim, n_points, device)
+    return MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=num_warps)
 
 
 def maxsim_varlen_config(

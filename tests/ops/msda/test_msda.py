@@ -225,32 +225,43 @@ def test_empty_queries_or_batch(rng, n, lq):
 
 
 def test_channel_split_and_small_tiles(rng):
-    """Forced tiles: 4 rows, 2 points at a time (of 4), 16 channels, so D = 39 spans three channel blocks
-    (partial point gradients)."""
-    problem = rand_problem(rng, 1, 5, 2, 39, [(3, 4), (2, 2)], 2)
+    """Forced tiles: 4 rows, 4 point slots for 3 points (one masked slot), 16 channels, so D = 39 spans three
+    channel blocks (partial point gradients, a ragged last block)."""
+    problem = rand_problem(rng, 1, 5, 2, 39, [(3, 4), (2, 2)], 3)
     with config.override(
-        msda_forward=config.MsdaForwardConfig(block_rows=4, block_points=2, block_d=16),
-        msda_backward=config.MsdaBackwardConfig(block_rows=4, block_points=2, block_d=16, gather_rows=8),
+        msda_forward=config.MsdaForwardConfig(block_rows=4, block_points=4, block_d=16),
+        msda_backward=config.MsdaBackwardConfig(block_rows=4, block_points=4, block_d=16, gather_rows=8),
     ):
         check_against_reference(problem)
         with _deterministic():
             check_against_reference(problem)
 
 
-@pytest.mark.parametrize("pair", [False, True])
+def test_forced_tile_must_hold_every_point(rng):
+    problem = rand_problem(rng, 1, 2, 2, 8, [(3, 4)], 4)
+    with config.override(msda_forward=config.MsdaForwardConfig(block_rows=4, block_points=2, block_d=8)):
+        with pytest.raises(ValueError, match="block_points must be at least P"):
+            with_grads(ms_deform_attn, *problem)
+    with config.override(msda_backward=config.MsdaBackwardConfig(block_rows=4, block_points=2, block_d=8,
+                                                                gather_rows=8)):
+        with pytest.raises(ValueError, match="block_points must be at least P"):
+            with_grads(ms_deform_attn, *problem)
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("case", [1, 2])
-def test_corner_pairs_and_transposed_value(rng, pair, transpose, case):
-    """Every combination of the per-corner / x-pair gathers and the [N, S, M, D] / transposed value layouts,
-    forward, atomic and deterministic backward (the heuristic picks only some of them per shape)."""
+def test_transposed_value_and_multi_warp_tiles(rng, transpose, case):
+    """The [N, S, M, D] and transposed [N, M, S, D] value layouts (the kernels take any strides), with a
+    multi-warp tile of more rows than queries: forward, atomic and deterministic backward."""
     n, lq, m, d, hw, p = CASES[case].values
     problem = rand_problem(rng, n, lq, m, d, hw, p)
     block_d = min(triton_next_power_of_2(d), 64)
+    block_p = triton_next_power_of_2(p)
     with config.override(
-        msda_forward=config.MsdaForwardConfig(block_rows=4, block_points=4, block_d=block_d, pair=pair,
+        msda_forward=config.MsdaForwardConfig(block_rows=8, block_points=block_p, block_d=block_d, num_warps=2,
                                               transpose=transpose),
-        msda_backward=config.MsdaBackwardConfig(block_rows=4, block_points=4, block_d=block_d, gather_rows=8,
-                                                pair=pair, transpose=transpose),
+        msda_backward=config.MsdaBackwardConfig(block_rows=8, block_points=block_p, block_d=block_d,
+                                                gather_rows=8, num_warps=2, transpose=transpose),
     ):
         fast = check_against_reference(problem)
         with _deterministic():
@@ -312,6 +323,22 @@ def test_bad_input_names_the_argument(rng, mutate, error, name):
     for fn in (ms_deform_attn, ms_deform_attn_reference):
         with pytest.raises(error, match=name):
             fn(**mutate(args))
+
+
+def test_kernels_reject_2_31_pixels():
+    """S >= 2**31 pixels per image: the kernels index pixels inside a level with int32, so they refuse with a
+    clear error instead of wrapping around (a stride-0 view stands in for the 8 GB tensor)."""
+    from lik.ops.msda.backward import msda_backward
+    from lik.ops.msda.forward import msda_forward
+
+    value = torch.zeros(1, 1, 1, 1).expand(1, 2**31, 1, 1)
+    shapes, starts, _ = level_tensors([(1, 1)])
+    loc = torch.full((1, 1, 1, 1, 1, 2), 0.5)
+    weights = torch.ones(1, 1, 1, 1, 1)
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        msda_forward(value, shapes, starts, loc, weights)
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        msda_backward(torch.ones(1, 1, 1), value, shapes, starts, loc, weights, deterministic=False)
 
 
 def test_reference_checks_levels_fit_in_value(rng):

@@ -1,12 +1,12 @@
 """Deformable-attention backward: sample-side gradients without atomics, value gradient two ways.
 
-``msda_bwd_kernel`` walks the same row blocks (consecutive queries of one head) and point blocks as the forward.
-Per point it re-gathers the four corners and writes the location and attention-weight gradients directly (each
-point belongs to exactly one program per channel block, and the channel reduction happens in registers: no
+``msda_bwd_kernel`` walks the same row blocks (consecutive queries of one head) and levels as the forward. Per point it re-gathers the four corners and reduces each against the output gradient over channels
+(``s_c = sum_d grad_d * corner_c,d``); the location and attention-weight gradients are bilinear combinations of
+those four sums and are written directly (each point belongs to exactly one program per channel block: no
 atomics; heads wider than one channel block add fp32 partials afterwards). For ``grad_value`` it either
 
-* scatters ``weight * bilinear_weight * grad_out`` into an fp32 buffer with relaxed-ordering atomics (fast path:
-  fp32 because bf16 / fp16 atomics round at every add and, before Hopper, fall into a compare-and-swap loop), or
+* scatters ``grad_out * corner weight`` into an fp32 buffer with relaxed-ordering atomics (fast path: fp32
+  because bf16 / fp16 atomics round at every add and, before Hopper, fall into a compare-and-swap loop), or
 * writes each point's *bucket* (batch, head, level, top-left corner cell) for the deterministic path: the points
   are stably sorted by bucket and ``msda_bwd_value_kernel`` lets every value row gather, in a fixed order, from
   the (at most) four buckets whose points can reach it. No atomics, bitwise repeatable.
@@ -21,11 +21,8 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, msda_backward_config
-from .forward import RUNTIME_INTS, level_strides, transposed_value
-from .sampling import (
-    corner_pointers, corner_setup, gather_corners, gather_pairs, load_sample, pair_pointers, point_block, query_rows,
-    x_weights,
-)
+from .forward import RUNTIME_INTS, check_pixel_count, check_point_tile, level_strides, transposed_value
+from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
 
 __all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward"]
 
@@ -48,94 +45,63 @@ def msda_bwd_kernel(
     BLOCK_D: tl.constexpr,
     ATOMIC_VALUE: tl.constexpr,
     WRITE_BUCKETS: tl.constexpr,
-    PAIR: tl.constexpr,
 ):
     row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
     chunk = tl.program_id(1)
     chan = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
-    chan_ok = chan < DIM
+    if DIM % BLOCK_D == 0:
+        chan_ok = tl.full([1, 1, BLOCK_D], 1, tl.int1)
+    else:
+        chan_ok = (chan < DIM)[None, None, :]
     value_rows = value_ptr + batch * stride_vn + head * stride_vm
-    chan_off = chan.to(tl.int64) * stride_vd
+    chan_off = (chan.to(tl.int64) * stride_vd)[None, None, :]
     loc_rows = loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm
     attn_rows = attn_ptr + batch * stride_an + query * stride_aq + head * stride_am
     gout = gout_ptr + batch * stride_on + query * stride_oq + (head * DIM) * stride_oc
     grad = tl.load(
-        gout[:, None] + (chan * stride_oc)[None, :], mask=row_ok[:, None] & chan_ok[None, :], other=0.0
+        gout[:, None] + (chan * stride_oc)[None, :], mask=row_ok[:, None] & (chan < DIM)[None, :], other=0.0
     ).to(tl.float32)[:, None, :]
     gvalue_rows = gvalue_ptr + batch * stride_gvn + head * stride_gvm
-    n_samples = n_levels * n_points
     # Point gradients are written contiguously as [chunk, N, Lq, M, L * P] (times 2 for locations).
-    row_samples = ((batch * n_queries + query) * n_heads + head) * n_samples
+    row_samples = ((batch * n_queries + query) * n_heads + head) * (n_levels * n_points)
 
-    for first in range(0, n_samples, BLOCK_P):
-        j, j_ok, level, point, height, width, start = point_block(
-            first, n_points, n_samples, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st, BLOCK_P
+    # As in the forward: one loop over levels, all points of a level in one [rows, BLOCK_P] tile.
+    point = tl.arange(0, BLOCK_P)
+    for level in range(n_levels):
+        height, width, start = level_shape(level, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st)
+        down = width.to(tl.int64) * stride_vs
+        live = row_ok[:, None] & (point < n_points)[None, :]
+        loc_x, loc_y, weight = load_samples(
+            loc_rows, attn_rows, level, point, live, stride_ll, stride_lp, stride_lc, stride_al, stride_ap
         )
-        live = row_ok[:, None] & j_ok[None, :]
-        loc_x, loc_y, weight = load_sample(
-            loc_rows[:, None] + (level * stride_ll + point * stride_lp)[None, :],
-            attn_rows[:, None] + (level * stride_al + point * stride_ap)[None, :],
-            live, stride_lc,
-        )
-        x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = corner_setup(loc_x, loc_y, height[None, :], width[None, :], live)
-        if PAIR:
-            top, bottom = gather_pairs(
-                value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
-            )
-            wx = x_weights(fx)
-            gy = fy[:, :, None, None]
-            grad4 = grad[:, :, None, :]
-            # Per x-half (x0, x0 + 1): the vertical lerp and the vertical difference, reduced over channels.
-            sampled_half = tl.sum(grad4 * (top + gy * (bottom - top)), axis=3)
-            d_py_half = tl.sum(grad4 * (bottom - top), axis=3)
-            g_sampled = tl.sum(wx * sampled_half, axis=2)
-            g_px = tl.sum(tl.where(tl.arange(0, 2)[None, None, :] == 0, -sampled_half, sampled_half), axis=2)
-            g_py = tl.sum(wx * d_py_half, axis=2)
-        else:
-            v00, v01, v10, v11 = gather_corners(
-                value_rows, chan_off, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_vs
-            )
-            gx = fx[:, :, None]
-            gy = fy[:, :, None]
-            top = v00 + gx * (v01 - v00)
-            bottom = v10 + gx * (v11 - v10)
-            sampled = top + gy * (bottom - top)
-            # d sampled / d px and d py; px = x * W - 0.5, so d px / d x = W (and d py / d y = H).
-            d_px = (1.0 - gy) * (v01 - v00) + gy * (v11 - v10)
-            d_py = bottom - top
-            g_sampled = tl.sum(grad * sampled, axis=2)
-            g_px = tl.sum(grad * d_px, axis=2)
-            g_py = tl.sum(grad * d_py, axis=2)
-        sample = row_samples[:, None] + j[None, :]
+        x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = bilinear(loc_x, loc_y, height, width, live)
+        m00, m01, m10, m11 = corner_masks(in_x0, in_x1, in_y0, in_y1, chan_ok)
+        pixel = start + (y0 * width + x0)
+        ptr = (value_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
+        s00 = tl.sum(grad * tl.load(ptr, mask=m00, other=0.0).to(tl.float32), axis=2)
+        s01 = tl.sum(grad * tl.load(ptr + stride_vs, mask=m01, other=0.0).to(tl.float32), axis=2)
+        s10 = tl.sum(grad * tl.load(ptr + down, mask=m10, other=0.0).to(tl.float32), axis=2)
+        s11 = tl.sum(grad * tl.load(ptr + down + stride_vs, mask=m11, other=0.0).to(tl.float32), axis=2)
+        top = s00 + fx * (s01 - s00)
+        bottom = s10 + fx * (s11 - s10)
+        # d out / d px = lerp_y of the horizontal differences; px = x * W - 0.5, so d px / d x = W.
+        d_px = (s01 - s00) + fy * ((s11 - s10) - (s01 - s00))
+        sample = row_samples[:, None] + level * n_points + point[None, :]
         index = chunk * stride_gc + sample
-        tl.store(gattn_ptr + index, g_sampled, mask=live)
-        scale_x = weight * width[None, :].to(tl.float32)
-        scale_y = weight * height[None, :].to(tl.float32)
-        tl.store(gloc_ptr + 2 * index, scale_x * g_px, mask=live)
-        tl.store(gloc_ptr + 2 * index + 1, scale_y * g_py, mask=live)
+        tl.store(gattn_ptr + index, top + fy * (bottom - top), mask=live)
+        tl.store(gloc_ptr + 2 * index, weight * width.to(tl.float32) * d_px, mask=live)
+        tl.store(gloc_ptr + 2 * index + 1, weight * height.to(tl.float32) * (bottom - top), mask=live)
         if ATOMIC_VALUE:
-            if PAIR:
-                ptr, down, m_top, m_bottom = pair_pointers(
-                    gvalue_rows, chan, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_gvs
-                )
-                g = grad[:, :, None, :] * (weight[:, :, None] * wx)[:, :, :, None]
-                gb = g * gy
-                tl.atomic_add(ptr, g - gb, mask=m_top, sem="relaxed")
-                tl.atomic_add(ptr + down, gb, mask=m_bottom, sem="relaxed")
-            else:
-                ptr, right, down, m00, m01, m10, m11 = corner_pointers(
-                    gvalue_rows, chan, chan_ok, x0, y0, in_x0, in_x1, in_y0, in_y1, width, start, stride_gvs
-                )
-                g = grad * weight[:, :, None]
-                gb = g * gy
-                gt = g - gb
-                tl.atomic_add(ptr, gt - gt * gx, mask=m00, sem="relaxed")
-                tl.atomic_add(ptr + right, gt * gx, mask=m01, sem="relaxed")
-                tl.atomic_add(ptr + down, gb - gb * gx, mask=m10, sem="relaxed")
-                tl.atomic_add(ptr + down + right, gb * gx, mask=m11, sem="relaxed")
+            w00, w01, w10, w11 = corner_weights(fx, fy, weight)
+            gptr = (gvalue_rows[:, None] + pixel * stride_gvs)[:, :, None] + chan[None, None, :]
+            gdown = width.to(tl.int64) * stride_gvs
+            tl.atomic_add(gptr, grad * w00[:, :, None], mask=m00, sem="relaxed")
+            tl.atomic_add(gptr + stride_gvs, grad * w01[:, :, None], mask=m01, sem="relaxed")
+            tl.atomic_add(gptr + gdown, grad * w10[:, :, None], mask=m10, sem="relaxed")
+            tl.atomic_add(gptr + gdown + stride_gvs, grad * w11[:, :, None], mask=m11, sem="relaxed")
         if WRITE_BUCKETS:
             reaches = (in_x0 | in_x1) & (in_y0 | in_y1)
-            cell = tl.load(cells_ptr + level, mask=j_ok, other=0)[None, :] + (y0 + 1) * (width[None, :] + 1) + (x0 + 1)
+            cell = tl.load(cells_ptr + level) + (y0 + 1).to(tl.int64) * (width + 1) + (x0 + 1)
             bucket = tl.where(reaches, (batch * n_heads + head)[:, None] * n_cells + cell, no_bucket)
             # Every channel chunk computes the same bucket; the duplicate stores are identical.
             tl.store(bucket_ptr + sample, bucket, mask=live)
@@ -163,9 +129,8 @@ def msda_bwd_value_kernel(
 
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
     for level in range(n_levels):
-        height = tl.load(shapes_ptr + level * stride_sl).to(tl.int64)
-        width = tl.load(shapes_ptr + level * stride_sl + stride_sc).to(tl.int64)
-        local = pixel - tl.load(starts_ptr + level * stride_st).to(tl.int64)
+        height, width, start = level_shape(level, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st)
+        local = pixel - start
         inside = row_ok & (local >= 0) & (local < height * width)
         y = tl.where(inside, local, 0) // tl.maximum(width, 1)
         x = tl.where(inside, local, 0) - y * width
@@ -182,24 +147,24 @@ def msda_bwd_value_kernel(
                 sample = tl.load(order_ptr + begin + k, mask=live, other=0)
                 point = sample % n_points
                 query = (sample // points_per_row // n_heads) % n_queries
-                loc_x, loc_y, weight = load_sample(
-                    loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm + level * stride_ll
-                    + point * stride_lp,
-                    attn_ptr + batch * stride_an + query * stride_aq + head * stride_am + level * stride_al
-                    + point * stride_ap,
-                    live, stride_lc,
-                )
-                _, _, fx, fy, _, _, _, _ = corner_setup(loc_x, loc_y, height, width, live)
-                # The corner this pixel is, seen from the point: right neighbour weighs fx, left one 1 - fx.
-                if dx == 1:
-                    wx = fx
+                loc = (loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm + level * stride_ll
+                       + point * stride_lp)
+                loc_x = tl.load(loc, mask=live, other=0.0).to(tl.float32)
+                loc_y = tl.load(loc + stride_lc, mask=live, other=0.0).to(tl.float32)
+                weight = tl.load(attn_ptr + batch * stride_an + query * stride_aq + head * stride_am
+                                 + level * stride_al + point * stride_ap, mask=live, other=0.0).to(tl.float32)
+                _, _, fx, fy, _, _, _, _ = bilinear(loc_x, loc_y, height, width, live)
+                # The corner this pixel is, seen from the point (dx = 1: it is the point's right neighbour).
+                w00, w01, w10, w11 = corner_weights(fx, fy, weight)
+                if corner == 0:
+                    coef = w00
+                elif corner == 1:
+                    coef = w01
+                elif corner == 2:
+                    coef = w10
                 else:
-                    wx = 1.0 - fx
-                if dy == 1:
-                    wy = fy
-                else:
-                    wy = 1.0 - fy
-                coef = tl.where(live, weight * wx * wy, 0.0)
+                    coef = w11
+                coef = tl.where(live, coef, 0.0)
                 gout = gout_ptr + batch * stride_on + query * stride_oq + (head * DIM) * stride_oc
                 grad = tl.load(gout[:, None] + chan_grad, mask=live[:, None] & chan_ok[None, :], other=0.0)
                 acc += coef[:, None] * grad.to(tl.float32)
@@ -219,12 +184,13 @@ def msda_backward(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(grad_value, grad_sampling_locations, grad_attention_weights)``, each in its input's dtype."""
+    check_pixel_count(value)
     n, n_pixels, heads, dim = value.shape
     _, n_queries, _, n_levels, n_points, _ = loc.shape
     device = value.device
     n_rows = n * n_queries * heads
-    cfg = msda_backward_config(n_rows=n_rows, dim=dim, n_samples=n_levels * n_points, dtype=value.dtype,
-                               device=device, n_queries=n_queries, n_pixels=n_pixels)
+    cfg = msda_backward_config(n_rows=n_rows, dim=dim, n_points=n_points, device=device)
+    check_point_tile(cfg.block_points, n_points)
     n_chunks = cdiv(dim, cfg.block_d) if dim else 1
     n_samples = n_rows * n_levels * n_points
     if n_samples == 0 or dim == 0:
@@ -270,7 +236,6 @@ def msda_backward(
         BLOCK_D=cfg.block_d,
         ATOMIC_VALUE=not deterministic,
         WRITE_BUCKETS=deterministic,
-        PAIR=cfg.pair,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
