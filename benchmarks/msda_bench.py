@@ -218,14 +218,17 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("msda_bench needs a CUDA GPU")
 
-    try:  # the device copy of the tree has no .git: then LIK_COMMIT says which commit it is
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        commit = done.stdout.strip() if done.returncode == 0 else ""
-    except OSError:
-        commit = ""
+    # LIK_COMMIT names the commit when given (the device's copy of the tree may carry a stale .git).
+    commit = os.environ.get("LIK_COMMIT", "")
+    if not commit:
+        try:
+            done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+            commit = done.stdout.strip() if done.returncode == 0 else ""
+        except OSError:
+            commit = ""
     meta = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        commit=commit or os.environ.get("LIK_COMMIT", "unknown"), time=time.strftime("%Y-%m-%d %H:%M:%S"),
+        commit=commit or "unknown", time=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
     bandwidth = copy_bandwidth()
     meta["copy_bandwidth_GBps"] = bandwidth / 1e9
