@@ -393,6 +393,27 @@ def test_gpu_encoder_like_and_autocast(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_torch_compile_inductor(rng, dtype):
+    """``torch.compile`` with inductor, fullgraph: a small Deformable-DETR-like block (projection, op, output
+    projection) compiles in one graph and matches eager within rounding (atomics reorder the value gradient)."""
+    hw = [(20, 24), (10, 12), (5, 6)]
+    value, shapes, starts, loc, weights, grad = _cuda_problem(rng, 2, 100, 8, 32, hw, 4, dtype)
+    proj = torch.nn.Linear(32, 32).to(device="cuda", dtype=dtype)
+
+    def block(v, lc, w):
+        return ms_deform_attn(proj(v), shapes, starts, lc, w.softmax(-1)) * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    got = with_grads(lambda v, s, st, lc, w: compiled(v, lc, w), value, shapes, starts, loc, weights, grad)
+    want = with_grads(lambda v, s, st, lc, w: block(v, lc, w), value, shapes, starts, loc, weights, grad)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= tol
+
+
+@pytest.mark.gpu
 def test_gpu_64bit_offsets(rng):
     """value has more than 2**31 elements; the samples read its far end (batch 1, last level)."""
     big, small = (2048, 2100), (4, 4)
@@ -436,3 +457,25 @@ def test_transformers_one_line_switch(rng):
     value, shapes, starts, loc, weights, _ = rand_problem(rng, 2, 6, 2, 8, [(3, 4), (2, 2)], 2)
     args = (value, shapes, [(3, 4), (2, 2)], starts, loc, weights, 64)
     assert_matches(layer.attn(*args), original()(*args), FP32_TOL, "lik vs transformers")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_torch_compile_traces_without_graph_break(rng, deterministic):
+    """``torch.compile(fullgraph=True)`` over the op, its Function alias and the transformers module: one graph
+    (the kernels are custom operators to Dynamo), same output and gradients as eager. ``aot_eager`` traces
+    forward and backward exactly as inductor would, without generating code (CI has no GPU)."""
+    problem = rand_problem(rng, 2, 5, 2, 8, [(3, 4), (2, 2)], 3)
+    value, shapes, starts, loc, weights, grad = problem
+    calls = {
+        "ms_deform_attn": lambda v, lc, w: ms_deform_attn(v, shapes, starts, lc, w),
+        "Function.apply": lambda v, lc, w: MSDeformAttnFunction.apply(v, shapes, starts, lc, w, 64),
+        "module": lambda v, lc, w: MultiScaleDeformableAttention()(v, shapes, [(3, 4), (2, 2)], starts, lc, w, 64),
+    }
+    with _deterministic(deterministic):
+        for name, call in calls.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+            got = with_grads(lambda v, s, st, lc, w: compiled(v, lc, w), *problem)
+            want = with_grads(lambda v, s, st, lc, w: call(v, lc, w), *problem)
+            for g, w in zip(got, want):
+                assert torch.equal(g, w), name

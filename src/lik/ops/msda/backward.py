@@ -194,12 +194,14 @@ def msda_backward(
     n_chunks = cdiv(dim, cfg.block_d) if dim else 1
     n_samples = n_rows * n_levels * n_points
     if n_samples == 0 or dim == 0:
-        return torch.zeros_like(value), torch.zeros_like(loc), torch.zeros_like(attn)
+        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=device) for t in (value, loc, attn))
     # One channel chunk writes the point gradients in their final dtype; several add fp32 partials afterwards.
     # The kernel writes every point, so no memset; the atomic value gradient needs a zeroed fp32 buffer, the
     # deterministic one writes every value row in the value's dtype.
-    gloc = torch.empty((n_chunks, *loc.shape), dtype=loc.dtype if n_chunks == 1 else torch.float32, device=device)
-    gattn = torch.empty((n_chunks, *attn.shape), dtype=attn.dtype if n_chunks == 1 else torch.float32, device=device)
+    # Returned tensors are fresh, contiguous and never views (the custom operator of function.py requires it).
+    chunked = (n_chunks,) if n_chunks > 1 else ()
+    gloc = torch.empty((*chunked, *loc.shape), dtype=loc.dtype if n_chunks == 1 else torch.float32, device=device)
+    gattn = torch.empty((*chunked, *attn.shape), dtype=attn.dtype if n_chunks == 1 else torch.float32, device=device)
     if deterministic:
         gvalue = torch.empty(value.shape, dtype=value.dtype, device=device)
     else:
@@ -239,8 +241,9 @@ def msda_backward(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    gloc = gloc[0] if n_chunks == 1 else gloc.sum(0).to(loc.dtype)
-    gattn = gattn[0] if n_chunks == 1 else gattn.sum(0).to(attn.dtype)
+    if n_chunks > 1:
+        gloc = gloc.sum(0).to(loc.dtype)
+        gattn = gattn.sum(0).to(attn.dtype)
     if not deterministic:
         if gvalue.dtype == value.dtype and gvalue.is_contiguous():
             return gvalue, gloc, gattn

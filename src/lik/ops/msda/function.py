@@ -1,5 +1,10 @@
 """``lik.ms_deform_attn``: the autograd Function over the kernels, its Deformable-DETR / mmcv aliases, and the
-stateless module with the signature of HF transformers' ``MultiScaleDeformableAttention``."""
+stateless module with the signature of HF transformers' ``MultiScaleDeformableAttention``.
+
+Under ``torch.compile`` the Function reaches the kernels through two custom operators (``lik::msda_forward``,
+``lik::msda_backward``) with shape-only fake implementations, so Dynamo traces the whole call without a graph break
+(it cannot trace the Triton launch path itself); eager calls launch directly and skip the dispatcher's overhead.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +37,29 @@ def _uses_kernels(*tensors: torch.Tensor) -> bool:
     return device.type == "cpu" and interpreting() and torch.bfloat16 not in dtypes
 
 
+@torch.library.custom_op("lik::msda_forward", mutates_args=())
+def _forward_op(value: torch.Tensor, shapes: torch.Tensor, starts: torch.Tensor, loc: torch.Tensor,
+                attn: torch.Tensor) -> torch.Tensor:
+    return msda_forward(value, shapes, starts, loc, attn)
+
+
+@_forward_op.register_fake
+def _forward_fake(value, shapes, starts, loc, attn):
+    return value.new_empty((value.shape[0], loc.shape[1], value.shape[2] * value.shape[3]))
+
+
+@torch.library.custom_op("lik::msda_backward", mutates_args=())
+def _backward_op(grad_out: torch.Tensor, value: torch.Tensor, shapes: torch.Tensor, starts: torch.Tensor,
+                 loc: torch.Tensor, attn: torch.Tensor, deterministic: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return msda_backward(grad_out, value, shapes, starts, loc, attn, deterministic=deterministic)
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_out, value, shapes, starts, loc, attn, deterministic):
+    return value.new_empty(value.shape), loc.new_empty(loc.shape), attn.new_empty(attn.shape)
+
+
 class MSDeformAttnFunction(torch.autograd.Function):
     """``MSDeformAttnFunction.apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
     attention_weights, im2col_step)``: the Deformable-DETR autograd Function, drop-in.
@@ -49,10 +77,10 @@ class MSDeformAttnFunction(torch.autograd.Function):
         ctx.kernels = _uses_kernels(value, sampling_locations, attention_weights)
         ctx.save_for_backward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
                               attention_weights)
-        ctx.mark_non_differentiable(value_spatial_shapes, value_level_start_index)
         if ctx.kernels:
-            return msda_forward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                                attention_weights)
+            launch = _forward_op if torch.compiler.is_compiling() else msda_forward
+            return launch(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                          attention_weights)
         return ms_deform_attn_reference(value, value_spatial_shapes, value_level_start_index, sampling_locations,
                                         attention_weights)
 
@@ -61,8 +89,11 @@ class MSDeformAttnFunction(torch.autograd.Function):
         value, shapes, starts, loc, attn = ctx.saved_tensors
         wanted = ctx.needs_input_grad
         if ctx.kernels:
-            grads = msda_backward(grad_output, value, shapes, starts, loc, attn,
-                                  deterministic=torch.are_deterministic_algorithms_enabled())
+            deterministic = torch.are_deterministic_algorithms_enabled()
+            if torch.compiler.is_compiling():
+                grads = _backward_op(grad_output, value, shapes, starts, loc, attn, deterministic)
+            else:
+                grads = msda_backward(grad_output, value, shapes, starts, loc, attn, deterministic=deterministic)
         else:
             with torch.enable_grad():
                 inputs = [t.detach().requires_grad_(w) for t, w in ((value, wanted[0]), (loc, wanted[3]),
