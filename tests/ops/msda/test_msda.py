@@ -273,6 +273,19 @@ def triton_next_power_of_2(x):
     return 1 << max(0, (x - 1).bit_length())
 
 
+def test_inference_skips_autograd_with_the_same_bits(rng):
+    """No gradient needed (plain tensors, or torch.no_grad): the kernels run without the autograd Function, and
+    give the bits of the training call."""
+    value, shapes, starts, loc, weights, _ = rand_problem(rng, 2, 5, 3, 8, [(3, 4), (2, 2)], 3)
+    plain = ms_deform_attn(value, shapes, starts, loc, weights)
+    leaves = [t.clone().requires_grad_() for t in (value, loc, weights)]
+    trained = ms_deform_attn(leaves[0], shapes, starts, leaves[1], leaves[2])
+    with torch.no_grad():
+        no_grad = ms_deform_attn(leaves[0], shapes, starts, leaves[1], leaves[2])
+    assert plain.grad_fn is None and no_grad.grad_fn is None and trained.grad_fn is not None
+    assert torch.equal(plain, trained.detach()) and torch.equal(no_grad, plain)
+
+
 def test_aliases_and_transformers_module(rng):
     value, shapes, starts, loc, weights, grad = rand_problem(rng, 2, 4, 2, 8, [(3, 4), (2, 2)], 2)
     base = ms_deform_attn(value, shapes, starts, loc, weights)

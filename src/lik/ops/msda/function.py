@@ -154,6 +154,14 @@ def ms_deform_attn(
     if not _uses_kernels(value, sampling_locations, attention_weights):
         return ms_deform_attn_reference(value, value_spatial_shapes, value_level_start_index, sampling_locations,
                                         attention_weights, im2col_step)
+    needs_grad = torch.is_grad_enabled() and (
+        value.requires_grad or sampling_locations.requires_grad or attention_weights.requires_grad
+    )
+    if not needs_grad and not torch.compiler.is_compiling():
+        # Inference: the same launch without the autograd Function's bookkeeping (~25 us of host time per call,
+        # which a decoder-sized call, ~20 us on the GPU, would otherwise wait on).
+        return msda_forward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                            attention_weights)
     return MSDeformAttnFunction.apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
                                       attention_weights, im2col_step)
 
