@@ -333,3 +333,26 @@ def test_deterministic_backward_is_repeatable(rng):
     second = kernel_with_grads(lik.maxsim, Q, D, qm, dm, grad, backward="deterministic")
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("per_query, squeeze, masks, backward", [
+    (False, False, True, "fast"), (True, False, True, "deterministic"), (False, True, False, "auto"),
+])
+def test_torch_compile_traces_without_graph_break(rng, per_query, squeeze, masks, backward):
+    """``torch.compile(fullgraph=True)``: one graph (the kernels are custom operators to Dynamo), the same scores
+    and gradients as eager, training and inference. ``aot_eager`` traces forward and backward as inductor would,
+    without generating code (CI has no GPU)."""
+    Q, D, qm, dm = rand_problem(rng, 3, 5, 4, 9, 16, per_query=per_query, squeeze=squeeze, masks=masks)
+    grad = torch.randn((4,) if squeeze else (3, 4), generator=rng)
+
+    def score(q, d, q_mask, d_mask):
+        return lik.maxsim(q, d, q_mask, d_mask, backward=backward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(score, backend="aot_eager", fullgraph=True)
+    got = kernel_with_grads(compiled, Q, D, qm, dm, grad)
+    want = kernel_with_grads(score, Q, D, qm, dm, grad)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    with torch.no_grad():
+        assert torch.equal(compiled(Q, D, qm, dm), want[0])

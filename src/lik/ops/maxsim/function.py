@@ -1,4 +1,10 @@
-"""``lik.maxsim``: the autograd Function over the fused kernels, and the public entry point."""
+"""``lik.maxsim``: the autograd Function over the fused kernels, and the public entry point.
+
+Under ``torch.compile`` the kernels are reached through custom operators (``lik::maxsim_forward``,
+``lik::maxsim_backward_dq``, ``lik::maxsim_backward_dd``) with shape-only fake implementations, so Dynamo traces
+a call as one graph instead of failing inside the Triton launch path; eager calls launch directly (the
+dispatcher's overhead would show on small, launch-bound calls).
+"""
 
 from __future__ import annotations
 
@@ -34,19 +40,62 @@ def resolve_backward(backward: str) -> bool:
     return backward == "deterministic"
 
 
+@torch.library.custom_op("lik::maxsim_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, d: torch.Tensor, q_mask: torch.Tensor | None, d_mask: torch.Tensor | None,
+                mask_mode: str, per_query: bool, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    scores, argmax = maxsim_forward(MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query), store_argmax)
+    # Outputs of a custom operator are fresh tensors: no view of the kernel's partial-sum buffer, and a 0-element
+    # placeholder where no argmax was stored.
+    return scores.clone() if scores._base is not None else scores, (
+        argmax if argmax is not None else q.new_empty((0,), dtype=torch.int16))
+
+
+@_forward_op.register_fake
+def _forward_fake(q, d, q_mask, d_mask, mask_mode, per_query, store_argmax):
+    n_q, l_q, _ = q.shape
+    n_docs, l_d = d.shape[1], d.shape[2]
+    scores = q.new_empty((n_q, n_docs), dtype=torch.float32)
+    if not store_argmax:
+        return scores, q.new_empty((0,), dtype=torch.int16)
+    return scores, q.new_empty((n_q, n_docs, l_q), dtype=torch.int16 if l_d < 2**15 else torch.int32)
+
+
+@torch.library.custom_op("lik::maxsim_backward_dq", mutates_args=())
+def _dq_op(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    return maxsim_backward_dq(grad, d, argmax, q.shape, q.dtype)
+
+
+@_dq_op.register_fake
+def _dq_fake(grad, q, d, argmax):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("lik::maxsim_backward_dd", mutates_args=())
+def _dd_op(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor, deterministic: bool,
+           per_query: bool) -> torch.Tensor:
+    return maxsim_backward_dd(grad, q, argmax, d.shape, d.dtype, deterministic=deterministic, per_query=per_query)
+
+
+@_dd_op.register_fake
+def _dd_fake(grad, q, d, argmax, deterministic, per_query):
+    return d.new_empty(d.shape)
+
+
 class MaxSimFunction(torch.autograd.Function):
     """Autograd over canonical inputs: ``q [Nq, Lq, d]``, ``d [n_sets, B, Ld, d]`` -> fp32 ``[Nq, B]``."""
 
     @staticmethod
     def forward(ctx, q, d, q_mask, d_mask, mask_mode, per_query, deterministic):
-        inputs = MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query)
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        scores, argmax = maxsim_forward(inputs, store_argmax=needs_grad)
+        if torch.compiler.is_compiling():
+            scores, argmax = _forward_op(q, d, q_mask, d_mask, mask_mode, per_query, needs_grad)
+        else:
+            inputs = MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query)
+            scores, argmax = maxsim_forward(inputs, store_argmax=needs_grad)
         if needs_grad:
             ctx.save_for_backward(q, d, argmax)
             ctx.per_query = per_query
             ctx.deterministic = deterministic
-        ctx.mark_non_differentiable(*[m for m in (q_mask, d_mask) if m is not None])
         return scores
 
     @staticmethod
@@ -54,13 +103,20 @@ class MaxSimFunction(torch.autograd.Function):
         q, d, argmax = ctx.saved_tensors
         grad_scores = grad_scores.float().contiguous()
         dq = dd = None
+        compiling = torch.compiler.is_compiling()
         if ctx.needs_input_grad[0]:
-            dq = maxsim_backward_dq(grad_scores, d, argmax, q.shape, q.dtype)
+            if compiling:
+                dq = _dq_op(grad_scores, q, d, argmax)
+            else:
+                dq = maxsim_backward_dq(grad_scores, d, argmax, q.shape, q.dtype)
         if ctx.needs_input_grad[1]:
-            dd = maxsim_backward_dd(
-                grad_scores, q, argmax, d.shape, d.dtype,
-                deterministic=ctx.deterministic, per_query=ctx.per_query,
-            )
+            if compiling:
+                dd = _dd_op(grad_scores, q, d, argmax, ctx.deterministic, ctx.per_query)
+            else:
+                dd = maxsim_backward_dd(
+                    grad_scores, q, argmax, d.shape, d.dtype,
+                    deterministic=ctx.deterministic, per_query=ctx.per_query,
+                )
         return dq, dd, None, None, None, None, None
 
 
@@ -105,6 +161,9 @@ def maxsim(
         return inputs.finish(maxsim_reference_canonical(inputs))
     if not (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)):
         # Inference: no autograd node, no argmax buffer.
+        if torch.compiler.is_compiling():
+            return inputs.finish(_forward_op(inputs.q, inputs.d, inputs.q_mask, inputs.d_mask, mask_mode,
+                                             inputs.per_query_documents, False)[0])
         return inputs.finish(maxsim_forward(inputs, store_argmax=False)[0])
     scores = MaxSimFunction.apply(
         inputs.q, inputs.d, inputs.q_mask, inputs.d_mask, mask_mode, inputs.per_query_documents, deterministic
