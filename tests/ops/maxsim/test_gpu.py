@@ -267,3 +267,26 @@ def test_torch_compile_inductor(dtype, per_query):
     assert rel_err(dq_c, dq_e) <= 1e-2 and rel_err(dd_c, dd_e) <= 1e-2
     with torch.no_grad():
         assert rel_err(compiled(Q, D)[1], s_e) <= 1e-3
+
+
+def test_torch_compile_inductor_packed():
+    """``torch.compile`` with inductor, fullgraph, over the packed entry points (with their ``max_seqlen``
+    hints): pairs and corpus, scores and gradients as eager within rounding."""
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    q, cu_q, max_q = lik.pack([torch.randn(n, 128, device=CUDA, generator=gen).half() for n in (32, 5, 17)])
+    d, cu_d, max_d = lik.pack([torch.randn(n, 128, device=CUDA, generator=gen).half() for n in (300, 0, 77)])
+    Q = torch.randn(4, 32, 128, device=CUDA, generator=gen).half()
+    calls = [
+        (lambda a, b: lik.maxsim_varlen(a, b, cu_q, cu_d, max_q, max_d) * 2.0, (q, d)),
+        (lambda a, b: lik.maxsim_packed(a, b, cu_d, max_seqlen_d=max_d).softmax(-1), (Q, d)),
+    ]
+    for fn, inputs in calls:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True)
+        results = []
+        for f in (compiled, fn):
+            a, b = (x.clone().requires_grad_() for x in inputs)
+            out = f(a, b)
+            results.append((out.detach(), *torch.autograd.grad(out, (a, b), torch.ones_like(out))))
+        for g, w in zip(*results):
+            assert rel_err(g, w) <= 1e-2

@@ -405,3 +405,29 @@ def test_gpu_no_recompile_when_pair_count_or_lengths_change():
         d, cu_d, max_d = _gpu_lists(n, 1, 512, 128, torch.float16, seed + 100)
         lik.maxsim_varlen(q, d, cu_q, cu_d, max_q, max_d)
     assert compiled() == before
+
+
+@pytest.mark.parametrize("backward", ["fast", "deterministic"])
+def test_torch_compile_traces_without_graph_break(rng, backward):
+    """``torch.compile(fullgraph=True)`` with the ``max_seqlen`` hints (without them the offsets are read on the
+    host, which no graph can hold): pairs and corpus, training and inference, one graph each (custom operators
+    to Dynamo) with eager's bits. ``aot_eager`` traces forward and backward as inductor would (CI has no GPU)."""
+    q, cu_q, max_q = lik.pack(_rand_list(rng, [3, 0, 9, 5], 16))
+    d, cu_d, max_d = lik.pack(_rand_list(rng, [7, 4, 0, 12], 16))
+    Q = torch.randn(2, 6, 16, generator=rng)
+    q_mask = torch.rand(2, 6, generator=rng) > 0.3
+    calls = {
+        "pairs": (lambda a, b: lik.maxsim_varlen(a, b, cu_q, cu_d, max_q, max_d, backward=backward), (q, d),
+                  torch.randn(4, generator=rng)),
+        "corpus": (lambda a, b: lik.maxsim_packed(a, b, cu_d, q_mask, max_d, backward=backward), (Q, d),
+                   torch.randn(2, 4, generator=rng)),
+    }
+    for name, (fn, inputs, grad) in calls.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        got = _grads(compiled, inputs, grad)
+        want = _grads(fn, inputs, grad)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), name
+        with torch.no_grad():
+            assert torch.equal(compiled(*inputs), want[0]), name

@@ -126,7 +126,8 @@ def ms_deform_attn(
     pixel = location * size - 0.5, each corner outside its map reads zero.
 
     Args:
-        value: ``[N, S, M, D]`` float16 / bfloat16 / float32 (float64 runs the reference), S = sum of H * W.
+        value: ``[N, S, M, D]`` float16 / bfloat16 / float32 (float64 runs the reference), S = sum of H * W
+            (the kernels take S < 2**31 and raise ``ValueError`` beyond).
         value_spatial_shapes: int32 or int64 ``[L, 2]``, (H, W) of each level.
         value_level_start_index: int32 or int64 ``[L]``, offset of each level along S.
         sampling_locations: ``[N, Lq, M, L, P, 2]``, normalised (x, y), any float dtype.
