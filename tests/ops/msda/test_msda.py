@@ -492,3 +492,5 @@ def test_torch_compile_traces_without_graph_break(rng, deterministic):
             want = with_grads(lambda v, s, st, lc, w: call(v, lc, w), *problem)
             for g, w in zip(got, want):
                 assert torch.equal(g, w), name
+            with torch.no_grad():
+                assert torch.equal(compiled(value, loc, weights), want[0]), name
