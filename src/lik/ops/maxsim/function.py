@@ -44,10 +44,8 @@ def resolve_backward(backward: str) -> bool:
 def _forward_op(q: torch.Tensor, d: torch.Tensor, q_mask: torch.Tensor | None, d_mask: torch.Tensor | None,
                 mask_mode: str, per_query: bool, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
     scores, argmax = maxsim_forward(MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query), store_argmax)
-    # Outputs of a custom operator are fresh tensors: no view of the kernel's partial-sum buffer, and a 0-element
-    # placeholder where no argmax was stored.
-    return scores.clone() if scores._base is not None else scores, (
-        argmax if argmax is not None else q.new_empty((0,), dtype=torch.int16))
+    # A custom operator returns tensors only: a 0-element placeholder where no argmax was stored.
+    return scores, argmax if argmax is not None else q.new_empty((0,), dtype=torch.int16)
 
 
 @_forward_op.register_fake

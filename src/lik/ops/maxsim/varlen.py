@@ -460,8 +460,7 @@ def _packed_forward_op(q: torch.Tensor, d: torch.Tensor, cu_q: torch.Tensor | No
                        q_mask: torch.Tensor | None, max_seqlen_q: int, store_argmax: bool
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     scores, argmax = packed_forward(PackedInputs(q, d, cu_q, cu_d, q_mask, max_seqlen_q, False, True), store_argmax)
-    return scores.clone() if scores._base is not None else scores, (
-        argmax if argmax is not None else q.new_empty((0,), dtype=torch.int32))
+    return scores, argmax if argmax is not None else q.new_empty((0,), dtype=torch.int32)
 
 
 @_packed_forward_op.register_fake

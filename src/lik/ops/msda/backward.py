@@ -198,7 +198,7 @@ def msda_backward(
     # One channel chunk writes the point gradients in their final dtype; several add fp32 partials afterwards.
     # The kernel writes every point, so no memset; the atomic value gradient needs a zeroed fp32 buffer, the
     # deterministic one writes every value row in the value's dtype.
-    # Returned tensors are fresh, contiguous and never views (the custom operator of function.py requires it).
+    # One chunk writes straight into the returned tensors (no leading chunk axis to slice off).
     chunked = (n_chunks,) if n_chunks > 1 else ()
     gloc = torch.empty((*chunked, *loc.shape), dtype=loc.dtype if n_chunks == 1 else torch.float32, device=device)
     gattn = torch.empty((*chunked, *attn.shape), dtype=attn.dtype if n_chunks == 1 else torch.float32, device=device)
