@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, maxsim_backward_config, next_power_of_2
+from ..._launch import launch
 from .backward_sorted import launch_dd_sorted
 from .forward import set_strides
 
@@ -187,7 +188,8 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
     n_row_blocks = cdiv(l_q, cfg.block_rows)
-    maxsim_bwd_dq_kernel[(n_q * n_row_blocks * n_k_blocks,)](
+    launch(
+        maxsim_bwd_dq_kernel, (n_q * n_row_blocks * n_k_blocks,),
         d, grad, argmax, dq,
         l_q, n_docs, n_row_blocks, n_k_blocks,
         *set_strides(d), *grad.stride(), *argmax.stride(), *dq.stride(),
@@ -257,7 +259,8 @@ def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: in
     n_q, l_q, dim = q.shape
     n_docs = dd32.shape[1]
     n_row_blocks = cdiv(l_q, cfg.block_rows)
-    maxsim_bwd_dd_atomic_kernel[(n_q * n_row_blocks * n_docs * n_k_blocks,)](
+    launch(
+        maxsim_bwd_dd_atomic_kernel, (n_q * n_row_blocks * n_docs * n_k_blocks,),
         q, grad, argmax, dd32,
         l_q, n_docs, n_row_blocks, n_k_blocks,
         *q.stride(), *grad.stride(), *argmax.stride(), *set_strides(dd32),

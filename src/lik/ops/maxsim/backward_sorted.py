@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv
+from ..._launch import launch
 from .forward import set_strides
 
 __all__ = [
@@ -144,7 +145,8 @@ def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool) -> tuple
     n_winners = argmax.numel()
     keys = torch.empty(n_winners, dtype=key_dtype, device=device)
     if n_winners:
-        winner_keys_kernel[(cdiv(n_winners, _KEYS_BLOCK),)](
+        launch(
+            winner_keys_kernel, (cdiv(n_winners, _KEYS_BLOCK),),
             argmax, keys, n_q, chunk_docs, l_q, doc_len, n_rows, n_winners, *argmax.stride(),
             PER_QUERY=per_query, BLOCK=_KEYS_BLOCK,
         )
@@ -176,7 +178,8 @@ def launch_dd_sorted(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int,
     for first_doc in range(0, n_docs, step):
         chunk_docs = min(step, n_docs - first_doc)
         order, starts = sorted_winners(argmax[:, first_doc:first_doc + chunk_docs], l_d, per_query)
-        maxsim_bwd_dd_sorted_kernel[(n_sets * chunk_docs * l_d * n_k_blocks,)](
+        launch(
+            maxsim_bwd_dd_sorted_kernel, (n_sets * chunk_docs * l_d * n_k_blocks,),
             q, grad, order, starts, dd,
             n_q, l_q, chunk_docs, l_d, first_doc, n_k_blocks,
             *q.stride(), *grad.stride(), *set_strides(dd),

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, maxsim_forward_config, maxsim_forward_doc_programs, next_power_of_2
+from ..._launch import launch
 from .tile import NO_KEY, maxsim_doc_rows, query_rows, store_group_sums
 from .validation import MaxSimInputs
 
@@ -199,7 +200,8 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
     doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
     grid = (n_row_blocks * doc_programs,)
-    maxsim_fwd_kernel[grid](
+    launch(
+        maxsim_fwd_kernel, grid,
         q, d, q_mask, d_mask, partial, argmax_arg,
         n_q, l_q, n_docs, l_d, n_chunks, n_row_blocks, doc_programs,
         *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides,

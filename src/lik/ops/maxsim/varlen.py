@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, maxsim_backward_config, maxsim_varlen_config, next_power_of_2
+from ..._launch import launch
 from .backward import feature_blocks, launch_dd_atomic, maxsim_backward_dq, winners_sum
 from .forward import dot_precision
 from .function import resolve_backward, uses_kernels
@@ -340,7 +341,8 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
     q_mask = inputs.q_mask
     q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
-    maxsim_varlen_fwd_kernel[(n_row_blocks * n_docs,)](
+    launch(
+        maxsim_varlen_fwd_kernel, (n_row_blocks * n_docs,),
         q, d, inputs.cu_q if inputs.pairs else inputs.cu_d, inputs.cu_d, q_mask_arg, partial,
         argmax if argmax is not None else partial,
         n_q, l_q, q.shape[0] if inputs.pairs else 0, d.shape[0], n_chunks, n_row_blocks,
@@ -385,7 +387,8 @@ def _launch_tokens(grad, inputs: PackedInputs, argmax, *, dq, dd32) -> None:
     n_pairs = grad.shape[0]
     dq_arg, dq_strides = (dq, dq.stride()) if dq is not None else (grad, (0, 0))
     dd_arg, dd_strides = (dd32, dd32.stride()) if dd32 is not None else (grad, (0, 0))
-    maxsim_varlen_bwd_tokens_kernel[(cdiv(q.shape[0], cfg.block_rows) * n_k_blocks,)](
+    launch(
+        maxsim_varlen_bwd_tokens_kernel, (cdiv(q.shape[0], cfg.block_rows) * n_k_blocks,),
         q, d, grad, inputs.cu_q, argmax, dq_arg, dd_arg,
         q.shape[0], n_pairs, _search_steps(n_pairs), n_k_blocks,
         *q.stride(), *d.stride(), grad.stride(0), argmax.stride(0), *dq_strides, *dd_strides,
@@ -413,7 +416,8 @@ def packed_backward_dd(
             q_strides, grad_strides, argmax_strides, l_q = (0, *q.stride()), (0, grad.stride(0)), (0, 0, 1), 0
         else:
             q_strides, grad_strides, argmax_strides, l_q = q.stride(), grad.stride(), argmax.stride(), q.shape[1]
-        maxsim_varlen_bwd_dd_owned_kernel[(cdiv(d.shape[0], cfg.block_doc_rows) * n_k_blocks,)](
+        launch(
+            maxsim_varlen_bwd_dd_owned_kernel, (cdiv(d.shape[0], cfg.block_doc_rows) * n_k_blocks,),
             q, grad, inputs.cu_q if inputs.pairs else inputs.cu_d, inputs.cu_d, argmax, dd,
             q.shape[0] if not inputs.pairs else 1, l_q, q.shape[0] if inputs.pairs else 0, d.shape[0], n_docs,
             _search_steps(n_docs), n_k_blocks,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, msda_backward_config
+from ..._launch import launch
 from .forward import RUNTIME_INTS, check_pixel_count, check_point_tile, level_strides, transposed_value
 from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
 
@@ -225,7 +226,8 @@ def msda_backward(
         cells, n_cells, no_bucket, buckets = starts, 0, 0, gvalue
 
     grid = (cdiv(n_rows, cfg.block_rows), n_chunks)
-    msda_bwd_kernel[grid](
+    launch(
+        msda_bwd_kernel, grid,
         value, shapes, starts, cells, loc, attn, grad_out,
         gvalue, gloc, gattn, buckets,
         n_rows, n_queries, heads, n_levels, n_points, n_cells, no_bucket,
@@ -253,7 +255,8 @@ def msda_backward(
     offsets = torch.searchsorted(sorted_buckets, torch.arange(no_bucket + 1, device=device))
     n_value_rows = n * n_pixels * heads
     grid = (cdiv(n_value_rows, cfg.gather_rows), cdiv(dim, cfg.block_d))
-    msda_bwd_value_kernel[grid](
+    launch(
+        msda_bwd_value_kernel, grid,
         shapes, starts, cells, loc, attn, grad_out, offsets, order, gvalue,
         n_value_rows, n_pixels, n_queries, heads, n_levels, n_points, n_cells,
         *level_strides(shapes, starts), *loc.stride(), *attn.stride(), *grad_out.stride(), *gvalue.stride(),

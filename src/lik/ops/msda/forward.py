@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, msda_forward_config
+from ..._launch import launch
 from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
 
 __all__ = ["msda_fwd_kernel", "msda_forward", "transposed_value", "check_pixel_count", "check_point_tile", "RUNTIME_INTS"]
@@ -124,7 +125,8 @@ def msda_forward(
     if cfg.transpose:
         value = transposed_value(value)
     grid = (cdiv(n_rows, cfg.block_rows), cdiv(dim, cfg.block_d))
-    msda_fwd_kernel[grid](
+    launch(
+        msda_fwd_kernel, grid,
         value, shapes, starts, loc, attn, out,
         n_rows, n_queries, heads, n_levels, n_points,
         *value.stride(), *level_strides(shapes, starts), *loc.stride(), *attn.stride(), *out.stride(),

@@ -1,0 +1,178 @@
+"""``lik._launch``: the cached launch path must pick exactly the kernel Triton's binder would, launch with the
+same arguments, and step aside (Triton's own path) wherever it cannot be sure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from lik import _launch
+from lik._launch import _record, _Uncached, argument_key, launch
+
+
+def _scale_rows(x_ptr, out_ptr, n, stride, factor, BLOCK: tl.constexpr, NEGATE: tl.constexpr = False):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs * stride, mask=offs < n, other=0.0)
+    y = x * factor
+    if NEGATE:
+        y = -y
+    tl.store(out_ptr + offs, y, mask=offs < n)
+
+
+scale_rows = triton.jit(_scale_rows)
+
+
+# --- argument keys (CPU) ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, code",
+    [(0, 2), (1, 1), (2, 0), (16, 2), (17, 0), (-16, 2), (2**31 - 1, 0), (2**31, 6), (-(2**31), 2),
+     (-(2**31) - 1, 4), (2**63, 14), (2**63 + 1, 12)],
+)
+def test_int_key_separates_what_triton_specialises(value, code):
+    # bit 0: == 1, bit 1: % 16 == 0, bit 2: outside int32, bit 3: >= 2**63 (uint64)
+    assert argument_key(value) == code
+
+
+def test_tensor_key_is_dtype_and_alignment():
+    x = torch.zeros(64, dtype=torch.float16)
+    assert argument_key(x) == (torch.float16, True)
+    assert argument_key(x[1:]) == (torch.float16, False)  # 2 bytes past a 16-byte boundary
+    assert argument_key(x[8:]) == (torch.float16, True)
+    assert argument_key(x.float()) == (torch.float32, x.float().data_ptr() % 16 == 0)
+
+
+def test_other_keys():
+    assert argument_key(True) == ("bool", True) != argument_key(1)
+    assert argument_key(False) == ("bool", False) != argument_key(0)
+    assert argument_key(0.5) is float
+    assert argument_key(None) is None
+    with pytest.raises(_Uncached):
+        argument_key(np.int64(3))  # a numpy int: Triton's path handles it, the cache does not key it
+    with pytest.raises(_Uncached):
+        argument_key("text")
+
+
+class _Compiled:
+    run, function, packed_metadata = print, 7, (1, 2)
+
+
+def test_record_fills_trailing_constexprs_from_kwargs_and_defaults():
+    kernel = JITFunction(_scale_rows)
+    run, function, packed, tail = _record(kernel, _Compiled(), (1, 2, 3, 4, 5.0), {"BLOCK": 64, "num_warps": 4})
+    assert (run, function, packed) == (print, 7, (1, 2))
+    assert tail == (64, False)  # BLOCK from kwargs, NEGATE's default; num_warps is an option, not a parameter
+    assert _record(kernel, _Compiled(), (1, 2, 3, 4, 5.0), {"BLOCK": 64, "NEGATE": True})[3] == (64, True)
+
+
+def test_record_refuses_what_it_cannot_replay_by_position():
+    kernel = JITFunction(_scale_rows)
+    # a constexpr passed by position: its value would be keyed only by its int class
+    assert _record(kernel, _Compiled(), (1, 2, 3, 4, 5.0, 64), {}) is None
+    # a runtime argument passed by keyword: it would be frozen into the replayed tail
+    assert _record(kernel, _Compiled(), (1, 2, 3, 4), {"factor": 5.0, "BLOCK": 64}) is None
+    # a constexpr without a default left out
+    assert _record(kernel, _Compiled(), (1, 2, 3, 4, 5.0), {}) is None
+    # a compiled kernel without the launcher attributes
+    assert _record(kernel, object(), (1, 2, 3, 4, 5.0), {"BLOCK": 64}) is None
+
+
+def test_interpreted_kernels_take_tritons_path(monkeypatch):
+    if isinstance(scale_rows, JITFunction):
+        pytest.skip("only meaningful under TRITON_INTERPRET=1 (the CPU test run)")
+    x = torch.arange(10, dtype=torch.float32)
+    out = torch.empty_like(x)
+    launch(scale_rows, (1,), x, out, 10, 1, 2.0, BLOCK=16)
+    assert torch.equal(out, 2 * x)
+    assert _launch._TABLES[id(scale_rows)].entries is None
+
+
+# --- the real launch path (GPU) --------------------------------------------------------------------------------
+
+
+def _table(kernel):
+    return _launch._TABLES[id(kernel)].entries
+
+
+@pytest.mark.gpu
+def test_cached_kernel_is_the_one_tritons_binder_picks():
+    base = torch.randn(4096, device="cuda")
+    cases = [  # (input view, n, stride, constexprs): alignment, n == 1, n % 16, stride 1 / 16 / other
+        (base, 1000, 1, {}), (base, 1024, 1, {}), (base, 1, 1, {}), (base[1:], 1000, 1, {}),
+        (base, 256, 16, {}), (base, 200, 3, {}), (base, 1024, 1, {"NEGATE": True}), (base.half(), 1000, 1, {}),
+    ]
+    for x, n, stride, flags in cases:
+        for _ in range(2):  # first call records through Triton, second replays
+            out = torch.zeros(n, device="cuda", dtype=x.dtype)
+            launch(scale_rows, (triton.cdiv(n, 128),), x, out, n, stride, 2.0, BLOCK=128, num_warps=4, **flags)
+            expected = 2 * x[: (n - 1) * stride + 1 : stride] * (-1 if flags else 1)
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        key = (torch.cuda.current_device(), tuple(map(argument_key, (x, out, n, stride, 2.0))),
+               tuple({"BLOCK": 128, "num_warps": 4, **flags}.items()))
+        cached = _table(scale_rows)[key]
+        chosen = scale_rows.warmup(x, out, n, stride, 2.0, BLOCK=128, num_warps=4, grid=(1,), **flags)
+        assert cached[1] == chosen.function, (n, stride, flags)
+
+
+@pytest.mark.gpu
+def test_launch_hook_routes_through_triton():
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime.launch_enter_hook, "add"):
+        pytest.skip("Triton without HookChain launch hooks")
+    seen = []
+    hook = seen.append
+    x = torch.randn(256, device="cuda")
+    out = torch.empty_like(x)
+    launch(scale_rows, (2,), x, out, 256, 1, 1.0, BLOCK=128)  # recorded
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch(scale_rows, (2,), x, out, 256, 1, 1.0, BLOCK=128)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["maxsim", "msda"])
+def test_fast_and_triton_launch_give_the_same_bits(op, monkeypatch):
+    import lik
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if op == "maxsim":
+        q = torch.randn(6, 19, 64, device="cuda", generator=gen, dtype=torch.float16, requires_grad=True)
+        d = torch.randn(9, 37, 64, device="cuda", generator=gen, dtype=torch.float16, requires_grad=True)
+        inputs = (q, d)
+        run = lambda: lik.maxsim(q, d, backward="deterministic")  # noqa: E731
+    else:
+        shapes = torch.tensor([[7, 9], [3, 5]], device="cuda")
+        starts = torch.tensor([0, 63], device="cuda")
+        value = torch.randn(2, 78, 3, 32, device="cuda", generator=gen, requires_grad=True)
+        loc = torch.rand(2, 11, 3, 2, 4, 2, device="cuda", generator=gen, requires_grad=True)
+        attn = torch.rand(2, 11, 3, 2, 4, device="cuda", generator=gen, requires_grad=True)
+        inputs = (value, loc, attn)
+        run = lambda: lik.ms_deform_attn(value, shapes, starts, loc, attn)  # noqa: E731
+
+    def forward_backward():
+        out = run()
+        grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+        return [out.detach(), *grads]
+
+    # Deterministic backwards, so that equal launches give equal bits (atomics would not).
+    torch.use_deterministic_algorithms(True)
+    try:
+        monkeypatch.setattr(_launch, "ENABLED", False)
+        slow = forward_backward()
+        monkeypatch.setattr(_launch, "ENABLED", True)
+        forward_backward()  # records
+        fast = forward_backward()  # replays
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(slow, fast):
+        assert torch.equal(a, b)
+    kernels = [k for k, t in _launch._TABLES.items() if t.entries]
+    assert kernels, "no kernel went through the cached path"
