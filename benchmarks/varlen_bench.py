@@ -6,7 +6,8 @@ Cells (d = 128, fp16, L2-normalised random data, lengths drawn once with a fixed
   length distributions (``uniform`` 256-512, ``hotpotqa`` lognormal mean ~120, ``ragged`` lognormal mean ~70).
   Methods: ``lik`` (lik.maxsim_packed), ``einsum-padded`` (fp16 eager einsum over zero-padded documents, the
   PyLate formula), ``flash-maxsim`` (flash_maxsim_packed), ``lik-kernels`` (late_interaction_kernels.maxsim_varlen
-  with one packed query), and ``lik-padded`` (lik.maxsim over the padded corpus with a mask) for context.
+  with one packed query), ``lik-padded`` (lik.maxsim over the padded corpus with a mask) for context, and
+  ``lik-triton-launch`` (the lik call with every kernel launched through Triton's own ``kernel[grid](...)``).
 * ``pairs``: 5 000 ragged (query, document) pairs, Lq uniform 8-32, documents ``hotpotqa``. Methods: ``lik``
   (lik.maxsim_varlen), ``einsum-padded`` (batched over padded pairs), ``flash-maxsim`` (flash_maxsim_varlen),
   ``lik-kernels`` (late_interaction_kernels.score_pairs.score_pairs_packed).
@@ -36,7 +37,7 @@ import torch
 import triton
 
 import lik
-from lik import _config
+from lik import _config, _launch
 
 DIM = 128
 LQ = 32
@@ -88,6 +89,25 @@ def cu_of(lengths: list[int], device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def triton_launch(make):
+    """The same lik call with lik's cached launch path off (every kernel through Triton's ``kernel[grid](...)``):
+    the launch path's share of the call."""
+
+    def method(s):
+        call = make(s)
+
+        def run():
+            _launch.ENABLED = False
+            try:
+                return call()
+            finally:
+                _launch.ENABLED = True
+
+        return run
+
+    return method
+
+
 def corpus_methods(smoke: bool) -> dict:
     def lik_packed(s):
         return lambda: lik.maxsim_packed(s["Q"], s["d"], s["cu_d"], max_seqlen_d=s["max_d"])
@@ -98,7 +118,8 @@ def corpus_methods(smoke: bool) -> dict:
     def einsum_padded(s):
         return lambda: torch.einsum("sk,btk->bst", s["Q"], s["D_pad"]).max(dim=-1).values.float().sum(dim=-1)
 
-    methods = {"lik": lik_packed, "einsum-padded": einsum_padded, "lik-padded": lik_padded}
+    methods = {"lik": lik_packed, "lik-triton-launch": triton_launch(lik_packed), "einsum-padded": einsum_padded,
+               "lik-padded": lik_padded}
     if smoke:
         return methods
 
@@ -123,7 +144,7 @@ def pair_methods(smoke: bool) -> dict:
     def einsum_padded(s):
         return lambda: torch.einsum("nsk,ntk->nst", s["Q_pad"], s["D_pad"]).max(dim=-1).values.float().sum(dim=-1)
 
-    methods = {"lik": lik_varlen, "einsum-padded": einsum_padded}
+    methods = {"lik": lik_varlen, "lik-triton-launch": triton_launch(lik_varlen), "einsum-padded": einsum_padded}
     if smoke:
         return methods
 
@@ -364,7 +385,7 @@ def main() -> None:
 
 def table(result: dict) -> str:
     """Markdown table: eager ms, % of floor and lik's speedup per method and cell (graph ms in brackets)."""
-    methods = ["lik", "einsum-padded", "flash-maxsim", "lik-kernels", "lik-padded"]
+    methods = ["lik", "lik-triton-launch", "einsum-padded", "flash-maxsim", "lik-kernels", "lik-padded"]
     lines = ["| cell | floor us | " + " | ".join(methods) + " |", "|---" * (len(methods) + 2) + "|"]
     for name, cell in result["cells"].items():
         row = [name, f"{1e3 * cell['floor']['floor_ms']:.1f}"]

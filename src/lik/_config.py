@@ -246,6 +246,7 @@ class MsdaBackwardConfig:
 _MSDA_TILE_PER_WARP = 512
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function, called on every launch (host time matters at decoder scale)
 def _msda_tile(n_rows: int, dim: int, n_points: int, device: torch.device) -> tuple[int, int, int, int]:
     # Every channel of a head up to 128 (wider heads split over a grid axis) and every point of a level in one
     # tile (the kernels have no point loop); one warp per 512 elements of a corner tile, rows to fill it, then fewer
