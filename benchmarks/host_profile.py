@@ -5,14 +5,19 @@
 Each piece is called 200 times in a row without synchronising; the wall time per call is its host cost when the
 GPU keeps up (the pieces are small at ColBERT B 128). Whole steps are also timed with device events and with a
 synchronise after each step. Also lists, from torch.profiler, the Python stack of any
-host<->device copy in a deterministic step (a hidden copy there would serialise host and device).
+host<->device copy in a deterministic step (a hidden copy there would serialise host and device), times
+flash-maxsim's whole step when it is installed, and writes a cProfile of 300 fast steps (own time per function)
+to ``host_profile_cprofile.txt``.
 Writes ``host_profile.json``.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -89,6 +94,19 @@ def main():
         "  torch.arange alone": lambda: torch.arange(n * l_d + 1, device=dev, dtype=torch.int16),
         "empty kernel-free op (torch.empty)": lambda: torch.empty(16, device=dev),
     }
+    try:  # the faster peer's whole step, for scale (its wheel is carried to the device)
+        import flash_maxsim
+
+        Qf, Df = Q.clone().requires_grad_(), D.clone().requires_grad_()
+
+        def flash_step():
+            Qf.grad = Df.grad = None
+            scores = flash_maxsim.flash_maxsim_batched_train(Qf, Df, shared_docs=True)
+            torch.nn.functional.cross_entropy(scores.float(), labels).backward()
+
+        pieces["flash-maxsim whole step"] = flash_step
+    except ImportError:
+        pass
     steps = {}
     for mode in ("fast", "deterministic"):
         Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
@@ -119,6 +137,18 @@ def main():
               f"synchronised {costs['synced_us']:7.1f} us")
     for c in result["copies"]:
         print(c["name"], "<-", " | ".join(c["stack"][:6]))
+    # Python-level breakdown of the fast step: where its host time goes, by function (own time).
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(300):
+        steps["fast"]()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    with open(os.path.join(args.out, "host_profile_cprofile.txt"), "w") as f:
+        f.write(text.getvalue())
+    print("\n".join(text.getvalue().splitlines()[:45]))
 
 
 if __name__ == "__main__":
