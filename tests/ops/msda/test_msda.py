@@ -333,7 +333,9 @@ def test_bad_input_names_the_argument(rng, mutate, error, name):
     value, shapes, starts, loc, weights, _ = rand_problem(rng, 1, 2, 2, 4, [(2, 3), (1, 2)], 2)
     args = dict(value=value, value_spatial_shapes=shapes, value_level_start_index=starts, sampling_locations=loc,
                 attention_weights=weights, im2col_step=64)
-    for fn in (ms_deform_attn, ms_deform_attn_reference):
+    # The Function checks on its own (drop-in users call .apply directly); ms_deform_attn checks once, before it.
+    function_apply = lambda **a: MSDeformAttnFunction.apply(*a.values())  # noqa: E731
+    for fn in (ms_deform_attn, ms_deform_attn_reference, function_apply):
         with pytest.raises(error, match=name):
             fn(**mutate(args))
 
