@@ -19,29 +19,17 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 import triton
 from triton.runtime import jit as triton_jit
 
 import lik
+from host_profile import host_us  # benchmarks/ is the script's directory, so on sys.path
 from lik import _launch
 from lik.ops.msda.backward import msda_backward
 
 REPLAYS = 300
-
-
-def host_us(fn, calls=REPLAYS):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    spent = (time.perf_counter() - started) / calls * 1e6
-    torch.cuda.synchronize()
-    return spent
 
 
 class Recorder:
@@ -77,16 +65,17 @@ def launch_costs(fn, args, kwargs, grid, kernel):
     stream = torch.cuda.current_stream().cuda_stream
     fast_key_ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    replay = lambda f: host_us(f, REPLAYS)  # noqa: E731
     costs = {
-        "jit": host_us(lambda: fn[grid](*args, **kwargs)),
-        "binder": host_us(lambda: binder(*args, **options)),
-        "cache_key": host_us(lambda: triton_jit.compute_cache_key(key_cache, specialization, opts)),
-        "compiled_runner": host_us(lambda: kernel[grid3](*values)),
-        "raw_run": host_us(lambda: kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, None, None,
-                                              None, *values)),
-        "python_key": host_us(lambda: (tuple((v == 1) + ((v & 15) == 0) * 2 for v in fast_key_ints),
-                                       tuple(t.data_ptr() & 15 == 0 for t in tensors))),
-        "current_stream": host_us(lambda: torch.cuda.current_stream().cuda_stream),
+        "jit": replay(lambda: fn[grid](*args, **kwargs)),
+        "binder": replay(lambda: binder(*args, **options)),
+        "cache_key": replay(lambda: triton_jit.compute_cache_key(key_cache, specialization, opts)),
+        "compiled_runner": replay(lambda: kernel[grid3](*values)),
+        "raw_run": replay(lambda: kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, None, None,
+                                             None, *values)),
+        "python_key": replay(lambda: (tuple((v == 1) + ((v & 15) == 0) * 2 for v in fast_key_ints),
+                                      tuple(t.data_ptr() & 15 == 0 for t in tensors))),
+        "current_stream": replay(lambda: torch.cuda.current_stream().cuda_stream),
     }
     return {"kernel": fn.__name__, "n_args": len(args), "n_tensors": len(tensors), "n_ints": len(fast_key_ints),
             "grid": list(grid3), **{k: round(v, 2) for k, v in costs.items()}}
