@@ -82,7 +82,8 @@ def _hooks_installed() -> bool:
 
 class _KernelTable:
     """Compiled kernels of one JIT function, by argument key; ``entries`` is None for a function launched through
-    Triton only (interpreted, or found uncacheable)."""
+    Triton only (interpreted, or found uncacheable). Kept on the function itself (``_lik_launch_table``), so it
+    lives and dies with it."""
 
     __slots__ = ("entries",)
 
@@ -90,7 +91,6 @@ class _KernelTable:
         self.entries: dict | None = {} if isinstance(kernel, JITFunction) else None
 
 
-_TABLES: dict[int, _KernelTable] = {}  # by id() of the module-level kernel, which lives as long as the process
 _get_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
 
 
@@ -133,9 +133,9 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     Example:
         >>> launch(add_kernel, (triton.cdiv(n, 1024),), x, y, out, n, BLOCK=1024, num_warps=4)
     """
-    table = _TABLES.get(id(kernel))
+    table = getattr(kernel, "_lik_launch_table", None)
     if table is None:
-        table = _TABLES.setdefault(id(kernel), _KernelTable(kernel))
+        table = kernel._lik_launch_table = _KernelTable(kernel)
     entries = table.entries
     if entries is None or not ENABLED or _get_stream is None or _hooks_installed():
         kernel[grid](*args, **kwargs)
