@@ -64,8 +64,8 @@ def _forward(ctx, value, shapes, starts, loc, attn):
     ctx.kernels = _uses_kernels(value, loc, attn)
     ctx.save_for_backward(value, shapes, starts, loc, attn)
     if ctx.kernels:
-        launch = _forward_op if torch.compiler.is_compiling() else msda_forward
-        return launch(value, shapes, starts, loc, attn)
+        kernels = _forward_op if torch.compiler.is_compiling() else msda_forward
+        return kernels(value, shapes, starts, loc, attn)
     return ms_deform_attn_reference(value, shapes, starts, loc, attn)
 
 
