@@ -102,6 +102,30 @@ def test_nan_is_never_dropped(rng):
             assert torch.isnan(dd[0]).any() and torch.isnan(dd[1]).any()
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_nan_max_picks_the_first_nan_token(rng, masked):
+    """Where a row's max is NaN its winner is the first NaN token, as ``torch.max`` picks it, even when that
+    token sits in a later tile than a larger finite similarity (the kernels settle NaN rows in a second pass)."""
+    Q, D, _, _ = rand_problem(rng, 2, 5, 2, 40, 16, masks=False)
+    D[0, 3] = Q[0].sum(0)  # a clear finite winner for every row of query 0, in the first tile
+    D[0, 21, 4] = D[0, 35, 2] = float("nan")  # NaN in the second and third tiles of the interpreter's 16
+    Q[1, 2, 0] = float("nan")  # a NaN query row: every similarity NaN, so token 0 wins in each document
+    d_mask = torch.ones(2, 40, dtype=torch.bool) if masked else None
+    grad = torch.randn(2, 2, generator=rng)
+    others = torch.ones(2, 5, dtype=torch.bool)
+    others[1, 2] = False
+    for route in sorted(ROUTES):
+        with _route(route) as backward:
+            _, dq, dd = kernel_with_grads(lik.maxsim, Q, D, None, d_mask, grad, backward=backward)
+        untouched = torch.ones(40, dtype=torch.bool)
+        untouched[[0, 21]] = False
+        assert torch.all(dd[0, untouched] == 0), route
+        want_21 = (grad[:, 0, None, None] * Q).masked_select(others[..., None]).view(-1, 16).sum(0)
+        torch.testing.assert_close(dd[0, 21], want_21, rtol=1e-5, atol=1e-5)
+        assert torch.isnan(dd[0, 0]).any() and torch.isnan(dd[1, 0]).any(), route
+        torch.testing.assert_close(dq[1, 2], grad[1, 0] * D[0, 0] + grad[1, 1] * D[1, 0], rtol=1e-5, atol=1e-5)
+
+
 def test_unknown_or_atomic_routes_are_refused(rng):
     Q, D, _, _ = rand_problem(rng, 2, 5, 2, 7, 16, masks=False)
     D.requires_grad_()

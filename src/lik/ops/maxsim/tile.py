@@ -3,7 +3,7 @@
 A program holds a block of query-token rows (already loaded, or reloaded per ``k`` chunk for wide embeddings)
 and streams document tokens through it in tiles of ``BLOCK_N``: one tensor-core product per tile, a
 masked row-wise max that propagates NaN, and, when a gradient will be needed, the index of the winning token
-(lowest index on ties). Nothing of size ``rows x tokens`` ever leaves the chip.
+(lowest index on ties; the first NaN where the max is NaN). Nothing of size ``rows x tokens`` ever leaves the chip.
 
 The winner is tracked as a *key* ``2 * token + masked``: one integer min-reduction gives both the lowest
 winning index and whether that token is masked (in ``mask_mode="zero"`` a masked 0 may win the max; it must
@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "nan_max", "query_rows", "store_group_sums", "similarity_tile", "absorb_tile", "masked_tile", "maxsim_doc_rows",
-    "NO_KEY",
+    "nan_max", "query_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
+    "stream_document", "nan_winner_keys", "maxsim_doc_rows", "NO_KEY",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
@@ -103,46 +103,112 @@ def similarity_tile(
 
 @triton.jit
 def absorb_tile(sim, col_key, best, key, TRACK_ARGMAX: tl.constexpr):
-    """Fold one tile of (already masked) similarities into the per-row running max (and winner key)."""
+    """Fold one tile of (already masked) similarities into the per-row running max (and winner key).
+
+    The winner search tests equality with the tile's max only: a row whose max is NaN gets a meaningless key
+    here and is settled by :func:`nan_winner_keys` after the document (one compare, select and min per
+    similarity instead of five operations: this bookkeeping, not the tensor cores, bounds the argmax forward)."""
     tile_best = tl.reduce(sim, 1, nan_max)
     if TRACK_ARGMAX:
-        winner = (sim == tile_best[:, None]) | (sim != sim)
-        tile_key = tl.min(tl.where(winner, col_key[None, :], NO_KEY), axis=1)
-        # Strictly greater keeps the earlier tile on ties; the first NaN sticks.
-        take = (tile_best > best) | ((tile_best != tile_best) & (best == best)) | (key == NO_KEY)
+        tile_key = tl.min(tl.where(sim == tile_best[:, None], col_key[None, :], NO_KEY), axis=1)
+        # Strictly greater keeps the earlier tile on ties.
+        take = (tile_best > best) | (key == NO_KEY)
         key = tl.where(take, tile_key, key)
-        best = tl.where(take, tile_best, best)
-    else:
-        best = nan_max(best, tile_best)
-    return best, key
+    return nan_max(best, tile_best), key
 
 
 @triton.jit
-def masked_tile(
-    q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, start, stride_dl, stride_dk,
-    stride_dml, best, key,
-    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
-    EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One tile of a masked document starting at token ``start``, with every check on (mask, ragged end).
+def absorb_nan_tile(sim, col_key, key):
+    """Lower each row's key to its first NaN similarity in this tile (the NaN pass of :func:`nan_winner_keys`)."""
+    return tl.minimum(key, tl.min(tl.where(sim != sim, col_key[None, :], NO_KEY), axis=1))
 
-    Returns ``(best, key, n_valid)`` with ``n_valid`` the tile's valid tokens."""
-    cols = start + tl.arange(0, BLOCK_N)
-    in_range = cols < doc_len
-    flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
-    col_valid = in_range & (flags != 0)
-    sim = similarity_tile(
-        q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, col_valid,
-        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
-    )
-    # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
-    if EXCLUDE:
-        sim = tl.where(col_valid[None, :], sim, float("-inf"))
+
+@triton.jit
+def stream_document(
+    q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
+    best, key,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The tile loop over one document: every tile's similarities, masked, folded into ``(best, key)`` by
+    :func:`absorb_tile`, or by :func:`absorb_nan_tile` in the NaN pass. Returns ``(best, key, n_valid)``."""
+    n_valid = tl.zeros((), tl.int32)
+    offs_n = tl.arange(0, BLOCK_N)
+    # The NaN pass is rare: unpipelined, so its loop adds no shared-memory stages and few registers.
+    STAGES: tl.constexpr = 1 if NAN_PASS else None
+    if HAS_D_MASK:
+        for start in tl.range(0, doc_len, BLOCK_N, num_stages=STAGES):
+            cols = start + offs_n
+            in_range = cols < doc_len
+            flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
+            col_valid = in_range & (flags != 0)
+            sim = similarity_tile(
+                q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, col_valid,
+                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
+            )
+            # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
+            if EXCLUDE:
+                sim = tl.where(col_valid[None, :], sim, float("-inf"))
+            else:
+                sim = tl.where(in_range[None, :], sim, float("-inf"))
+            col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY).to(tl.int32)
+            if NAN_PASS:
+                key = absorb_nan_tile(sim, col_key, key)
+            else:
+                best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
+            n_valid += tl.sum(col_valid.to(tl.int32), axis=0)
     else:
-        sim = tl.where(in_range[None, :], sim, float("-inf"))
-    col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY).to(tl.int32)
-    best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
-    return best, key, tl.sum(col_valid.to(tl.int32), axis=0)
+        # An unmasked document in one loop without load predicates: the ragged tail re-reads the last token
+        # (clamped rows) and its extra columns are set to -inf. Predicate-free loads let the pipeliner issue
+        # plain cp.async (H200: ColPali 0.58 -> 0.50 ms, NOTES.md v7); one loop instead of a full-tile loop plus a
+        # checked tail keeps the registers of a persistent launch down (NOTES.md v14).
+        n_valid += doc_len
+        offs_k = tl.arange(0, BLOCK_K)
+        for start in tl.range(0, doc_len, BLOCK_N, num_stages=STAGES):
+            cols = start + offs_n
+            in_range = cols < doc_len
+            col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
+            if NUM_K == 1 and DIM == BLOCK_K:
+                d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
+                sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
+            else:
+                sim = similarity_tile(
+                    q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, in_range,
+                    DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
+                )
+            col_key = (cols * 2).to(tl.int32)
+            if start + BLOCK_N > doc_len:  # only the last tile pays for the select
+                if not NAN_PASS:  # (that pass ignores the clamped columns by their key alone)
+                    sim = tl.where(in_range[None, :], sim, float("-inf"))
+                col_key = tl.where(in_range, col_key, NO_KEY)
+            if NAN_PASS:
+                key = absorb_nan_tile(sim, col_key, key)
+            else:
+                best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
+    return best, key, n_valid
+
+
+@triton.jit
+def nan_winner_keys(
+    q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
+    best, key,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Give every row whose max is NaN the key of its first NaN similarity, as ``torch.max`` picks it.
+
+    The document is streamed a second time only when a row of the block has a NaN max (a NaN or inf in the
+    inputs), so clean inputs pay one block-wide test per document."""
+    is_nan = best != best
+    if tl.max(is_nan.to(tl.int32), axis=0) != 0:
+        _, nan_key, _ = stream_document(
+            q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk,
+            stride_dml, best, tl.full((BLOCK_M,), NO_KEY, tl.int32),
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, True, True, DOT_PRECISION,
+        )
+        key = tl.where(is_nan, nan_key, key)
+    return key
 
 
 @triton.jit
@@ -173,40 +239,15 @@ def maxsim_doc_rows(
     nothing valid was seen), the winner key (meaningful only with ``TRACK_ARGMAX``), and the number of valid
     document tokens (used by ``mask_mode="exclude"`` to score an all-masked document 0).
     """
-    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
-    n_valid = tl.zeros((), tl.int32)
-    if HAS_D_MASK:
-        for start in range(0, doc_len, BLOCK_N):
-            best, key, tile_valid = masked_tile(
-                q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, start, stride_dl,
-                stride_dk, stride_dml, best, key,
-                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, EXCLUDE, TRACK_ARGMAX, DOT_PRECISION,
-            )
-            n_valid += tile_valid
-    else:
-        # An unmasked document in one loop without load predicates: the ragged tail re-reads the last token
-        # (clamped rows) and its extra columns are set to -inf. Predicate-free loads let the pipeliner issue
-        # plain cp.async (H200: ColPali 0.58 -> 0.50 ms, NOTES.md v7); one loop instead of a full-tile loop plus a
-        # checked tail keeps the registers of a persistent launch down (NOTES.md v14).
-        n_valid += doc_len
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        for start in range(0, doc_len, BLOCK_N):
-            cols = start + offs_n
-            in_range = cols < doc_len
-            col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
-            if NUM_K == 1 and DIM == BLOCK_K:
-                d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
-                sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
-            else:
-                sim = similarity_tile(
-                    q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, in_range,
-                    DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
-                )
-            col_key = (cols * 2).to(tl.int32)
-            if start + BLOCK_N > doc_len:  # only the last tile pays for the select
-                sim = tl.where(in_range[None, :], sim, float("-inf"))
-                col_key = tl.where(in_range, col_key, NO_KEY)
-            best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
+    best, key, n_valid = stream_document(
+        q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
+        tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32),
+        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, False, DOT_PRECISION,
+    )
+    if TRACK_ARGMAX:
+        key = nan_winner_keys(
+            q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk,
+            stride_dml, best, key,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+        )
     return best, key, n_valid
