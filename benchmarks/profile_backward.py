@@ -8,6 +8,7 @@ buffers of a few sizes, the sorted-winners gather over a few sort chunks and key
 memory; the sort alone), and the whole step through ``lik.maxsim`` (fast / deterministic, with peaks). The
 one-hot dD kernels this replaced were last profiled at commit 1e5e6cd (benchmarks/NOTES-backward.md).
 Medians of ``triton.testing.do_bench`` (ms). Prints a table, writes ``$OUT/profile_backward.json`` (or --out).
+``--parts forward,steps`` times only the two forwards and the whole steps (an A/B of a forward change).
 """
 
 from __future__ import annotations
@@ -44,14 +45,27 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def profile(name, rep):
+PARTS = ("forward", "backward", "steps")
+
+
+def profile(name, rep, parts=PARTS):
     l_q, n, l_d = SHAPES[name]
     prob = backward_problem(name)
-    Q, D, inputs, q, d, argmax, grad = prob.Q, prob.D, prob.inputs, prob.q, prob.d, prob.argmax, prob.grad
-    cfg, block_k, n_k, dtype, dev = prob.cfg, prob.block_k, prob.n_k, prob.dtype, Q.device
-    row = {"shape": name, "Lq": l_q, "B": n, "Ld": l_d, "config": cfg.__dict__.copy()}
-    row["fwd_argmax"] = bench(lambda: maxsim_forward(inputs, store_argmax=True), rep)
-    row["fwd_scores_only"] = bench(lambda: maxsim_forward(inputs, store_argmax=False), rep)
+    row = {"shape": name, "Lq": l_q, "B": n, "Ld": l_d, "config": prob.cfg.__dict__.copy()}
+    if "forward" in parts:
+        row["fwd_argmax"] = bench(lambda: maxsim_forward(prob.inputs, store_argmax=True), rep)
+        row["fwd_scores_only"] = bench(lambda: maxsim_forward(prob.inputs, store_argmax=False), rep)
+    if "backward" in parts:
+        profile_backward_kernels(row, prob, rep)
+    if "steps" in parts:
+        profile_steps(row, prob.Q, prob.D, n, rep)
+    return row
+
+
+def profile_backward_kernels(row, prob, rep):
+    """dQ over documents per step, the atomic and sorted dD variants, and the deterministic path's repeatability."""
+    q, d, argmax, grad = prob.q, prob.d, prob.argmax, prob.grad
+    cfg, block_k, n_k, dtype, l_d = prob.cfg, prob.block_k, prob.n_k, prob.dtype, prob.d.shape[-2]
     dq_ref = None
     for docs in (1, 2, 4, 8):
         c = replace(cfg, dq_docs=docs)
@@ -73,7 +87,7 @@ def profile(name, rep):
         row[key + "_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         dd_ref = out if dd_ref is None else dd_ref
         row[key + "_relerr_vs_ws8"] = rel(out, dd_ref)
-    dd = torch.empty(d.shape, dtype=dtype, device=dev)
+    dd = torch.empty(d.shape, dtype=dtype, device=d.device)
     # Sorted-winners gather: sort chunk (workspace) x contributions per block x warps.
     row["sort_only"] = bench(lambda: sorted_winners(argmax, l_d, per_query=False), rep)
     for workspace, entries, warps, rows in SORTED:
@@ -88,6 +102,16 @@ def profile(name, rep):
         row[key + "_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         row[key + "_relerr_vs_atomic"] = rel(dd, dd_ref)
     row["argmax_dtype"] = str(argmax.dtype)
+    # determinism of the default deterministic path
+    a = bw.maxsim_backward_dd(grad, q, argmax, d.shape, dtype, deterministic=True, per_query=False)
+    b = bw.maxsim_backward_dd(grad, q, argmax, d.shape, dtype, deterministic=True, per_query=False)
+    row["det_bitwise_repeatable"] = bool(torch.equal(a, b))
+    row["det_relerr_vs_atomic"] = rel(a, dd_ref)
+
+
+def profile_steps(row, Q, D, n, rep):
+    """The whole training step through ``lik.maxsim`` (in-batch cross-entropy), fast and deterministic, with peaks."""
+    dev = Q.device
     for mode in ("fast", "deterministic"):
         Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
         labels = torch.arange(n, device=dev)
@@ -102,25 +126,20 @@ def profile(name, rep):
         step()
         row[f"step_{mode}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         Qg.grad = Dg.grad = None
-    # determinism of the default deterministic path
-    a = bw.maxsim_backward_dd(grad, q, argmax, d.shape, dtype, deterministic=True, per_query=False)
-    b = bw.maxsim_backward_dd(grad, q, argmax, d.shape, dtype, deterministic=True, per_query=False)
-    row["det_bitwise_repeatable"] = bool(torch.equal(a, b))
-    row["det_relerr_vs_atomic"] = rel(a, dd_ref)
-    return row
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--rep", type=int, default=60)
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS))
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     for name in args.shapes.split(","):
-        rows.append(profile(name, args.rep))
+        rows.append(profile(name, args.rep, args.parts.split(",")))
         with open(os.path.join(args.out, "profile_backward.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print(json.dumps(rows[-1]), flush=True)
