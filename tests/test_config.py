@@ -46,12 +46,33 @@ def test_persistent_launch_only_for_stacked_short_queries():
     assert heuristic(32, 32, 128, torch.float16, False, (9, 0), True).programs_per_sm == 0
 
 
+def test_training_forward_of_stacked_short_queries_runs_two_capped_programs_per_sm():
+    inference = heuristic(32, 512, 128, torch.float16, False, (9, 0), False)
+    training = heuristic(32, 512, 128, torch.bfloat16, False, (9, 0), False, False, True)
+    assert (inference.block_m, inference.programs_per_sm, inference.max_registers) == (256, 2, 0)
+    assert (training.block_m, training.num_warps, training.programs_per_sm, training.max_registers) == (128, 8, 2, 128)
+    # one query, long queries, fp32, per-query documents and the interpreter keep the inference tiles
+    for args in (
+        (32, 1, 128, torch.float16, False, (9, 0), False), (1024, 64, 128, torch.float16, False, (9, 0), False),
+        (32, 512, 128, torch.float32, False, (9, 0), False), (32, 512, 128, torch.float16, True, (9, 0), False),
+        (32, 512, 128, torch.float16, False, (9, 0), True),
+    ):
+        assert heuristic(*args, False, True) == heuristic(*args)
+
+
 def test_persistent_launch_gives_every_sm_its_programs_and_never_more_than_the_documents():
     cfg = _config.MaxSimForwardConfig(32, 8, 64, 128, programs_per_sm=2)
     cpu = torch.device("cpu")  # one SM off CUDA
     assert _config.maxsim_forward_doc_programs(cfg, n_row_blocks=1, n_docs=5, device=cpu) == 2
     assert _config.maxsim_forward_doc_programs(cfg, n_row_blocks=4, n_docs=5, device=cpu) == 1
     assert _config.maxsim_forward_doc_programs(cfg, n_row_blocks=1, n_docs=1, device=cpu) == 1
+    # never a second, partial wave: 3 slots on the one SM, 2 row blocks -> 1 program each (2 would need 4 slots)
+    three = _config.MaxSimForwardConfig(32, 8, 64, 128, programs_per_sm=3)
+    assert _config.maxsim_forward_doc_programs(three, n_row_blocks=2, n_docs=5, device=cpu) == 1
+    if torch.cuda.is_available():
+        sms = _config.sm_count(torch.device("cuda"))
+        got = _config.maxsim_forward_doc_programs(cfg, n_row_blocks=3, n_docs=10**6, device=torch.device("cuda"))
+        assert got == 2 * sms // 3
     one_per_doc = _config.MaxSimForwardConfig(32, 8, 64, 128)
     assert _config.maxsim_forward_doc_programs(one_per_doc, n_row_blocks=4, n_docs=7, device=cpu) == 7
 

@@ -88,6 +88,7 @@ class MaxSimForwardConfig:
     bucket of ``Lq``, capped; a longer query is split into several groups whose partial sums are added) and one
     document, whose tokens it streams in tiles of ``block_n``. With ``programs_per_sm`` > 0 the launch is
     persistent: about that many programs per SM in all, each keeping its query rows and looping over documents.
+    ``max_registers`` > 0 caps the registers per thread (``maxnreg``), e.g. to fit two programs per SM.
     """
 
     group_rows: int
@@ -97,6 +98,7 @@ class MaxSimForwardConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 0
+    max_registers: int = 0
 
     @property
     def block_m(self) -> int:
@@ -135,21 +137,22 @@ LONG_DOCUMENT = 512  # tokens: from here one short query streams documents in 12
 
 def maxsim_forward_config(
     *, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, per_query: bool, device: torch.device,
-    doc_len: int = 0,
+    doc_len: int = 0, argmax: bool = False,
 ) -> MaxSimForwardConfig:
     """Pick the forward tiles for ``n_queries`` queries of ``q_len`` tokens against documents of ``doc_len``
-    tokens (only whether ``doc_len >= LONG_DOCUMENT`` matters: two variants at most per query bucket)."""
+    tokens (only whether ``doc_len >= LONG_DOCUMENT`` matters: two variants at most per query bucket);
+    ``argmax``: the training forward, which also records each row's winner."""
     forced = _OVERRIDES.get("maxsim_forward")
     if forced is not None:
         return replace(forced, groups=1) if per_query else forced
     return _maxsim_forward_heuristic(
-        q_len, n_queries, dim, dtype, per_query, _arch(device), interpreting(), doc_len >= LONG_DOCUMENT
+        q_len, n_queries, dim, dtype, per_query, _arch(device), interpreting(), doc_len >= LONG_DOCUMENT, argmax
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _maxsim_forward_heuristic(
-    q_len, n_queries, dim, dtype, per_query, arch, interpreted, long_docs=False
+    q_len, n_queries, dim, dtype, per_query, arch, interpreted, long_docs=False, argmax=False
 ) -> MaxSimForwardConfig:
     block_d = max(16, next_power_of_2(dim))
     if interpreted:
@@ -186,17 +189,24 @@ def _maxsim_forward_heuristic(
             block_n, stages = 128, 4
         if groups > 1:
             programs_per_sm = 2
+        if argmax and groups > 1 and group_rows <= 32 and dtype != torch.float32:
+            # The winner bookkeeping needs ~165 registers at 256 stacked rows; 128 rows capped at 128 registers
+            # run two programs per SM (H200, profile_backward.py --parts forward-tiles, NOTES-backward.md item 11:
+            # ColBERT B 512 argmax forward 1.99 -> 1.29 ms, B 128 0.160 -> 0.135).
+            groups = max(1, min(128 // group_rows, next_power_of_2(n_groups_total)))
+            return MaxSimForwardConfig(group_rows, groups, block_n, block_k, 8, stages, 2, max_registers=128)
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm)
 
 
 def maxsim_forward_doc_programs(
     cfg: MaxSimForwardConfig, *, n_row_blocks: int, n_docs: int, device: torch.device
 ) -> int:
-    """Programs per row block of the forward launch: one per document, or, for a persistent launch, enough to
-    give every SM about ``cfg.programs_per_sm`` programs (each then loops over ``n_docs / result`` documents)."""
+    """Programs per row block of the forward launch: one per document, or, for a persistent launch, as many as
+    give every SM up to ``cfg.programs_per_sm`` programs in one wave (each then loops over ``n_docs / result``
+    documents; rounding up would start a second, partial wave)."""
     if cfg.programs_per_sm <= 0:
         return n_docs
-    return max(1, min(n_docs, cdiv(cfg.programs_per_sm * sm_count(device), n_row_blocks)))
+    return max(1, min(n_docs, cfg.programs_per_sm * sm_count(device) // n_row_blocks))
 
 
 def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device) -> MaxSimBackwardConfig:

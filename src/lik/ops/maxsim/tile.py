@@ -18,9 +18,12 @@ import triton.language as tl
 __all__ = [
     "nan_max", "query_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
     "stream_document", "nan_winner_keys", "maxsim_doc_rows", "NO_KEY",
+    "NAN_PASS_BLOCK_N",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
+# Document tile of the (rare) NaN pass: narrow, so that pass needs few registers next to the main loop's.
+NAN_PASS_BLOCK_N = tl.constexpr(16)
 
 
 @triton.jit
@@ -106,8 +109,9 @@ def absorb_tile(sim, col_key, best, key, TRACK_ARGMAX: tl.constexpr):
     """Fold one tile of (already masked) similarities into the per-row running max (and winner key).
 
     The winner search tests equality with the tile's max only: a row whose max is NaN gets a meaningless key
-    here and is settled by :func:`nan_winner_keys` after the document (one compare, select and min per
-    similarity instead of five operations: this bookkeeping, not the tensor cores, bounds the argmax forward)."""
+    here, settled afterwards by a NaN pass over the document (:func:`nan_winner_keys`; the padded forward
+    defers it to the end of the program). One compare, select and min per similarity instead of five
+    operations: this bookkeeping, not the tensor cores, bounds the argmax forward."""
     tile_best = tl.reduce(sim, 1, nan_max)
     if TRACK_ARGMAX:
         tile_key = tl.min(tl.where(sim == tile_best[:, None], col_key[None, :], NO_KEY), axis=1)
@@ -205,7 +209,7 @@ def nan_winner_keys(
         _, nan_key, _ = stream_document(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk,
             stride_dml, best, tl.full((BLOCK_M,), NO_KEY, tl.int32),
-            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, True, True, DOT_PRECISION,
+            DIM, BLOCK_M, NAN_PASS_BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, True, True, DOT_PRECISION,
         )
         key = tl.where(is_nan, nan_key, key)
     return key
