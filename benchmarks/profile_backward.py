@@ -8,7 +8,9 @@ buffers of a few sizes, the sorted-winners gather over a few sort chunks and key
 memory; the sort alone), and the whole step through ``lik.maxsim`` (fast / deterministic, with peaks). The
 one-hot dD kernels this replaced were last profiled at commit 1e5e6cd (benchmarks/NOTES-backward.md).
 Medians of ``triton.testing.do_bench`` (ms). Prints a table, writes ``$OUT/profile_backward.json`` (or --out).
-``--parts forward,steps`` times only the two forwards and the whole steps (an A/B of a forward change).
+``--parts forward,steps`` times only the two forwards and the whole steps (an A/B of a forward change);
+``--parts forward-tiles`` times the argmax forward under forced tiles around the heuristic's (rows per program,
+warps, persistent programs per SM).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def rel(a, b):
 
 
 PARTS = ("forward", "backward", "steps")
+# (query-row groups stacked per program, warps, persistent programs per SM, register cap) tried by
+# --parts forward-tiles; the group size stays the heuristic's (the power-of-two bucket of Lq, capped at 256 rows).
+FORWARD_TILES = [
+    (8, 8, 0, 0), (8, 8, 2, 0), (4, 4, 0, 0), (4, 8, 0, 0), (4, 8, 1, 0), (4, 8, 2, 0), (4, 8, 0, 128), (4, 8, 1, 128),
+    (4, 8, 2, 128), (2, 4, 0, 0), (2, 4, 2, 0), (1, 8, 0, 0), (1, 8, 0, 128),
+]
 
 
 def profile(name, rep, parts=PARTS):
@@ -55,11 +63,27 @@ def profile(name, rep, parts=PARTS):
     if "forward" in parts:
         row["fwd_argmax"] = bench(lambda: maxsim_forward(prob.inputs, store_argmax=True), rep)
         row["fwd_scores_only"] = bench(lambda: maxsim_forward(prob.inputs, store_argmax=False), rep)
+    if "forward-tiles" in parts:
+        profile_forward_tiles(row, prob, rep)
     if "backward" in parts:
         profile_backward_kernels(row, prob, rep)
     if "steps" in parts:
         profile_steps(row, prob.Q, prob.D, n, rep)
     return row
+
+
+def profile_forward_tiles(row, prob, rep):
+    """The argmax forward under forced tiles (rows = group_rows x groups); winners checked equal to the heuristic's."""
+    base = prob.cfg_forward
+    for groups, warps, per_sm, max_registers in FORWARD_TILES:
+        if base.group_rows * groups > 256 or (groups > 1) != (base.groups > 1):
+            continue
+        cfg = replace(base, groups=groups, num_warps=warps, programs_per_sm=per_sm, max_registers=max_registers)
+        with _config.override(maxsim_forward=cfg):
+            key = f"fwd_argmax_g{groups}_w{warps}_p{per_sm}_r{max_registers}"
+            row[key] = bench(lambda: maxsim_forward(prob.inputs, store_argmax=True), rep)
+            row[key + "_same_winners"] = bool(torch.equal(maxsim_forward(prob.inputs, store_argmax=True)[1],
+                                                          prob.argmax))
 
 
 def profile_backward_kernels(row, prob, rep):
@@ -132,7 +156,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--rep", type=int, default=60)
-    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ", ".join(PARTS))
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help="comma-separated subset of " + ", ".join(PARTS) + ", forward-tiles")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)

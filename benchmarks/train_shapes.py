@@ -40,7 +40,7 @@ def contrastive_grad(scores: torch.Tensor) -> torch.Tensor:
 def backward_problem(name: str, dtype: torch.dtype = torch.float16, dim: int = 128) -> SimpleNamespace:
     """Everything the backward kernels take at shape ``name``: canonical inputs (``inputs``, ``q``, ``d``), the
     forward's ``scores`` and ``argmax``, the contrastive ``grad``, the backward ``cfg`` and its feature tiles
-    (``block_k``, ``n_k``)."""
+    (``block_k``, ``n_k``), the forward's tiles ``cfg_forward``."""
     from lik import _config
     from lik.ops.maxsim import backward as bw
     from lik.ops.maxsim.forward import maxsim_forward
@@ -50,9 +50,14 @@ def backward_problem(name: str, dtype: torch.dtype = torch.float16, dim: int = 1
     inputs = MaxSimInputs.build(Q, D, None, None, "exclude")
     scores, argmax = maxsim_forward(inputs, store_argmax=True)
     cfg = _config.maxsim_backward_config(dim=dim, dtype=dtype, device=Q.device)
+    cfg_forward = _config.maxsim_forward_config(
+        q_len=inputs.q.shape[1], n_queries=inputs.q.shape[0], dim=dim, dtype=dtype, per_query=False, device=Q.device,
+        doc_len=inputs.d.shape[2], argmax=True,
+    )
     block_k, n_k = bw.feature_blocks(dim, cfg.block_k)
     return SimpleNamespace(Q=Q, D=D, inputs=inputs, q=inputs.q, d=inputs.d, scores=scores, argmax=argmax,
-                           grad=contrastive_grad(scores), cfg=cfg, block_k=block_k, n_k=n_k, dtype=dtype, dim=dim)
+                           grad=contrastive_grad(scores), cfg=cfg, cfg_forward=cfg_forward, block_k=block_k, n_k=n_k,
+                           dtype=dtype, dim=dim)
 
 
 def parse_shape_args() -> argparse.Namespace:
