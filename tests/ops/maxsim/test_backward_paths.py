@@ -102,10 +102,12 @@ def test_nan_is_never_dropped(rng):
             assert torch.isnan(dd[0]).any() and torch.isnan(dd[1]).any()
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_nan_max_picks_the_first_nan_token(rng, masked):
+def test_nan_max_picks_the_first_nan_token(rng, masked, persistent):
     """Where a row's max is NaN its winner is the first NaN token, as ``torch.max`` picks it, even when that
-    token sits in a later tile than a larger finite similarity (the kernels settle NaN rows in a second pass)."""
+    token sits in a later tile than a larger finite similarity (the kernels settle NaN rows in a second pass:
+    after each document, or after all documents of a persistent program)."""
     Q, D, _, _ = rand_problem(rng, 2, 5, 2, 40, 16, masks=False)
     D[0, 3] = Q[0].sum(0)  # a clear finite winner for every row of query 0, in the first tile
     D[0, 21, 4] = D[0, 35, 2] = float("nan")  # NaN in the second and third tiles of the interpreter's 16
@@ -114,8 +116,11 @@ def test_nan_max_picks_the_first_nan_token(rng, masked):
     grad = torch.randn(2, 2, generator=rng)
     others = torch.ones(2, 5, dtype=torch.bool)
     others[1, 2] = False
+    # Persistent: both queries stacked in one program that walks both documents (one SM off CUDA).
+    tiles = _config.MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=16, programs_per_sm=1)
     for route in sorted(ROUTES):
-        with _route(route) as backward:
+        forced = _config.override(maxsim_forward=tiles) if persistent else contextlib.nullcontext()
+        with _route(route) as backward, forced:
             _, dq, dd = kernel_with_grads(lik.maxsim, Q, D, None, d_mask, grad, backward=backward)
         untouched = torch.ones(40, dtype=torch.bool)
         untouched[[0, 21]] = False

@@ -97,15 +97,15 @@ def settle_nan_winners(
     q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, doc_end, doc_step, doc_set,
     d_ptr, d_mask_ptr, argmax_ptr, doc_len, stride_qk,
     stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
-    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_K: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Rewrite the stored winner of every row whose max over one of the program's documents is NaN with that
     row's first NaN token, as ``torch.max`` picks it (the tile loop tests equality with the max only).
 
     A persistent program calls it once, after all its documents, and only when one of its rows saw a NaN max:
-    testing after each document costs a block-wide reduction per document (ColBERT's 3-tile documents: +6% on
-    the H200). A program of one document settles inside :func:`score_document` (fewer live registers)."""
+    testing after each document costs a block-wide reduction per document (ColBERT's 3-tile documents: 2-6%
+    slower on the H200). A program of one document settles inside :func:`score_document` (fewer live registers)."""
     for doc in range(first_doc, doc_end, doc_step):
         _, nan_key, n_valid = stream_document(
             q_rows, q_row_ptrs, row_valid, stride_qk,
@@ -199,7 +199,7 @@ def maxsim_fwd_kernel(
                     doc_set, d_ptr, d_mask_ptr, argmax_ptr, doc_len, stride_qk,
                     stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml,
                     stride_an, stride_ab, stride_al,
-                    DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+                    DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
                 )
     else:
         score_document(
