@@ -191,8 +191,8 @@ def _maxsim_forward_heuristic(
             programs_per_sm = 2
         if argmax and groups > 1 and group_rows <= 32 and dtype != torch.float32:
             # The winner bookkeeping needs ~165 registers at 256 stacked rows; 128 rows capped at 128 registers
-            # run two programs per SM (H200, profile_backward.py --parts forward-tiles, NOTES-backward.md item 11:
-            # ColBERT B 512 argmax forward 1.99 -> 1.29 ms, B 128 0.160 -> 0.135).
+            # run two programs per SM (H200, profile_backward.py --parts forward-tiles, NOTES-backward.md item 14:
+            # ColBERT B 512 argmax forward 1.95 -> 1.29 ms, B 128 0.157 -> 0.091).
             groups = max(1, min(128 // group_rows, next_power_of_2(n_groups_total)))
             return MaxSimForwardConfig(group_rows, groups, block_n, block_k, 8, stages, 2, max_registers=128)
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm)
