@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..._config import cdiv, maxsim_forward_config, maxsim_forward_doc_programs, next_power_of_2
 from ..._launch import launch
-from .tile import NAN_PASS_BLOCK_N, NO_KEY, nan_winner_keys, query_rows, store_group_sums, stream_document
+from .tile import NO_KEY, first_nan_keys, nan_winner_keys, query_rows, store_group_sums, stream_document
 from .validation import MaxSimInputs
 
 __all__ = [
@@ -78,7 +78,7 @@ def score_document(
             d_ptr + doc_set * stride_dn + doc * stride_db,
             d_mask_ptr + doc_set * stride_dmn + doc * stride_dmb,
             doc_len, stride_dl, stride_dk, stride_dml, best, key,
-            DIM, GROUP_ROWS * GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+            DIM, GROUP_ROWS * GROUPS, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
         )
     row_counts = row_valid
     if EXCLUDE:
@@ -107,13 +107,12 @@ def settle_nan_winners(
     testing after each document costs a block-wide reduction per document (ColBERT's 3-tile documents: 2-6%
     slower on the H200). A program of one document settles inside :func:`score_document` (fewer live registers)."""
     for doc in range(first_doc, doc_end, doc_step):
-        _, nan_key, n_valid = stream_document(
+        nan_key, n_valid = first_nan_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk,
             d_ptr + doc_set * stride_dn + doc * stride_db,
             d_mask_ptr + doc_set * stride_dmn + doc * stride_dmb,
             doc_len, stride_dl, stride_dk, stride_dml,
-            tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32),
-            DIM, BLOCK_M, NAN_PASS_BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, True, True, DOT_PRECISION,
+            DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
         )
         row_counts = row_valid
         if EXCLUDE:

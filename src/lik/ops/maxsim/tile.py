@@ -17,8 +17,7 @@ import triton.language as tl
 
 __all__ = [
     "nan_max", "query_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
-    "stream_document", "nan_winner_keys", "maxsim_doc_rows", "NO_KEY",
-    "NAN_PASS_BLOCK_N",
+    "stream_document", "first_nan_keys", "nan_winner_keys", "maxsim_doc_rows", "NO_KEY", "NAN_PASS_BLOCK_N",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
@@ -194,10 +193,26 @@ def stream_document(
 
 
 @triton.jit
+def first_nan_keys(
+    q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The NaN pass: each row's key of its first NaN similarity in the document (``NO_KEY`` where it has none, i.e.
+    where its max is not NaN), and the document's valid token count. Returns ``(key, n_valid)``."""
+    _, nan_key, n_valid = stream_document(
+        q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
+        tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32),
+        DIM, BLOCK_M, NAN_PASS_BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, True, True, DOT_PRECISION,
+    )
+    return nan_key, n_valid
+
+
+@triton.jit
 def nan_winner_keys(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
     best, key,
-    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Give every row whose max is NaN the key of its first NaN similarity, as ``torch.max`` picks it.
@@ -206,10 +221,9 @@ def nan_winner_keys(
     inputs), so clean inputs pay one block-wide test per document."""
     is_nan = best != best
     if tl.max(is_nan.to(tl.int32), axis=0) != 0:
-        _, nan_key, _ = stream_document(
+        nan_key, _ = first_nan_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk,
-            stride_dml, best, tl.full((BLOCK_M,), NO_KEY, tl.int32),
-            DIM, BLOCK_M, NAN_PASS_BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, True, True, DOT_PRECISION,
+            stride_dml, DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
         )
         key = tl.where(is_nan, nan_key, key)
     return key
@@ -252,6 +266,6 @@ def maxsim_doc_rows(
         key = nan_winner_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk,
             stride_dml, best, key,
-            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+            DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
         )
     return best, key, n_valid
