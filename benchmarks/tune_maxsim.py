@@ -7,6 +7,9 @@ writes everything as JSON. Usage on the device::
     PYTHONPATH=src python3 benchmarks/tune_maxsim.py --out $OUT
     # persistent launches around the shipped tiles only (document tiles, stages, programs per SM):
     PYTHONPATH=src python3 benchmarks/tune_maxsim.py --near-heuristic --programs-per-sm 0,1,2,4 --out $OUT
+    # the heuristic alone (an A/B of two source trees), or a few forced tiles (with fp32: also cuBLAS's TF32 rate):
+    PYTHONPATH=src python3 benchmarks/tune_maxsim.py --tiles none --out $OUT
+    PYTHONPATH=src python3 benchmarks/tune_maxsim.py --dtype fp32 --tiles "256,1,64,8,3;128,1,128,8,2" --out $OUT
 """
 
 from __future__ import annotations
@@ -89,6 +92,18 @@ def near(cfg: _config.MaxSimForwardConfig):
             yield dataclasses.replace(cfg, block_n=block_n, num_stages=stages)
 
 
+def parse_tiles(spec: str) -> list[_config.MaxSimForwardConfig]:
+    """``--tiles``: 'none' (no forced tiles), or ';'-separated
+    'group_rows,groups,block_n,warps,stages[,programs_per_sm[,max_registers]]'."""
+    if spec == "none":
+        return []
+    tiles = []
+    for item in spec.split(";"):
+        group_rows, groups, block_n, warps, stages, *rest = (int(v) for v in item.split(","))
+        tiles.append(_config.MaxSimForwardConfig(group_rows, groups, block_n, DIM, warps, stages, *rest))
+    return tiles
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -97,6 +112,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="fp32 runs with TF32 products")
     parser.add_argument("--near-heuristic", action="store_true", help="sweep only around the shipped tiles")
     parser.add_argument("--programs-per-sm", default="0", help="persistent launches to try (0: one per document)")
+    parser.add_argument("--tiles", default=None,
+                        help="time only these forced tiles instead of a sweep: 'none' (the heuristic alone), or "
+                             "';'-separated 'group_rows,groups,block_n,warps,stages[,programs_per_sm[,max_registers]]'")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dtype = DTYPES[args.dtype]
@@ -107,6 +125,14 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "dtype": args.dtype,
                "bandwidth": bandwidth, "flops": flops, "shapes": {}}
+    if dtype == torch.float32:
+        # The TF32 tensor-core rate of cuBLAS on this machine: what "fp32 within 2x of fp16" is up against.
+        a = torch.randn(8192, 8192, device="cuda")
+        ms = triton.testing.do_bench(lambda: a @ a, warmup=50, rep=300, return_mode="median")
+        results["flops_tf32"] = 2 * 8192**3 / (ms * 1e-3)
+        print(f"cuBLAS TF32: 8192^3 {results['flops_tf32'] / 1e12:.0f} TFLOP/s "
+              f"({flops / results['flops_tf32']:.2f}x the fp16 time)", flush=True)
+        del a
     summary = []
     for name in args.shapes.split(","):
         n_q, l_q, n_docs, l_d = shape = SHAPES[name]
@@ -132,7 +158,12 @@ def main() -> None:
         rows = []
         shipped = _config.maxsim_forward_config(q_len=l_q, n_queries=n_q, dim=DIM, dtype=dtype, per_query=False,
                                                 device=Q.device, doc_len=l_d)
-        tiles = near(shipped) if args.near_heuristic else candidates(l_q, n_q, wide=dtype == torch.float32)
+        if args.tiles is not None:
+            tiles = parse_tiles(args.tiles)
+        elif args.near_heuristic:
+            tiles = near(shipped)
+        else:
+            tiles = candidates(l_q, n_q, wide=dtype == torch.float32)
         programs = [int(p) for p in args.programs_per_sm.split(",")]
         for cfg in (dataclasses.replace(t, programs_per_sm=p) if p else t for t in tiles for p in programs):
             with _config.override(maxsim_forward=cfg):
@@ -145,7 +176,8 @@ def main() -> None:
                     continue
             rows.append({"config": cfg.__dict__, "ms": ms, "pct_floor": 100 * floor / ms, "correct": ok})
         timed = sorted((r for r in rows if "ms" in r and r["correct"]), key=lambda r: r["ms"])
-        results["shapes"][name] = {"shape": shape, "floor_ms": floor, "heuristic_ms": heuristic, "heuristic_graph_ms": heuristic_graph,
+        results["shapes"][name] = {"shape": shape, "floor_ms": floor, "heuristic_ms": heuristic,
+                                   "heuristic_graph_ms": heuristic_graph,
                                    "einsum_ms": einsum, "configs": rows}
         best = timed[0] if timed else None
         summary.append((name, floor, heuristic, einsum, best))
