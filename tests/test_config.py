@@ -49,7 +49,9 @@ def test_persistent_launch_only_for_stacked_short_queries():
 def test_training_forward_of_stacked_short_queries_runs_two_capped_programs_per_sm():
     inference = heuristic(32, 512, 128, torch.float16, False, (9, 0), False)
     training = heuristic(32, 512, 128, torch.bfloat16, False, (9, 0), False, False, True)
-    assert (inference.block_m, inference.programs_per_sm, inference.max_registers) == (256, 2, 0)
+    assert (inference.block_m, inference.programs_per_sm, inference.max_registers) == (256, 2, 128)
+    # fp32 stacked tiles fill the shared memory of an SM alone: no register cap
+    assert heuristic(32, 512, 128, torch.float32, False, (9, 0), False).max_registers == 0
     assert (training.block_m, training.num_warps, training.programs_per_sm, training.max_registers) == (128, 8, 2, 128)
     # one query, long queries, fp32, per-query documents and the interpreter keep the inference tiles
     for args in (

@@ -176,7 +176,7 @@ def _maxsim_forward_heuristic(
         groups = max(1, min(max_rows // group_rows, next_power_of_2(n_groups_total)))
     block_k = block_d if interpreted else min(block_d, 256)
     warps = 4 if interpreted or group_rows * groups < 128 else 8
-    programs_per_sm = 0
+    programs_per_sm = max_registers = 0
     if not interpreted and dtype == torch.float32 and group_rows * groups < 128:
         stages = 2
     elif not interpreted and hopper and not wide:
@@ -189,13 +189,17 @@ def _maxsim_forward_heuristic(
             block_n, stages = 128, 4
         if groups > 1:
             programs_per_sm = 2
+            if dtype != torch.float32:
+                # Two programs of 256 threads per SM need <= 128 registers; the flat (document, tile) loop takes
+                # 130 at 256 stacked rows (offline ptxas for sm_90), 128 with the cap and no spills.
+                max_registers = 128
         if argmax and groups > 1 and group_rows <= 32 and dtype != torch.float32:
             # The winner bookkeeping needs ~165 registers at 256 stacked rows; 128 rows capped at 128 registers
             # run two programs per SM (H200, profile_backward.py --parts forward-tiles, NOTES-backward.md item 14:
             # ColBERT B 512 argmax forward 1.95 -> 1.29 ms, B 128 0.157 -> 0.091).
             groups = max(1, min(128 // group_rows, next_power_of_2(n_groups_total)))
             return MaxSimForwardConfig(group_rows, groups, block_n, block_k, 8, stages, 2, max_registers=128)
-    return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm)
+    return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm, max_registers)
 
 
 def maxsim_forward_doc_programs(

@@ -17,6 +17,8 @@ import torch
 import lik
 from lik import _config
 from lik.ops.maxsim.backward_sorted import chunk_documents, sorted_winners
+from lik.ops.maxsim.forward import maxsim_forward
+from lik.ops.maxsim.validation import MaxSimInputs
 
 from .helpers import check_against_reference, kernel_with_grads, rand_problem
 
@@ -129,6 +131,25 @@ def test_nan_max_picks_the_first_nan_token(rng, masked, persistent):
         torch.testing.assert_close(dd[0, 21], want_21, rtol=1e-5, atol=1e-5)
         assert torch.isnan(dd[0, 0]).any() and torch.isnan(dd[1, 0]).any(), route
         torch.testing.assert_close(dq[1, 2], grad[1, 0] * D[0, 0] + grad[1, 1] * D[1, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_row_whose_similarities_are_all_minus_inf_wins_on_the_first_token(rng, persistent):
+    """``torch.max`` over all-``-inf`` similarities picks token 0; a persistent program must not keep the winner
+    of its previous document for such a row."""
+    Q, D, _, _ = rand_problem(rng, 1, 3, 3, 20, 16, masks=False)
+    Q[0, 1, 0] = float("inf")
+    D[..., 0] = D[..., 0].abs() + 0.1  # row 1: +inf with every token ...
+    D[1, :5, 0] = -D[1, :5, 0]  # ... but tokens 0-4 of document 1 (its winner: token 5)
+    D[2, :, 0] = -D[2, :, 0]  # ... and every token of document 2 (all -inf: token 0)
+    # Persistent: one program walks documents 0, 1, 2 in that order (one SM off CUDA).
+    tiles = _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=16, programs_per_sm=1)
+    with _config.override(maxsim_forward=tiles) if persistent else contextlib.nullcontext():
+        scores, argmax = maxsim_forward(MaxSimInputs.build(Q, D, None, None, "exclude"), store_argmax=True)
+    sim = torch.einsum("qk,btk->bqt", Q[0].double(), D.double())
+    assert argmax[0, :, 1].tolist() == [0, 5, 0]
+    assert torch.equal(argmax[0].long(), sim.max(-1).indices)
+    assert scores[0].tolist()[:2] == [float("inf")] * 2 and scores[0, 2] == float("-inf")
 
 
 def test_unknown_or_atomic_routes_are_refused(rng):

@@ -290,6 +290,26 @@ def test_persistent_launch_with_per_query_documents(rng):
     assert rel_err(s, rs) < 2e-6 and rel_err(dq, rdq) < 2e-6 and rel_err(dd, rdd) < 2e-6
 
 
+@pytest.mark.parametrize("doc_len", [1, 16, 37])
+@pytest.mark.parametrize("programs_per_sm", [1, 6, 27])
+def test_persistent_flat_loop_over_unmasked_documents(rng, doc_len, programs_per_sm):
+    """A persistent program walks its (document, tile) steps in one loop and writes each document on its last
+    tile: one-tile and ragged documents, programs with 5, 3 / 2 and 1 documents, each document's max and winner
+    starting afresh (a strong document first, identical documents side by side)."""
+    Q, D, _, _ = rand_problem(rng, 3, 19, 5, doc_len, 24, masks=False)
+    D[0] = 4 * D[0]  # larger similarities than any later document: a max carried over would show
+    D[3] = D[2]  # identical documents: the same scores and winners
+    grad = torch.randn(3, 5, generator=rng)
+    rs, rdq, rdd = reference_with_grads(Q, D, None, None, grad)
+    forced = _config.MaxSimForwardConfig(
+        group_rows=16, groups=2, block_n=16, block_k=32, programs_per_sm=programs_per_sm
+    )  # 3 row blocks on the one SM off CUDA
+    with _config.override(maxsim_forward=forced):
+        s, dq, dd = kernel_with_grads(lik.maxsim, Q, D, None, None, grad)
+    assert rel_err(s, rs) < 2e-6 and rel_err(dq, rdq) < 2e-6 and rel_err(dd, rdd) < 2e-6
+    assert torch.equal(s[:, 2], s[:, 3])
+
+
 @pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
 def test_mixed_documents_and_inference_path_agree(rng, mask_mode):
     """All-masked documents, NaN and ragged tails side by side; the inference launch (no argmax) and the

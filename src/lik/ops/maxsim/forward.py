@@ -5,7 +5,8 @@ bucket of ``Lq``, capped by the config), so a short query is one padded group an
 whose partial sums are added afterwards (exact: the score is a sum over query tokens). A program owns ``groups``
 consecutive groups (several short queries stacked into one tall tile when documents are shared) and one document.
 With ``programs_per_sm`` set (a persistent launch), a program keeps its query rows and walks documents
-``doc``, ``doc + doc_programs``, ...: the query block is loaded once per program instead of once per document.
+``doc``, ``doc + doc_programs``, ...: the query block is loaded once per program instead of once per document,
+and the documents' tiles follow each other in one pipelined loop.
 Lengths and batch sizes are runtime arguments and are not specialised on, so they never trigger a recompile.
 """
 
@@ -17,11 +18,11 @@ import triton.language as tl
 
 from ..._config import cdiv, maxsim_forward_config, maxsim_forward_doc_programs, next_power_of_2
 from ..._launch import launch
-from .tile import NO_KEY, first_nan_keys, nan_winner_keys, query_rows, store_group_sums, stream_document
+from .tile import NO_KEY, document_tile, first_nan_keys, query_rows, store_group_sums, stream_document
 from .validation import MaxSimInputs
 
 __all__ = [
-    "maxsim_fwd_kernel", "score_document", "store_winners", "settle_nan_winners", "maxsim_forward", "dot_precision",
+    "maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "maxsim_forward", "dot_precision",
     "set_strides",
 ]
 
@@ -51,35 +52,13 @@ def store_winners(
 
 
 @triton.jit
-def score_document(
-    q_rows, q_row_ptrs, row_valid, row_in_range, query, token, row_block, doc, doc_set,
-    d_ptr, d_mask_ptr, partial_ptr, argmax_ptr, n_queries, doc_len, n_chunks, stride_qk,
-    stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml,
-    stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
-    DIM: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr,
-    STORE_ARGMAX: tl.constexpr, SETTLE_NAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def write_document(
+    best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, argmax_ptr, n_queries,
+    n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+    GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr,
 ):
-    """Stream document ``doc`` through the program's query rows; write its group sums (and winners).
-
-    With ``SETTLE_NAN`` the winners of rows whose max is NaN are settled before they are written; without, the
-    caller settles them (:func:`settle_nan_winners`). Returns 1 for the rows whose max is NaN."""
-    best, key, n_valid = stream_document(
-        q_rows, q_row_ptrs, row_valid, stride_qk,
-        d_ptr + doc_set * stride_dn + doc * stride_db,
-        d_mask_ptr + doc_set * stride_dmn + doc * stride_dmb,
-        doc_len, stride_dl, stride_dk, stride_dml,
-        tl.full((GROUP_ROWS * GROUPS,), float("-inf"), tl.float32), tl.full((GROUP_ROWS * GROUPS,), NO_KEY, tl.int32),
-        DIM, GROUP_ROWS * GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
-    )
-    if STORE_ARGMAX and SETTLE_NAN:
-        key = nan_winner_keys(
-            q_rows, q_row_ptrs, row_valid, stride_qk,
-            d_ptr + doc_set * stride_dn + doc * stride_db,
-            d_mask_ptr + doc_set * stride_dmn + doc * stride_dmb,
-            doc_len, stride_dl, stride_dk, stride_dml, best, key,
-            DIM, GROUP_ROWS * GROUPS, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
-        )
+    """Write document ``doc``'s group sums (and winners, NaN rows not yet settled). Returns 1 for the rows whose
+    max is NaN."""
     row_counts = row_valid
     if EXCLUDE:
         row_counts = row_valid & (n_valid > 0)
@@ -103,9 +82,9 @@ def settle_nan_winners(
     """Rewrite the stored winner of every row whose max over one of the program's documents is NaN with that
     row's first NaN token, as ``torch.max`` picks it (the tile loop tests equality with the max only).
 
-    A persistent program calls it once, after all its documents, and only when one of its rows saw a NaN max:
-    testing after each document costs a block-wide reduction per document (ColBERT's 3-tile documents: 2-6%
-    slower on the H200). A program of one document settles inside :func:`score_document` (fewer live registers)."""
+    A program calls it once, after all its documents, and only when one of its rows saw a NaN max: testing after
+    each document costs a block-wide reduction per document (ColBERT's 3-tile documents: 2-6% slower on the
+    H200)."""
     for doc in range(first_doc, doc_end, doc_step):
         nan_key, n_valid = first_nan_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk,
@@ -179,35 +158,61 @@ def maxsim_fwd_kernel(
     # Shared documents have stride_dn == 0; per-query documents run with GROUPS == 1, so the first group's
     # query is every row's query.
     doc_set = (row_block * GROUPS) // n_chunks
+    doc_base = d_ptr + doc_set * stride_dn
+    doc_mask_base = d_mask_ptr + doc_set * stride_dmn
     first_doc = pid // n_row_blocks
     if PERSISTENT:
+        # One flat loop over (document, tile) steps: the pipeliner then prefetches the next document's first
+        # tiles while the current one finishes, instead of draining and refilling at every document (short
+        # documents are a few tiles long). A document is written from inside the loop, on its last tile only.
+        tiles = tl.cdiv(doc_len, BLOCK_N)
+        my_docs = tl.cdiv(n_docs - first_doc, doc_programs).to(tl.int32)
+        best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
+        n_valid = tl.zeros((), tl.int32)
         nan_rows = tl.zeros((BLOCK_M,), tl.int32)
-        for doc in range(first_doc, n_docs, doc_programs):
-            nan_rows |= score_document(
-                q_rows, q_row_ptrs, row_valid, row_in_range, query, token, row_block, doc, doc_set,
-                d_ptr, d_mask_ptr, partial_ptr, argmax_ptr, n_queries, doc_len, n_chunks, stride_qk,
-                stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml,
-                stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
-                DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False,
-                DOT_PRECISION,
+        doc = first_doc
+        start = 0
+        for _ in tl.range(0, my_docs * tiles):
+            first_tile = start == 0
+            best = tl.where(first_tile, float("-inf"), best)
+            key = tl.where(first_tile, NO_KEY, key)
+            n_valid = tl.where(first_tile, 0, n_valid)
+            best, key, n_valid = document_tile(
+                q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db,
+                doc_mask_base + doc * stride_dmb, start, doc_len, stride_dl, stride_dk, stride_dml, best, key, n_valid,
+                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
             )
-        if STORE_ARGMAX:
-            if tl.max(nan_rows, axis=0) != 0:
-                settle_nan_winners(
-                    q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, n_docs, doc_programs,
-                    doc_set, d_ptr, d_mask_ptr, argmax_ptr, doc_len, stride_qk,
-                    stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml,
-                    stride_an, stride_ab, stride_al,
-                    DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+            last_tile = start + BLOCK_N >= doc_len
+            if last_tile:
+                nan_rows |= write_document(
+                    best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
+                    argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+                    GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
                 )
+            doc = tl.where(last_tile, doc + doc_programs, doc)
+            start = tl.where(last_tile, 0, start + BLOCK_N)
     else:
-        score_document(
-            q_rows, q_row_ptrs, row_valid, row_in_range, query, token, row_block, first_doc, doc_set,
-            d_ptr, d_mask_ptr, partial_ptr, argmax_ptr, n_queries, doc_len, n_chunks, stride_qk,
-            stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml,
-            stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
-            DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, True, DOT_PRECISION,
+        best, key, n_valid = stream_document(
+            q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + first_doc * stride_db,
+            doc_mask_base + first_doc * stride_dmb, doc_len, stride_dl, stride_dk, stride_dml,
+            tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32),
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
         )
+        nan_rows = write_document(
+            best, key, n_valid, row_valid, row_in_range, query, token, row_block, first_doc, partial_ptr, argmax_ptr,
+            n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+            GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+        )
+    if STORE_ARGMAX:
+        if tl.max(nan_rows, axis=0) != 0:
+            settle_nan_winners(
+                q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, n_docs, doc_programs,
+                doc_set, d_ptr, d_mask_ptr, argmax_ptr, doc_len, stride_qk,
+                stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml,
+                stride_an, stride_ab, stride_al,
+                DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+            )
 
 
 def dot_precision(dtype: torch.dtype) -> str:

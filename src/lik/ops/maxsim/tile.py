@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "nan_max", "query_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
+    "nan_max", "query_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile", "document_tile",
     "stream_document", "first_nan_keys", "nan_winner_keys", "maxsim_doc_rows", "NO_KEY", "NAN_PASS_BLOCK_N",
 ]
 
@@ -127,6 +127,61 @@ def absorb_nan_tile(sim, col_key, key):
 
 
 @triton.jit
+def document_tile(
+    q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk, stride_dml,
+    best, key, n_valid,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One step of every tile loop: the similarities of the document tokens ``start .. start + BLOCK_N``, masked,
+    folded into ``(best, key)`` by :func:`absorb_tile` (or by :func:`absorb_nan_tile` in the NaN pass), and the
+    tile's valid tokens added to ``n_valid``. Returns ``(best, key, n_valid)``."""
+    cols = start + tl.arange(0, BLOCK_N)
+    in_range = cols < doc_len
+    if HAS_D_MASK:
+        flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
+        col_valid = in_range & (flags != 0)
+        sim = similarity_tile(
+            q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, col_valid,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
+        )
+        # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
+        if EXCLUDE:
+            sim = tl.where(col_valid[None, :], sim, float("-inf"))
+        else:
+            sim = tl.where(in_range[None, :], sim, float("-inf"))
+        col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY).to(tl.int32)
+        n_valid += tl.sum(col_valid.to(tl.int32), axis=0)
+    else:
+        # An unmasked document without load predicates: the ragged tail re-reads the last token (clamped rows)
+        # and its extra columns are set to -inf. Predicate-free loads let the pipeliner issue plain cp.async
+        # (H200: ColPali 0.58 -> 0.50 ms, NOTES.md v7); no separate checked tail loop keeps the registers of a
+        # persistent launch down (NOTES.md v14).
+        col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
+        if NUM_K == 1 and DIM == BLOCK_K:
+            offs_k = tl.arange(0, BLOCK_K)
+            d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
+            sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
+        else:
+            sim = similarity_tile(
+                q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, in_range,
+                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
+            )
+        col_key = (cols * 2).to(tl.int32)
+        if start + BLOCK_N > doc_len:  # only the last tile pays for the select
+            if not NAN_PASS:  # (that pass ignores the clamped columns by their key alone)
+                sim = tl.where(in_range[None, :], sim, float("-inf"))
+            col_key = tl.where(in_range, col_key, NO_KEY)
+        n_valid += tl.minimum(doc_len - start, BLOCK_N)
+    if NAN_PASS:
+        key = absorb_nan_tile(sim, col_key, key)
+    else:
+        best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
+    return best, key, n_valid
+
+
+@triton.jit
 def stream_document(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
     best, key,
@@ -134,61 +189,16 @@ def stream_document(
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The tile loop over one document: every tile's similarities, masked, folded into ``(best, key)`` by
-    :func:`absorb_tile`, or by :func:`absorb_nan_tile` in the NaN pass. Returns ``(best, key, n_valid)``."""
+    """The tile loop over one document (:func:`document_tile` per tile). Returns ``(best, key, n_valid)``."""
     n_valid = tl.zeros((), tl.int32)
-    offs_n = tl.arange(0, BLOCK_N)
     # The NaN pass is rare: unpipelined, so its loop adds no shared-memory stages and few registers.
     STAGES: tl.constexpr = 1 if NAN_PASS else None
-    if HAS_D_MASK:
-        for start in tl.range(0, doc_len, BLOCK_N, num_stages=STAGES):
-            cols = start + offs_n
-            in_range = cols < doc_len
-            flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
-            col_valid = in_range & (flags != 0)
-            sim = similarity_tile(
-                q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, col_valid,
-                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
-            )
-            # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
-            if EXCLUDE:
-                sim = tl.where(col_valid[None, :], sim, float("-inf"))
-            else:
-                sim = tl.where(in_range[None, :], sim, float("-inf"))
-            col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY).to(tl.int32)
-            if NAN_PASS:
-                key = absorb_nan_tile(sim, col_key, key)
-            else:
-                best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
-            n_valid += tl.sum(col_valid.to(tl.int32), axis=0)
-    else:
-        # An unmasked document in one loop without load predicates: the ragged tail re-reads the last token
-        # (clamped rows) and its extra columns are set to -inf. Predicate-free loads let the pipeliner issue
-        # plain cp.async (H200: ColPali 0.58 -> 0.50 ms, NOTES.md v7); one loop instead of a full-tile loop plus a
-        # checked tail keeps the registers of a persistent launch down (NOTES.md v14).
-        n_valid += doc_len
-        offs_k = tl.arange(0, BLOCK_K)
-        for start in tl.range(0, doc_len, BLOCK_N, num_stages=STAGES):
-            cols = start + offs_n
-            in_range = cols < doc_len
-            col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
-            if NUM_K == 1 and DIM == BLOCK_K:
-                d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
-                sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
-            else:
-                sim = similarity_tile(
-                    q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, in_range,
-                    DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
-                )
-            col_key = (cols * 2).to(tl.int32)
-            if start + BLOCK_N > doc_len:  # only the last tile pays for the select
-                if not NAN_PASS:  # (that pass ignores the clamped columns by their key alone)
-                    sim = tl.where(in_range[None, :], sim, float("-inf"))
-                col_key = tl.where(in_range, col_key, NO_KEY)
-            if NAN_PASS:
-                key = absorb_nan_tile(sim, col_key, key)
-            else:
-                best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
+    for start in tl.range(0, doc_len, BLOCK_N, num_stages=STAGES):
+        best, key, n_valid = document_tile(
+            q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
+            stride_dml, best, key, n_valid,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, NAN_PASS, DOT_PRECISION,
+        )
     return best, key, n_valid
 
 
