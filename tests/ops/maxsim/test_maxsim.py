@@ -311,6 +311,23 @@ def test_persistent_flat_loop_over_unmasked_documents(rng, doc_len, programs_per
 
 
 @pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
+def test_persistent_program_scores_an_all_masked_document_after_valid_ones(rng, mask_mode):
+    """The valid-token count restarts with each document of a persistent program: an all-masked document
+    walked after valid ones scores 0 ("exclude") or its masked zeros ("zero"), as in the reference."""
+    Q, D, qm, dm = rand_problem(rng, 2, 19, 4, 37, 24)
+    dm[2] = False
+    grad = torch.randn(2, 4, generator=rng)
+    rs, rdq, rdd = reference_with_grads(Q, D, qm, dm, grad, mask_mode=mask_mode)
+    # One program walks documents 0, 1, 2, 3 (one SM off CUDA).
+    forced = _config.MaxSimForwardConfig(group_rows=16, groups=4, block_n=16, block_k=32, programs_per_sm=1)
+    with _config.override(maxsim_forward=forced):
+        s, dq, dd = kernel_with_grads(lik.maxsim, Q, D, qm, dm, grad, mask_mode=mask_mode)
+    assert rel_err(s, rs) < 2e-6 and rel_err(dq, rdq) < 2e-6 and rel_err(dd, rdd) < 2e-6
+    if mask_mode == "exclude":
+        assert torch.all(s[:, 2] == 0)
+
+
+@pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
 def test_mixed_documents_and_inference_path_agree(rng, mask_mode):
     """All-masked documents, NaN and ragged tails side by side; the inference launch (no argmax) and the
     training launch give the same bits."""
