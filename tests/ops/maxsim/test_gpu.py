@@ -79,6 +79,23 @@ def test_per_query_candidates(backward):
     assert rel_err(s, rs) < 1e-3 and rel_err(dq, rdq) < 1e-3 and rel_err(dd, rdd) < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("l_d", [1, 180, 300])
+def test_persistent_programs_over_unmasked_documents(dtype, l_d):
+    """Stacked queries against many unmasked documents: the persistent launch (several documents per program,
+    ragged and one-token documents) in the inference and the training (winner-recording) forward."""
+    Q, D, _, _ = _problem(8, 32, 700, l_d, 128, dtype)
+    grad = torch.randn(8, 700, device=CUDA)
+    s, dq, dd = _grads(Q, D, None, None, grad)
+    rs, rdq, rdd = _reference(Q, D, None, None, grad)
+    assert _config.maxsim_forward_config(
+        q_len=32, n_queries=8, dim=128, dtype=dtype, per_query=False, device=Q.device, doc_len=l_d
+    ).programs_per_sm > 0
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert rel_err(s, rs) < tol and rel_err(dq, rdq) < tol and rel_err(dd, rdd) < tol
+    assert rel_err(lik.maxsim(Q, D), s) < 1e-6  # the inference launch (no winners, other tiles)
+
+
 DD_ROUTES = {  # name -> (backward, config fields)
     "atomic": ("fast", {"fast_dd": "atomic"}),
     "atomic-chunked": ("fast", {"fast_dd": "atomic", "atomic_workspace_bytes": 200_000}),
