@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..._config import cdiv, maxsim_forward_config, maxsim_forward_doc_programs, next_power_of_2
 from ..._launch import launch
-from .tile import NO_KEY, document_tile, first_nan_keys, query_rows, store_group_sums, stream_document
+from .tile import NO_KEY, counted_rows, document_tile, first_nan_keys, query_rows, store_group_sums, stream_document
 from .validation import MaxSimInputs
 
 __all__ = [
@@ -59,9 +59,7 @@ def write_document(
 ):
     """Write document ``doc``'s group sums (and winners, NaN rows not yet settled). Returns 1 for the rows whose
     max is NaN."""
-    row_counts = row_valid
-    if EXCLUDE:
-        row_counts = row_valid & (n_valid > 0)
+    row_counts = counted_rows(row_valid, n_valid, EXCLUDE)
     store_group_sums(
         partial_ptr, tl.where(row_counts, best, 0.0), row_block, n_chunks, n_queries, doc,
         stride_pc, stride_pn, stride_pb, GROUP_ROWS, GROUPS,
@@ -73,9 +71,9 @@ def write_document(
 
 @triton.jit
 def settle_nan_winners(
-    q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, doc_end, doc_step, doc_set,
-    d_ptr, d_mask_ptr, argmax_ptr, doc_len, stride_qk,
-    stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
+    q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, doc_end, doc_step,
+    doc_base, doc_mask_base, argmax_ptr, doc_len, stride_qk,
+    stride_db, stride_dl, stride_dk, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_K: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -88,14 +86,10 @@ def settle_nan_winners(
     for doc in range(first_doc, doc_end, doc_step):
         nan_key, n_valid = first_nan_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk,
-            d_ptr + doc_set * stride_dn + doc * stride_db,
-            d_mask_ptr + doc_set * stride_dmn + doc * stride_dmb,
-            doc_len, stride_dl, stride_dk, stride_dml,
+            doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb, doc_len, stride_dl, stride_dk, stride_dml,
             DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
         )
-        row_counts = row_valid
-        if EXCLUDE:
-            row_counts = row_valid & (n_valid > 0)
+        row_counts = counted_rows(row_valid, n_valid, EXCLUDE)
         # A NaN similarity makes the row's max NaN: exactly the rows with a NaN key are rewritten.
         store_winners(
             argmax_ptr, nan_key, row_counts, row_in_range & (nan_key != NO_KEY), query, doc, token,
@@ -208,9 +202,8 @@ def maxsim_fwd_kernel(
         if tl.max(nan_rows, axis=0) != 0:
             settle_nan_winners(
                 q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, n_docs, doc_programs,
-                doc_set, d_ptr, d_mask_ptr, argmax_ptr, doc_len, stride_qk,
-                stride_dn, stride_db, stride_dl, stride_dk, stride_dmn, stride_dmb, stride_dml,
-                stride_an, stride_ab, stride_al,
+                doc_base, doc_mask_base, argmax_ptr, doc_len, stride_qk,
+                stride_db, stride_dl, stride_dk, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
                 DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
             )
 

@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "nan_max", "query_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile", "document_tile",
-    "stream_document", "first_nan_keys", "nan_winner_keys", "maxsim_doc_rows", "NO_KEY", "NAN_PASS_BLOCK_N",
+    "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
+    "document_tile", "stream_document", "first_nan_keys", "nan_winner_keys", "maxsim_doc_rows", "NO_KEY",
+    "NAN_PASS_BLOCK_N",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
@@ -50,6 +51,15 @@ def query_rows(
         flags = tl.load(q_mask_ptr + query * stride_qmn + token * stride_qml, mask=in_range, other=0)
         valid = in_range & (flags != 0)
     return query, token, in_range, valid
+
+
+@triton.jit
+def counted_rows(row_valid, n_valid, EXCLUDE: tl.constexpr):
+    """The rows whose max enters the score: valid query rows, and in ``mask_mode="exclude"`` only where the document
+    has a valid token (an all-masked or empty document scores 0 and gives no gradient)."""
+    if EXCLUDE:
+        return row_valid & (n_valid > 0)
+    return row_valid
 
 
 @triton.jit

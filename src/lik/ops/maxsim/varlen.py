@@ -32,7 +32,7 @@ from .forward import dot_precision
 from .function import resolve_backward, uses_kernels
 from .packing import PackedInputs
 from .reference_varlen import packed_reference
-from .tile import NO_KEY, maxsim_doc_rows, query_rows, store_group_sums
+from .tile import NO_KEY, counted_rows, maxsim_doc_rows, query_rows, store_group_sums
 
 __all__ = [
     "maxsim_varlen",
@@ -104,7 +104,7 @@ def _score_rows(
         doc_ptr + doc_start * stride_dl, doc_ptr, doc_len, stride_dl, stride_dk, 0,
         DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, True, STORE_ARGMAX, DOT_PRECISION,
     )
-    counted = row_valid & (n_valid > 0)
+    counted = counted_rows(row_valid, n_valid, True)
     if STORE_ARGMAX:
         winner = tl.where(counted & (key != NO_KEY), doc_start + (key >> 1), -1)
         tl.store(argmax_ptrs, winner.to(tl.int32), mask=row_in_range)
