@@ -14,7 +14,7 @@ def test_hopper_gets_256_row_tiles_older_gpus_128():
     assert heuristic(1024, 1, 128, torch.float16, False, (9, 0), False).block_m == 256
     assert heuristic(1024, 1, 128, torch.float16, False, (8, 0), False).block_m == 128
     fp32 = heuristic(1024, 1, 128, torch.float32, False, (9, 0), False)
-    assert (fp32.block_m, fp32.num_stages) == (256, 3)
+    assert (fp32.block_m, fp32.num_stages, fp32.programs_per_sm) == (256, 3, 1)
     assert heuristic(32, 1, 128, torch.float32, False, (9, 0), False).num_stages == 2
     assert heuristic(1024, 1, 128, torch.float32, False, (8, 0), False).block_m == 64
     assert heuristic(1024, 1, 512, torch.float16, False, (9, 0), False).block_m == 64
@@ -27,7 +27,7 @@ def test_short_queries_are_stacked_only_for_shared_documents():
     assert (per_query.group_rows, per_query.groups, per_query.num_warps) == (32, 1, 4)
 
 
-def test_persistent_launch_only_for_stacked_short_queries():
+def test_persistent_launch_for_stacked_short_queries_and_fp32_long_queries():
     stacked = heuristic(32, 32, 128, torch.float16, False, (9, 0), False)
     single = heuristic(32, 1, 128, torch.float16, False, (9, 0), False)
     single_long_docs = heuristic(32, 1, 128, torch.float16, False, (9, 0), False, True)
@@ -44,6 +44,13 @@ def test_persistent_launch_only_for_stacked_short_queries():
     assert heuristic(32, 32, 128, torch.float16, False, (8, 0), False).programs_per_sm == 0
     assert heuristic(32, 1, 128, torch.float32, False, (9, 0), False, True).block_n == 64  # fp32 tiles: 2x smem
     assert heuristic(32, 32, 128, torch.float16, False, (9, 0), True).programs_per_sm == 0
+    # fp32 long queries: one persistent program per SM, only where measured (shared documents, inference, Hopper)
+    assert heuristic(512, 1, 128, torch.float32, False, (9, 0), False).programs_per_sm == 1
+    assert heuristic(1024, 32, 128, torch.float32, False, (9, 0), False).programs_per_sm == 1
+    assert heuristic(128, 1, 128, torch.float32, False, (9, 0), False).programs_per_sm == 0
+    assert heuristic(1024, 1, 128, torch.float32, True, (9, 0), False).programs_per_sm == 0
+    assert heuristic(1024, 1, 128, torch.float32, False, (9, 0), False, False, True).programs_per_sm == 0
+    assert heuristic(1024, 1, 128, torch.float32, False, (8, 0), False).programs_per_sm == 0
 
 
 def test_training_forward_of_stacked_short_queries_runs_two_capped_programs_per_sm():

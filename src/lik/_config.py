@@ -187,6 +187,12 @@ def _maxsim_forward_heuristic(
         # textual 0.447 -> 0.314, multi long-doc 1.03 -> 0.95).
         if groups == 1 and group_rows <= 32 and not per_query and long_docs and dtype != torch.float32:
             block_n, stages = 128, 4
+        if dtype == torch.float32 and groups == 1 and group_rows == 256 and not per_query and not argmax:
+            # fp32 (TF32) long queries: the query block alone fills half of the shared memory, so one program per
+            # SM; a persistent one keeps its query and streams documents back to back (H200, tune_maxsim.py
+            # --dtype fp32, NOTES.md item 19: visual 0.485 -> 0.448 ms, ColPali 0.942 -> 0.934; fp16 gains
+            # nothing from it, visual 0.238 -> 0.258).
+            programs_per_sm = 1
         if groups > 1:
             programs_per_sm = 2
             if dtype != torch.float32:
