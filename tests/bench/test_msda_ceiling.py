@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import pytest
 import torch
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "msda_ceiling.py"
@@ -30,12 +31,18 @@ def small_problem(rng):
     return dict(value=value, loc=loc, shapes=shapes, starts=starts)
 
 
-def test_corner_offsets_stay_on_the_map(rng):
+@pytest.fixture
+def traffic(rng):
+    """(the script as a module, a small problem, its corner offsets and per-level row steps)."""
     ceiling = load_script()
     p = small_problem(rng)
-    offsets, down = ceiling.corner_offsets(p)
+    return (ceiling, p, *ceiling.corner_offsets(p))
+
+
+def test_corner_offsets_stay_on_the_map(traffic):
+    _, p, offsets, down = traffic
     value = p["value"]
-    n, _, heads, dim = value.shape
+    n, _, heads, _ = value.shape
     assert offsets.shape == (n, heads, p["loc"].shape[1], *p["loc"].shape[3:5])
     level_of = torch.arange(len(p["shapes"])).view(1, 1, 1, -1, 1).expand_as(offsets)
     pixel = (offsets.long() % value.stride(0)) // value.stride(1)
@@ -47,10 +54,8 @@ def test_corner_offsets_stay_on_the_map(rng):
     assert torch.equal(down.long(), p["shapes"][:, 1] * value.stride(1))
 
 
-def test_traffic_kernel_gathers_and_scatters_the_four_corners(rng):
-    ceiling = load_script()
-    p = small_problem(rng)
-    offsets, down = ceiling.corner_offsets(p)
+def test_traffic_kernel_gathers_and_scatters_the_four_corners(traffic):
+    ceiling, p, offsets, down = traffic
     value = p["value"]
     n, _, heads, dim = value.shape
     n_levels, n_points = offsets.shape[3:5]
