@@ -190,8 +190,8 @@ def _maxsim_forward_heuristic(
         if dtype == torch.float32 and groups == 1 and group_rows == 256 and not per_query and not argmax:
             # fp32 (TF32) long queries: the query block alone fills half of the shared memory, so one program per
             # SM; a persistent one keeps its query and streams documents back to back (H200, tune_maxsim.py
-            # --dtype fp32, NOTES.md item 19: visual 0.485 -> 0.448 ms, ColPali 0.942 -> 0.934; fp16 gains
-            # nothing from it, visual 0.238 -> 0.258).
+            # --dtype fp32, NOTES.md item 19, same-process A/B: visual 0.489 -> 0.447 ms, ColPali 0.966 -> 0.848,
+            # multi ColPali 3.70 -> 3.47; fp16 gets slower with it, visual 0.238 -> 0.258).
             programs_per_sm = 1
         if groups > 1:
             programs_per_sm = 2
