@@ -91,7 +91,7 @@ def traffic(p: dict, offsets: torch.Tensor, down: torch.Tensor, mode: str) -> di
     """Fastest tile of one mode; ``by-level`` modes launch once per level (all rows gather level 0, then all rows
     level 1, ...: each level's map then has the caches to itself)."""
     value = p["value"]
-    n, lq, heads, dim = value.shape
+    n, _, heads, dim = value.shape
     n_rows = n * heads * offsets.shape[2]
     n_levels = offsets.shape[3]
     grad = torch.zeros_like(value, dtype=torch.float32)
