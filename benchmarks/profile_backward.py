@@ -10,8 +10,7 @@ one-hot dD kernels this replaced were last profiled at commit 1e5e6cd (benchmark
 Medians of ``triton.testing.do_bench`` (ms). Prints a table, writes ``$OUT/profile_backward.json`` (or --out).
 ``--parts forward,steps`` times only the two forwards and the whole steps (an A/B of a forward change);
 ``--parts forward-tiles`` times the argmax forward under forced tiles around the heuristic's (rows per program,
-warps, persistent programs per SM); ``--parts dd-docs`` times the atomic dD and the fast step with several
-documents per dD program.
+warps, persistent programs per SM).
 """
 
 from __future__ import annotations
@@ -49,8 +48,6 @@ def rel(a, b):
 
 
 PARTS = ("forward", "backward", "steps")
-# documents per program of the atomic dD scatter, tried by --parts dd-docs
-DD_DOCS = (1, 2, 4, 8, 16, 64)
 # (query-row groups stacked per program, warps, persistent programs per SM, register cap) tried by
 # --parts forward-tiles; the group size stays the heuristic's (the power-of-two bucket of Lq, capped at 256 rows).
 FORWARD_TILES = [
@@ -72,24 +69,7 @@ def profile(name, rep, parts=PARTS):
         profile_backward_kernels(row, prob, rep)
     if "steps" in parts:
         profile_steps(row, prob.Q, prob.D, n, rep)
-    if "dd-docs" in parts:
-        profile_dd_docs(row, prob, rep)
     return row
-
-
-def profile_dd_docs(row, prob, rep):
-    """The atomic dD (default buffer) with several documents per program, and the fast step with each."""
-    q, argmax, grad, dtype, shape = prob.q, prob.argmax, prob.grad, prob.dtype, prob.d.shape
-    first = None
-    for docs in DD_DOCS:
-        c = replace(prob.cfg, dd_docs=docs)
-        row[f"dd_atomic_docs{docs}"] = bench(lambda: bw.scatter_dd_atomic(
-            grad, q, argmax, shape, dtype, cfg=c, block_k=prob.block_k, n_k_blocks=prob.n_k), rep)
-        out = bw.scatter_dd_atomic(grad, q, argmax, shape, dtype, cfg=c, block_k=prob.block_k, n_k_blocks=prob.n_k)
-        first = out if first is None else first
-        row[f"dd_atomic_docs{docs}_relerr_vs_docs1"] = rel(out, first)
-        with _config.override(maxsim_backward=c):
-            profile_steps(row, prob.Q, prob.D, row["B"], rep, modes=("fast",), suffix=f"_dd_docs{docs}")
 
 
 def profile_forward_tiles(row, prob, rep):
@@ -153,22 +133,22 @@ def profile_backward_kernels(row, prob, rep):
     row["det_relerr_vs_atomic"] = rel(a, dd_ref)
 
 
-def profile_steps(row, Q, D, n, rep, modes=("fast", "deterministic"), suffix=""):
+def profile_steps(row, Q, D, n, rep):
     """The whole training step through ``lik.maxsim`` (in-batch cross-entropy), fast and deterministic, with peaks."""
     dev = Q.device
-    for mode in modes:
+    for mode in ("fast", "deterministic"):
         Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
         labels = torch.arange(n, device=dev)
 
         def step():
             s = lik.maxsim(Qg, Dg, backward=mode)
             torch.nn.functional.cross_entropy(s, labels).backward()
-        row[f"step_{mode}{suffix}"] = bench(step, rep)
+        row[f"step_{mode}"] = bench(step, rep)
         Qg.grad = Dg.grad = None
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         step()
-        row[f"step_{mode}{suffix}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row[f"step_{mode}_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         Qg.grad = Dg.grad = None
 
 
@@ -177,7 +157,7 @@ def main():
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--rep", type=int, default=60)
     p.add_argument("--parts", default=",".join(PARTS),
-                   help="comma-separated subset of " + ", ".join(PARTS) + ", forward-tiles, dd-docs")
+                   help="comma-separated subset of " + ", ".join(PARTS) + ", forward-tiles")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)

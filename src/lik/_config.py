@@ -117,8 +117,6 @@ class MaxSimBackwardConfig:
     num_stages: int = 1
     # dQ: documents gathered per loop step (unrolled, all in flight).
     dq_docs: int = 2
-    # Atomic dD: documents scattered by one program (its query rows are read once for all of them).
-    dd_docs: int = 1
     # dD kernels: "fast" takes ``fast_dd`` ("atomic" scatter or "sorted" gather), "deterministic" takes
     # ``deterministic_dd`` (only "sorted": no atomics). H200 (benchmarks/NOTES-backward.md): the atomic scatter
     # through a 16 MiB buffer beat the sorted gather at every training shape (ColBERT B 2048: 18.5 vs 20.9 ms).

@@ -1,9 +1,9 @@
 """Every dD / dQ path of the MaxSim backward against the float64 reference (Triton interpreter on CPU).
 
-dD routes: the fp32 atomic scatter (``"fast"``; chunked through a bounded buffer, one or several documents per
-program) and the sorted-winners gather (``"deterministic"``; selectable for ``"fast"``). Each route is forced
-here on odd shapes, with masks in both modes, sort chunks of one document and of several, 16- and 32-bit sort
-keys, partial dQ document steps and a feature block narrower than ``d``.
+dD routes: the fp32 atomic scatter (``"fast"``; chunked through a bounded buffer) and the sorted-winners gather
+(``"deterministic"``; selectable for ``"fast"``). Each route is forced here on odd shapes, with masks in both
+modes, sort chunks of one document and of several, 16- and 32-bit sort keys, partial dQ document steps and a
+feature block narrower than ``d``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ SHAPES = [(5, 7, 3, 13, 8), (3, 37, 2, 40, 24), (1, 1, 1, 1, 1), (4, 3, 5, 33, 3
 ROUTES = {
     "scatter": ("fast", {"fast_dd": "atomic"}),
     "scatter-chunked": ("fast", {"fast_dd": "atomic", "atomic_workspace_bytes": 1}),
-    # several documents per program, the last group partial (B = 5) or all of them (B <= 3)
-    "scatter-docs3": ("fast", {"fast_dd": "atomic", "dd_docs": 3}),
     "sorted-fast": ("fast", {"fast_dd": "sorted"}),
     "sorted": ("deterministic", {"deterministic_dd": "sorted"}),
     "sorted-chunked": ("deterministic", {"sort_workspace_entries": 1}),

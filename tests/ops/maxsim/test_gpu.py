@@ -99,7 +99,6 @@ def test_persistent_programs_over_unmasked_documents(dtype, l_d):
 DD_ROUTES = {  # name -> (backward, config fields)
     "atomic": ("fast", {"fast_dd": "atomic"}),
     "atomic-chunked": ("fast", {"fast_dd": "atomic", "atomic_workspace_bytes": 200_000}),
-    "atomic-docs4": ("fast", {"fast_dd": "atomic", "dd_docs": 4}),
     "sorted-fast": ("fast", {"fast_dd": "sorted"}),
     "sorted": ("deterministic", {"deterministic_dd": "sorted"}),
     "sorted-chunked": ("deterministic", {"sort_workspace_entries": 1000}),

@@ -107,10 +107,10 @@ def maxsim_bwd_dq_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", "docs_per_program", *_BATCH_STRIDES])
+@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES])
 def maxsim_bwd_dd_atomic_kernel(
     q_ptr, grad_ptr, argmax_ptr, dd_ptr,
-    q_len, n_docs, n_row_blocks, n_k_blocks, docs_per_program,
+    q_len, n_docs, n_row_blocks, n_k_blocks,
     stride_qn, stride_ql, stride_qk,
     stride_gn, stride_gb,
     stride_an, stride_ab, stride_al,
@@ -122,35 +122,28 @@ def maxsim_bwd_dd_atomic_kernel(
     pid = tl.program_id(0).to(tl.int64)
     k_block = pid % n_k_blocks
     rest = pid // n_k_blocks
-    # Consecutive programs take consecutive document groups, so the programs resident at one time scatter into
-    # different documents (less contention on the same fp32 rows).
-    n_doc_groups = (n_docs + docs_per_program - 1) // docs_per_program
-    doc_group = rest % n_doc_groups
-    row_block = (rest // n_doc_groups) % n_row_blocks
-    query = rest // (n_doc_groups * n_row_blocks)
+    doc = rest % n_docs
+    row_block = (rest // n_docs) % n_row_blocks
+    query = rest // (n_docs * n_row_blocks)
     tokens = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     token_ok = tokens < q_len
     kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = kk < DIM
-    # The query rows are read once per program, whatever its number of documents.
+    winner = tl.load(argmax_ptr + query * stride_an + doc * stride_ab + tokens * stride_al, mask=token_ok, other=-1)
+    has_grad = winner >= 0
+    weight = tl.load(grad_ptr + query * stride_gn + doc * stride_gb)
     rows = tl.load(
         q_ptr + query * stride_qn + tokens[:, None] * stride_ql + kk[None, :] * stride_qk,
-        mask=token_ok[:, None] & k_ok[None, :],
+        mask=has_grad[:, None] & k_ok[None, :],
         other=0.0,
-    ).to(tl.float32)
-    first_doc = doc_group * docs_per_program
-    for doc in range(first_doc, tl.minimum(first_doc + docs_per_program, n_docs)):
-        winner = tl.load(argmax_ptr + query * stride_an + doc * stride_ab + tokens * stride_al, mask=token_ok,
-                         other=-1)
-        has_grad = winner >= 0
-        weight = tl.load(grad_ptr + query * stride_gn + doc * stride_gb)
-        tl.atomic_add(
-            dd_ptr + query * stride_ddn + doc * stride_ddb + winner.to(tl.int64)[:, None] * stride_ddl
-            + kk[None, :] * stride_ddk,
-            weight * rows,
-            mask=has_grad[:, None] & k_ok[None, :],
-            sem="relaxed",
-        )
+    )
+    tl.atomic_add(
+        dd_ptr + query * stride_ddn + doc * stride_ddb + winner.to(tl.int64)[:, None] * stride_ddl
+        + kk[None, :] * stride_ddk,
+        weight * rows.to(tl.float32),
+        mask=has_grad[:, None] & k_ok[None, :],
+        sem="relaxed",
+    )
 
 
 @triton.jit
@@ -266,11 +259,10 @@ def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: in
     n_q, l_q, dim = q.shape
     n_docs = dd32.shape[1]
     n_row_blocks = cdiv(l_q, cfg.block_rows)
-    docs_per_program = min(cfg.dd_docs, n_docs)
     launch(
-        maxsim_bwd_dd_atomic_kernel, (n_q * n_row_blocks * cdiv(n_docs, docs_per_program) * n_k_blocks,),
+        maxsim_bwd_dd_atomic_kernel, (n_q * n_row_blocks * n_docs * n_k_blocks,),
         q, grad, argmax, dd32,
-        l_q, n_docs, n_row_blocks, n_k_blocks, docs_per_program,
+        l_q, n_docs, n_row_blocks, n_k_blocks,
         *q.stride(), *grad.stride(), *argmax.stride(), *set_strides(dd32),
         DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
