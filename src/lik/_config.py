@@ -202,9 +202,10 @@ def _maxsim_forward_heuristic(
         if argmax and groups > 1 and group_rows <= 32 and dtype != torch.float32:
             # The winner bookkeeping needs ~165 registers at 256 stacked rows; 128 rows capped at 128 registers
             # run two programs per SM (H200, profile_backward.py --parts forward-tiles, NOTES-backward.md item 14:
-            # ColBERT B 512 argmax forward 1.95 -> 1.29 ms, B 128 0.157 -> 0.091).
+            # ColBERT B 512 argmax forward 1.95 -> 1.29 ms, B 128 0.157 -> 0.091); the persistent launch and the
+            # cap are the stacked branch's above.
             groups = max(1, min(128 // group_rows, next_power_of_2(n_groups_total)))
-            return MaxSimForwardConfig(group_rows, groups, block_n, block_k, 8, stages, 2, max_registers=128)
+            warps = 8
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm, max_registers)
 
 
