@@ -7,6 +7,7 @@ Public functions (see README.md for shapes and semantics):
 * :func:`lik.maxsim_varlen` / :func:`lik.maxsim_packed` -- packed variable-length MaxSim (ragged pairs, ragged
   corpora, no padding); :func:`lik.pack` / :func:`lik.unpack` build and split the packed layout.
 * :func:`lik.search` -- exact top-k MaxSim search over a corpus, in memory-bounded chunks.
+* :func:`lik.quantize` / :func:`lik.dequantize` -- per-row symmetric int8 / float8 storage of embeddings.
 * :func:`lik.warmup` -- compile the kernel variants given query shapes need, before serving.
 * :func:`lik.ms_deform_attn` -- multi-scale deformable attention (Deformable DETR family), trainable; aliases
   :class:`lik.MSDeformAttnFunction` / :class:`lik.MultiScaleDeformableAttnFunction` and the stateless
@@ -33,6 +34,7 @@ from .ops.msda import (
     ms_deform_attn,
     ms_deform_attn_reference,
 )
+from .ops.quantization import dequantize, quantize
 from .precompile import warmup
 from .retrieval import search
 
@@ -48,6 +50,8 @@ __all__ = [
     "pack",
     "unpack",
     "search",
+    "quantize",
+    "dequantize",
     "warmup",
     "ms_deform_attn",
     "ms_deform_attn_reference",
