@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import lik
 from lik.ops.chamfer import nearest_neighbors_reference
-from lik.ops.chamfer.kernel import DIRECT_MAX_DIM
+from lik.ops.chamfer.kernel import AUGMENTED_MAX_DIM, BLOCK_M, BLOCK_N
 
 
 def _dense_nearest(x, y, xl, yl, norm):
@@ -98,10 +98,10 @@ def _clouds(rng, n, p1, p2, dim, dtype=torch.float32, garbage=True):
     return x.to(dtype), y.to(dtype), xl, yl
 
 
-@pytest.mark.parametrize("dim", [1, 2, 3, 5, DIRECT_MAX_DIM, DIRECT_MAX_DIM + 1, 33, 64])
+@pytest.mark.parametrize("dim", [1, 2, 3, 5, AUGMENTED_MAX_DIM, AUGMENTED_MAX_DIM + 1, 33, 64])
 @pytest.mark.parametrize("norm", [1, 2])
 def test_nearest_matches_dense_float64(dim, norm, rng):
-    x, y, xl, yl = _clouds(rng, 3, 37, 70, dim)
+    x, y, xl, yl = _clouds(rng, 3, BLOCK_M + 9, BLOCK_N + 6, dim)
     dist, idx = lik.nearest_neighbors(x, y, xl, yl, norm=norm)
     ref_dist, ref_idx = _dense_nearest(x, y, xl, yl, norm)
     assert dist.dtype == torch.float32 and idx.dtype == torch.int64
@@ -131,13 +131,26 @@ def test_reference_matches_dense_model(rng):
 
 @pytest.mark.parametrize("dim", [3, 40])
 def test_ties_go_to_the_lowest_index(dim, rng):
-    y = torch.randn(1, 9, dim, generator=rng)
-    y[0, 6] = y[0, 2]  # exact duplicate after the original
-    y[0, 8] = y[0, 2]
-    x = y[:, [2, 6, 8]] + 0.0
+    y = torch.randn(1, 2 * BLOCK_N + 5, dim, generator=rng)
+    copies = [BLOCK_N - 1, BLOCK_N + 3, 2 * BLOCK_N + 1]  # the same tile, and later tiles
+    y[0, copies] = y[0, 2].clone()
+    x = y[:, [2] + copies] + 0.0
     dist, idx = lik.nearest_neighbors(x, y)
-    assert idx.tolist() == [[2, 2, 2]]
+    assert idx.tolist() == [[2, 2, 2, 2]]
     assert (dist == 0).all()
+
+
+@pytest.mark.parametrize("dim", [3, 40])
+def test_infinite_coordinates_in_valid_points(dim, rng):
+    x = torch.randn(2, 5, dim, generator=rng)
+    y = torch.randn(2, 7, dim, generator=rng)
+    x[0, 3, 1] = float("inf")
+    y[1, 5, 0] = float("-inf")
+    dist, idx = lik.nearest_neighbors(x, y)
+    ref_dist, ref_idx = nearest_neighbors_reference(x, y, torch.tensor([5, 5]), torch.tensor([7, 7]))
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(dist, ref_dist, equal_nan=True)
+    assert torch.isinf(dist[0, 3])
 
 
 @pytest.mark.parametrize("dim", [3, 40])

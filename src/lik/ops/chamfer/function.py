@@ -65,13 +65,18 @@ class _GatherRows(torch.autograd.Function):
         return grad_y, None, None
 
 
-def _settle_nan_rows(sets: PointSets, idx: torch.Tensor, best: torch.Tensor, norm: int) -> torch.Tensor:
-    """Give rows whose minimum is NaN the reference's index (the first NaN distance)."""
-    nan_rows = torch.isnan(best)
-    if not bool(nan_rows.any()):
+def _settle_nonfinite_rows(sets: PointSets, idx: torch.Tensor, norm: int) -> torch.Tensor:
+    """Give the rows that touch a non-finite coordinate (a NaN or inf in the ``x`` point, or anywhere in the valid
+    part of its ``y`` cloud) the reference's winner: the kernel orders keys, not IEEE values, there."""
+    x_valid = _valid_points(sets.x_lengths, sets.x.shape[1])
+    y_valid = _valid_points(sets.y_lengths, sets.y.shape[1])
+    x_bad = x_valid & ~torch.isfinite(sets.x).all(-1)
+    y_bad = (y_valid & ~torch.isfinite(sets.y).all(-1)).any(1)
+    settle = x_bad | (y_bad[:, None] & x_valid)
+    if not bool(settle.any()):
         return idx
-    for cloud in torch.nonzero(nan_rows.any(1)).flatten().tolist():
-        rows = torch.nonzero(nan_rows[cloud]).flatten()
+    for cloud in torch.nonzero(settle.any(1)).flatten().tolist():
+        rows = torch.nonzero(settle[cloud]).flatten()
         y_len = sets.y_lengths[cloud:cloud + 1]
         _, arg = nearest_neighbors_reference(
             sets.x[cloud:cloud + 1, rows], sets.y[cloud:cloud + 1], torch.full_like(y_len, len(rows)), y_len, norm
@@ -90,9 +95,8 @@ def _nearest(sets: PointSets, norm: int) -> torch.Tensor:
         x = x.contiguous()
     if y.stride(-1) != 1:
         y = y.contiguous()
-    idx, best = nearest_indices(x, y, sets.x_lengths, sets.y_lengths, norm)
-    idx = idx.long()
-    return _settle_nan_rows(PointSets(x, y, sets.x_lengths, sets.y_lengths, sets.ragged), idx, best, norm)
+    idx = nearest_indices(x, y, sets.x_lengths, sets.y_lengths, norm).long()
+    return _settle_nonfinite_rows(PointSets(x, y, sets.x_lengths, sets.y_lengths, sets.ragged), idx, norm)
 
 
 def _valid_points(lengths: torch.Tensor, size: int) -> torch.Tensor:
