@@ -9,6 +9,8 @@ Public functions (see README.md for shapes and semantics):
 * :func:`lik.search` -- exact top-k MaxSim search over a corpus, in memory-bounded chunks.
 * :func:`lik.quantize` / :func:`lik.dequantize` -- per-row symmetric int8 / float8 storage of embeddings.
 * :func:`lik.warmup` -- compile the kernel variants given query shapes need, before serving.
+* :func:`lik.chamfer_distance` / :func:`lik.nearest_neighbors` -- Chamfer distance (PyTorch3D's contract) and
+  k = 1 nearest neighbours between point sets, trainable, O(P) memory.
 * :func:`lik.ms_deform_attn` -- multi-scale deformable attention (Deformable DETR family), trainable; aliases
   :class:`lik.MSDeformAttnFunction` / :class:`lik.MultiScaleDeformableAttnFunction` and the stateless
   :class:`lik.MultiScaleDeformableAttention` module with the transformers signature.
@@ -27,6 +29,7 @@ from .ops.maxsim import (
     pack,
     unpack,
 )
+from .ops.chamfer import chamfer_distance, nearest_neighbors
 from .ops.msda import (
     MSDeformAttnFunction,
     MultiScaleDeformableAttention,
@@ -53,6 +56,8 @@ __all__ = [
     "quantize",
     "dequantize",
     "warmup",
+    "chamfer_distance",
+    "nearest_neighbors",
     "ms_deform_attn",
     "ms_deform_attn_reference",
     "MSDeformAttnFunction",

@@ -1,0 +1,318 @@
+"""``lik.nearest_neighbors`` and ``lik.chamfer_distance`` (PyTorch3D's ``chamfer_distance`` contract).
+
+The kernel (or, on CPU, the reference) only chooses each point's nearest neighbour. The distance is then
+recomputed from the two points' coordinates in float32 (float64 for float64 inputs) by ordinary differentiable
+PyTorch operations on ``[N, P, D]`` tensors, so memory stays O(P), the value is exact wherever the points lie, and
+the backward is the chain rule through one gather: ``d dist / d x = 2 (x - y_nn)`` (``sign(x - y_nn)`` for
+``norm=1``), scattered to the winners of ``y`` with atomics ("fast") or a sorted, atomic-free accumulation
+("deterministic", also what ``torch.use_deterministic_algorithms(True)`` selects).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..._config import interpreting
+from .kernel import nearest_indices
+from .reference import nearest_neighbors_reference
+from .validation import PointSets, check_point_sets, check_reductions
+
+__all__ = ["nearest_neighbors", "chamfer_distance", "BACKWARD_MODES"]
+
+BACKWARD_MODES = ("auto", "fast", "deterministic")
+
+
+def _uses_kernels(x: torch.Tensor) -> bool:
+    if x.dtype == torch.float64:
+        return False
+    if x.device.type == "cuda":
+        return True
+    # The interpreter has no bfloat16 arithmetic: CPU bfloat16 runs the reference (the GPU tests cover it).
+    return x.device.type == "cpu" and interpreting() and x.dtype != torch.bfloat16
+
+
+def _deterministic(backward: str) -> bool:
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward must be one of {BACKWARD_MODES}, got {backward!r}")
+    if backward == "auto":
+        return torch.are_deterministic_algorithms_enabled()
+    return backward == "deterministic"
+
+
+class _GatherRows(torch.autograd.Function):
+    """``y [N, P2, C]``, ``idx int64 [N, P1]`` (valid indices) -> ``y[n, idx[n, i]]`` ``[N, P1, C]``, with a
+    choice of scatter for the backward."""
+
+    @staticmethod
+    def forward(ctx, y, idx, deterministic):
+        ctx.save_for_backward(idx)
+        ctx.y_shape = y.shape
+        ctx.deterministic = deterministic
+        return torch.gather(y, 1, idx[..., None].expand(-1, -1, y.shape[2]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        n, p2, c = ctx.y_shape
+        grad_y = grad.new_zeros((n, p2, c))
+        if ctx.deterministic:
+            # index_put_ with accumulate sorts the indices and sums each row in order: no atomics.
+            clouds = torch.arange(n, device=idx.device)[:, None].expand_as(idx)
+            grad_y.index_put_((clouds.reshape(-1), idx.reshape(-1)), grad.reshape(-1, c), accumulate=True)
+        else:
+            grad_y.scatter_add_(1, idx[..., None].expand(-1, -1, c), grad)
+        return grad_y, None, None
+
+
+def _settle_nonfinite_rows(sets: PointSets, idx: torch.Tensor, norm: int) -> torch.Tensor:
+    """Give the rows that touch a non-finite coordinate (a NaN or inf in the ``x`` point, or anywhere in the valid
+    part of its ``y`` cloud) the reference's winner: the kernel orders keys, not IEEE values, there."""
+    x_valid = _valid_points(sets.x_lengths, sets.x.shape[1])
+    y_valid = _valid_points(sets.y_lengths, sets.y.shape[1])
+    x_bad = x_valid & ~torch.isfinite(sets.x).all(-1)
+    y_bad = (y_valid & ~torch.isfinite(sets.y).all(-1)).any(1)
+    settle = x_bad | (y_bad[:, None] & x_valid)
+    if not bool(settle.any()):
+        return idx
+    for cloud in torch.nonzero(settle.any(1)).flatten().tolist():
+        rows = torch.nonzero(settle[cloud]).flatten()
+        y_len = sets.y_lengths[cloud:cloud + 1]
+        _, arg = nearest_neighbors_reference(
+            sets.x[cloud:cloud + 1, rows], sets.y[cloud:cloud + 1], torch.full_like(y_len, len(rows)), y_len, norm
+        )
+        idx[cloud, rows] = arg[0]
+    return idx
+
+
+def _nearest(sets: PointSets, norm: int) -> torch.Tensor:
+    """int64 ``[N, P1]`` index of each valid ``x`` point's nearest ``y`` point; -1 for padded points and empty
+    ``y`` clouds."""
+    x, y = sets.x.detach(), sets.y.detach()
+    if not _uses_kernels(x):
+        return nearest_neighbors_reference(x, y, sets.x_lengths, sets.y_lengths, norm)[1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if y.stride(-1) != 1:
+        y = y.contiguous()
+    idx = nearest_indices(x, y, sets.x_lengths, sets.y_lengths, norm).long()
+    return _settle_nonfinite_rows(PointSets(x, y, sets.x_lengths, sets.y_lengths, sets.ragged), idx, norm)
+
+
+def _valid_points(lengths: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _directed(sets: PointSets, norm: int, deterministic: bool, x_normals=None, y_normals=None):
+    """Distances ``[N, P1]`` from each ``x`` point to its nearest ``y`` point (0 at padded points and where ``y``
+    is empty), the winners ``[N, P1]`` and, with normals, the ``[N, P1]`` cosine similarity of the paired normals."""
+    x, y = sets.x, sets.y
+    n, p1, _ = x.shape
+    acc = _accumulation_dtype(x.dtype)
+    idx = _nearest(sets, norm)
+    x_valid = _valid_points(sets.x_lengths, p1)
+    y_valid = _valid_points(sets.y_lengths, y.shape[1])
+    paired = idx >= 0
+    safe_idx = idx.clamp(min=0)
+    # Padded points are replaced by zeros before any arithmetic: garbage there reaches no value and no gradient.
+    x_clean = torch.where(x_valid[..., None], x, 0).to(acc)
+    y_clean = torch.where(y_valid[..., None], y, 0).to(acc)
+    if y.shape[1] == 0:
+        y_near = torch.zeros_like(x_clean)
+    else:
+        y_near = _GatherRows.apply(y_clean, safe_idx, deterministic)
+    diff = torch.where(paired[..., None], x_clean - y_near, 0)
+    dist = (diff * diff).sum(-1) if norm == 2 else diff.abs().sum(-1)
+    cosine = None
+    if x_normals is not None:
+        xn = torch.where(x_valid[..., None], x_normals, 0).to(acc)
+        yn = torch.where(y_valid[..., None], y_normals, 0).to(acc)
+        if y.shape[1] == 0:
+            yn_near = torch.zeros_like(xn)
+        else:
+            # As PyTorch3D's knn_gather: a point without a neighbour pairs with a zero normal.
+            yn_near = torch.where(paired[..., None], _GatherRows.apply(yn, safe_idx, deterministic), 0)
+        cosine = F.cosine_similarity(xn, yn_near, dim=2, eps=1e-6)
+    return dist, idx, cosine
+
+
+def nearest_neighbors(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_lengths: torch.Tensor | None = None,
+    y_lengths: torch.Tensor | None = None,
+    norm: int = 2,
+    *,
+    backward: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest neighbour in ``y`` of every point of ``x`` (k = 1), cloud by cloud, without the distance matrix.
+
+    Args:
+        x: ``[N, P1, D]`` points (float16, bfloat16, float32; float64 runs the reference).
+        y: ``[N, P2, D]`` points, same dtype and device.
+        x_lengths, y_lengths: optional integer ``[N]``: cloud ``n`` holds its first ``lengths[n]`` points; the
+            rest is padding, never read into a result or a gradient.
+        norm: 2 (squared Euclidean distance, as PyTorch3D's ``knn_points``) or 1 (sum of absolute differences).
+        backward: "auto", "fast" or "deterministic" (atomic-free, bitwise repeatable).
+
+    Returns:
+        ``(distances, indices)``: float32 ``[N, P1]`` (float64 for float64 inputs), differentiable with respect
+        to ``x`` and ``y``, and int64 ``[N, P1]``. Ties go to the lowest index; a NaN coordinate in a valid point
+        makes the distances it touches NaN. Padded points, and points whose ``y`` cloud is empty, get distance 0
+        and index -1.
+
+    Example:
+        >>> x = torch.tensor([[[0.0, 0.0], [5.0, 5.0]]])
+        >>> y = torch.tensor([[[4.0, 4.0], [1.0, 0.0], [1.0, 0.0]]])
+        >>> lik.nearest_neighbors(x, y)
+        (tensor([[1., 2.]]), tensor([[1, 0]]))
+    """
+    sets = check_point_sets(x, y, x_lengths, y_lengths)
+    check_reductions(None, None, norm, False)
+    dist, idx, _ = _directed(sets, norm, _deterministic(backward))
+    return dist, idx
+
+
+def _check_normals(name: str, normals, points: torch.Tensor):
+    if not isinstance(normals, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(normals).__name__}")
+    if normals.dim() != 3 or tuple(normals.shape[:2]) != tuple(points.shape[:2]):
+        raise ValueError(f"{name} must have shape ({points.shape[0]}, {points.shape[1]}, C), got {tuple(normals.shape)}")
+    if not normals.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor, got {normals.dtype}")
+    if normals.device != points.device:
+        raise ValueError(f"{name} is on {normals.device}, the points on {points.device}")
+
+
+def _point_reduce(values: torch.Tensor, lengths: torch.Tensor, point_reduction):
+    if point_reduction is None:
+        return values
+    if point_reduction == "max":
+        if values.shape[1] == 0:
+            return values.new_zeros(values.shape[0]) + values.sum(1)
+        return values.max(1).values
+    total = values.sum(1)
+    if point_reduction == "mean":
+        total = total / lengths.clamp(min=1).to(total.dtype)
+    return total
+
+
+def chamfer_distance(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_lengths: torch.Tensor | None = None,
+    y_lengths: torch.Tensor | None = None,
+    x_normals: torch.Tensor | None = None,
+    y_normals: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    batch_reduction: str | None = "mean",
+    point_reduction: str | None = "mean",
+    norm: int = 2,
+    single_directional: bool = False,
+    abs_cosine: bool = True,
+    *,
+    backward: str = "auto",
+):
+    """Chamfer distance between point clouds, PyTorch3D's ``pytorch3d.loss.chamfer_distance`` without its
+    ``[N, P1, P2]`` memory.
+
+    Args:
+        x: ``[N, P1, D]`` points; y: ``[N, P2, D]`` points (same dtype and device; float16, bfloat16, float32,
+            float64). Any ``D``.
+        x_lengths, y_lengths: optional integer ``[N]``: the number of real points of each cloud; padding is never
+            read into a result or a gradient, whatever it holds.
+        x_normals, y_normals: optional ``[N, P1, C]`` / ``[N, P2, C]`` normals (both or neither); give the second
+            result, the cosine term ``1 - |cos|`` (``1 - cos`` with ``abs_cosine=False``) between each point's
+            normal and its nearest neighbour's.
+        weights: optional non-negative ``[N]`` weights of the clouds.
+        batch_reduction: "mean" (by N, or by the weights' sum), "sum" or None.
+        point_reduction: "mean" (by each cloud's length), "sum", "max" (Hausdorff; no normals) or None (then
+            ``batch_reduction`` must be None and per-point terms come back).
+        norm: 2 (squared Euclidean) or 1 (L1).
+        single_directional: only ``x``-to-``y`` distances.
+        backward: "auto", "fast" or "deterministic" (atomic-free, bitwise repeatable).
+
+    Returns:
+        ``(distance, normals_distance)``, float32 (float64 for float64 inputs), as PyTorch3D: reduced tensors, or
+        with ``point_reduction=None`` a pair of ``[N, P1]`` and ``[N, P2]`` terms (one ``[N, P1]`` tensor if
+        ``single_directional``); ``normals_distance`` is None without normals. Autograd reaches ``x``, ``y``, the
+        normals and ``weights``.
+
+    Differences from PyTorch3D: giving only one of ``x_normals`` / ``y_normals`` raises instead of being ignored;
+    ``Pointclouds`` objects are not accepted (pass ``points_padded()`` and ``num_points_per_cloud()``).
+
+    Example:
+        >>> x = torch.rand(2, 1000, 3, device="cuda", requires_grad=True)
+        >>> y = torch.rand(2, 800, 3, device="cuda")
+        >>> loss, _ = lik.chamfer_distance(x, y)
+        >>> loss.backward()
+    """
+    has_normals = x_normals is not None or y_normals is not None
+    check_reductions(batch_reduction, point_reduction, norm, has_normals)
+    if (x_normals is None) != (y_normals is None):
+        raise ValueError("x_normals and y_normals must be given together (PyTorch3D ignores a lone one)")
+    sets = check_point_sets(x, y, x_lengths, y_lengths)
+    if has_normals:
+        _check_normals("x_normals", x_normals, x)
+        _check_normals("y_normals", y_normals, y)
+        if x_normals.shape[2] != y_normals.shape[2]:
+            raise ValueError(f"x_normals has C = {x_normals.shape[2]}, y_normals C = {y_normals.shape[2]}")
+    n = x.shape[0]
+    acc = _accumulation_dtype(x.dtype)
+    if weights is not None:
+        if not isinstance(weights, torch.Tensor):
+            raise TypeError(f"weights must be a torch.Tensor of shape ({n},), got {type(weights).__name__}")
+        if tuple(weights.shape) != (n,):
+            raise ValueError(f"weights must have shape ({n},), got {tuple(weights.shape)}")
+        if weights.device != x.device:
+            raise ValueError(f"weights is on {weights.device}, the points on {x.device}")
+        if n and bool((weights < 0).any()):
+            raise ValueError("weights cannot be negative")
+    deterministic = _deterministic(backward)
+
+    def one_way(a_sets: PointSets, a_normals, b_normals):
+        dist, _, cosine = _directed(a_sets, norm, deterministic, a_normals, b_normals)
+        a_valid = _valid_points(a_sets.x_lengths, a_sets.x.shape[1])
+        term_n = None
+        if cosine is not None:
+            term_n = torch.where(a_valid, 1 - (cosine.abs() if abs_cosine else cosine), 0)
+        if weights is not None:
+            w = weights.to(acc)[:, None]
+            dist = dist * w
+            term_n = term_n * w if term_n is not None else None
+        dist = _point_reduce(dist, a_sets.x_lengths, point_reduction)
+        if term_n is not None:
+            term_n = _point_reduce(term_n, a_sets.x_lengths, point_reduction)
+        return dist, term_n
+
+    cham_x, norm_x = one_way(sets, x_normals, y_normals)
+    if single_directional:
+        loss, loss_normals = cham_x, norm_x
+    else:
+        swapped = PointSets(sets.y, sets.x, sets.y_lengths, sets.x_lengths, sets.ragged)
+        cham_y, norm_y = one_way(swapped, y_normals, x_normals)
+        if point_reduction == "max":
+            loss, loss_normals = torch.maximum(cham_x, cham_y), None
+        elif point_reduction is None:
+            loss = (cham_x, cham_y)
+            loss_normals = (norm_x, norm_y) if norm_x is not None else None
+        else:
+            loss = cham_x + cham_y
+            loss_normals = norm_x + norm_y if norm_x is not None else None
+    if batch_reduction is None:
+        return loss, loss_normals
+    loss = loss.sum()
+    loss_normals = loss_normals.sum() if loss_normals is not None else None
+    if batch_reduction == "mean":
+        if weights is None:
+            div = max(n, 1)
+        else:
+            total = weights.sum()
+            div = total if bool(total > 0) else 1
+        loss = loss / div
+        loss_normals = loss_normals / div if loss_normals is not None else None
+    return loss, loss_normals

@@ -1,0 +1,195 @@
+"""Nearest neighbour (k = 1) of every point of ``x`` among the points of ``y``, cloud by cloud, on chip.
+
+The hard-selection loop of MaxSim with a min-of-distance reduction: a program holds a block of ``x`` points,
+streams ``y`` in tiles, folds each ``[BLOCK_M, BLOCK_N]`` tile of distances into a running minimum and winner,
+and writes only the winner. Two ways to form the distance tile:
+
+* ``dot`` (``norm=2``): one tensor-core product per tile on coordinates centred on the ``x`` cloud, with
+  ``|x|^2`` and ``|y|^2`` either carried as two extra columns (``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]``,
+  so the product *is* the distance: small ``D``) or added after the product (wide ``D``). Centring keeps the digits
+  of nearby points far from the origin; the products run as three TF32 passes (near float32) unless the user
+  allowed TF32.
+* ``direct`` (``norm=1``): ``sum_k |x_k - y_k|`` from the coordinate differences.
+
+The running minimum is an integer min over *keys*: the distance's float bits with the low ``log2(BLOCK_N)``
+mantissa bits replaced by the column in the tile. One integer min per distance then yields both the minimum and
+the lowest column attaining it (exact ties go to the lowest index), where a separate arg-min would cost three
+more operations per pair. The price: candidates within ``2**-(23 - log2(BLOCK_N))`` relative of each other are
+ordered by index, not by value. The distance the user gets is recomputed from the winner's coordinates
+(``function.py``), and rows that touch a non-finite coordinate are settled by the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._config import cdiv
+
+__all__ = ["nearest_dot_kernel", "nearest_direct_kernel", "nearest_indices", "AUGMENTED_MAX_DIM", "BLOCK_N"]
+
+# Largest D whose two norm columns still fit the 16-wide tensor-core step without another step.
+AUGMENTED_MAX_DIM = 14
+BLOCK_M = 128
+BLOCK_N = 64
+_NO_KEY = 2147483647
+
+_RUNTIME_INTS = [
+    "stride_xn", "stride_xp", "stride_yn", "stride_yp", "stride_sn", "stride_in", "stride_ip", "stride_tn",
+]
+
+
+@triton.jit
+def fold_key_tile(dist, start, best_key, best_col, BLOCK_N: tl.constexpr, COL_BITS: tl.constexpr):
+    """Fold a tile of distances (invalid columns: +inf) into the running (key, column) per row."""
+    cols = tl.arange(0, BLOCK_N)
+    keys = (dist.to(tl.int32, bitcast=True) & ~((1 << COL_BITS) - 1)) | cols[None, :]
+    tile_key = tl.min(keys, axis=1)
+    tile_value = tile_key & ~((1 << COL_BITS) - 1)
+    # Strictly smaller keeps the earlier tile on ties.
+    take = tile_value < best_key
+    best_col = tl.where(take, start + (tile_key & ((1 << COL_BITS) - 1)), best_col)
+    best_key = tl.where(take, tile_value, best_key)
+    return best_key, best_col
+
+
+@triton.jit
+def store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip):
+    tl.store(idx_ptr + cloud.to(tl.int64) * stride_in + rows * stride_ip, best_col, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def nearest_dot_kernel(
+    x_ptr, y_ptr, x_sq_ptr, y_sq_ptr, x_len_ptr, y_len_ptr, idx_ptr,
+    stride_xn, stride_xp, stride_yn, stride_yp, stride_sn, stride_tn, stride_in, stride_ip,
+    DIM: tl.constexpr, AUGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, COL_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    cloud = tl.program_id(1)
+    x_len = tl.load(x_len_ptr + cloud)
+    y_len = tl.load(y_len_ptr + cloud)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < x_len
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + cloud.to(tl.int64) * stride_xn + rows * stride_xp
+    y_base = y_ptr + cloud.to(tl.int64) * stride_yn
+    best_key = tl.full((BLOCK_M,), _NO_KEY, tl.int32)
+    best_col = tl.full((BLOCK_M,), -1, tl.int32)
+    if tl.program_id(0) * BLOCK_M < x_len:
+        if not AUGMENTED:
+            x_sq = tl.load(x_sq_ptr + cloud.to(tl.int64) * stride_sn + rows, mask=row_ok, other=0.0)
+        if DIM <= BLOCK_K:
+            x_tile = tl.load(x_rows[:, None] + offs_k[None, :], mask=row_ok[:, None] & (offs_k[None, :] < DIM),
+                             other=0.0)
+        for start in range(0, y_len, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < y_len
+            y_cols = y_base + cols.to(tl.int64) * stride_yp
+            if DIM <= BLOCK_K:
+                y_tile = tl.load(y_cols[:, None] + offs_k[None, :], mask=col_ok[:, None] & (offs_k[None, :] < DIM),
+                                 other=0.0)
+                dist = tl.dot(x_tile, tl.trans(y_tile), input_precision=DOT_PRECISION)
+            else:
+                dist = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for k0 in range(0, DIM, BLOCK_K):
+                    kk = k0 + offs_k
+                    xk = tl.load(x_rows[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < DIM), other=0.0)
+                    yk = tl.load(y_cols[:, None] + kk[None, :], mask=col_ok[:, None] & (kk[None, :] < DIM), other=0.0)
+                    dist = tl.dot(xk, tl.trans(yk), dist, input_precision=DOT_PRECISION)
+            if not AUGMENTED:
+                # y' = -2y: the product is -2 x.y.
+                y_sq = tl.load(y_sq_ptr + cloud.to(tl.int64) * stride_tn + cols, mask=col_ok, other=0.0)
+                dist = dist + x_sq[:, None] + y_sq[None, :]
+            dist = tl.where(col_ok[None, :], dist, float("inf"))
+            best_key, best_col = fold_key_tile(dist, start, best_key, best_col, BLOCK_N, COL_BITS)
+    store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def nearest_direct_kernel(
+    x_ptr, y_ptr, x_len_ptr, y_len_ptr, idx_ptr,
+    stride_xn, stride_xp, stride_yn, stride_yp, stride_in, stride_ip,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COL_BITS: tl.constexpr,
+):
+    cloud = tl.program_id(1)
+    x_len = tl.load(x_len_ptr + cloud)
+    y_len = tl.load(y_len_ptr + cloud)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < x_len
+    x_rows = x_ptr + cloud.to(tl.int64) * stride_xn + rows * stride_xp
+    y_base = y_ptr + cloud.to(tl.int64) * stride_yn
+    best_key = tl.full((BLOCK_M,), _NO_KEY, tl.int32)
+    best_col = tl.full((BLOCK_M,), -1, tl.int32)
+    if tl.program_id(0) * BLOCK_M < x_len:
+        for start in range(0, y_len, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < y_len
+            y_cols = y_base + cols.to(tl.int64) * stride_yp
+            dist = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k in range(0, DIM):
+                xk = tl.load(x_rows + k, mask=row_ok, other=0.0).to(tl.float32)
+                yk = tl.load(y_cols + k, mask=col_ok, other=0.0).to(tl.float32)
+                dist += tl.abs(xk[:, None] - yk[None, :])
+            dist = tl.where(col_ok[None, :], dist, float("inf"))
+            best_key, best_col = fold_key_tile(dist, start, best_key, best_col, BLOCK_N, COL_BITS)
+    store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip)
+
+
+def _dot_precision() -> str:
+    # Near-float32 products (three TF32 passes) unless the user allowed TF32 for float32 matmuls.
+    return "tf32" if torch.get_float32_matmul_precision() != "highest" else "tf32x3"
+
+
+def _centred_operands(x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor, augmented: bool):
+    """fp32 operands of the product: centred on the finite valid ``x`` points' mean."""
+    p1 = x.shape[1]
+    xf, yf = x.float(), y.float()
+    valid = torch.arange(p1, device=x.device)[None, :] < x_lengths[:, None]
+    usable = valid & torch.isfinite(xf).all(-1)
+    count = usable.sum(1, keepdim=True).clamp(min=1)
+    centre = torch.where(usable[..., None], xf, 0.0).sum(1, keepdim=True) / count[..., None]
+    xc, yc = xf - centre, yf - centre
+    x_sq, y_sq = (xc * xc).sum(-1), (yc * yc).sum(-1)
+    if augmented:
+        ones_x, ones_y = torch.ones_like(x_sq)[..., None], torch.ones_like(y_sq)[..., None]
+        xa = torch.cat([xc, ones_x, x_sq[..., None]], dim=-1).contiguous()
+        ya = torch.cat([-2.0 * yc, y_sq[..., None], ones_y], dim=-1).contiguous()
+        return xa, ya, x_sq, y_sq
+    return xc.contiguous(), (-2.0 * yc).contiguous(), x_sq.contiguous(), y_sq.contiguous()
+
+
+def nearest_indices(
+    x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor, y_lengths: torch.Tensor, norm: int,
+) -> torch.Tensor:
+    """Winner of each valid ``x`` point: int32 ``[N, P1]``, -1 for padded points and empty ``y`` clouds.
+
+    ``x [N, P1, D]`` and ``y [N, P2, D]`` on one device (unit stride along ``D`` for ``norm=1``); padded points
+    are never read. Rows touching non-finite coordinates are not meaningful here (the caller settles them)."""
+    n, p1, dim = x.shape
+    idx = torch.full((n, p1), -1, dtype=torch.int32, device=x.device)
+    if n == 0 or p1 == 0 or y.shape[1] == 0 or dim == 0:
+        return idx
+    x_len32 = x_lengths.to(torch.int32)
+    y_len32 = y_lengths.to(torch.int32)
+    grid = (cdiv(p1, BLOCK_M), n)
+    col_bits = BLOCK_N.bit_length() - 1
+    if norm == 1:
+        nearest_direct_kernel[grid](
+            x, y, x_len32, y_len32, idx,
+            x.stride(0), x.stride(1), y.stride(0), y.stride(1), idx.stride(0), idx.stride(1),
+            DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, COL_BITS=col_bits, num_warps=8,
+        )
+        return idx
+    augmented = dim <= AUGMENTED_MAX_DIM
+    xa, ya, x_sq, y_sq = _centred_operands(x, y, x_lengths, augmented)
+    width = xa.shape[-1]
+    block_k = 16 if width <= 16 else 32
+    nearest_dot_kernel[grid](
+        xa, ya, x_sq, y_sq, x_len32, y_len32, idx,
+        xa.stride(0), xa.stride(1), ya.stride(0), ya.stride(1), x_sq.stride(0), y_sq.stride(0),
+        idx.stride(0), idx.stride(1),
+        DIM=width, AUGMENTED=augmented, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, COL_BITS=col_bits,
+        DOT_PRECISION=_dot_precision(), num_warps=8, num_stages=2,
+    )
+    return idx
