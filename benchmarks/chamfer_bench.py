@@ -159,6 +159,9 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no new shape after this many seconds")
+    parser.add_argument("--methods", default="lik,flash_chamfer,chamferdist,keops,naive_cdist",
+                        help="comma-separated; run a peer that may crash its process (KeOps) in a call of its own")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -181,7 +184,10 @@ def main() -> None:
         y = torch.rand(n, p, d, device="cuda")
         sample = torch.randperm(p, device="cuda")[:2000]
         errors = {}
+        wanted = set(args.methods.split(","))
         for name, fn in _distance_fns().items():
+            if name not in wanted:
+                continue
             if p >= 1_000_000 and name != "lik":
                 continue
             try:
@@ -189,6 +195,8 @@ def main() -> None:
             except Exception as exc:
                 errors[name] = repr(exc)[:200]
         for name, fn in _methods(n, p, d).items():
+            if name not in wanted:
+                continue
             cell = {"n": n, "p": p, "d": d, "method": name, "nn_rel_error": errors.get(name)}
             if isinstance(fn, str):
                 cell["error"] = fn[:300]
@@ -216,8 +224,9 @@ def main() -> None:
             record["cells"].append(cell)
             print(json.dumps(cell), flush=True)
             torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "chamfer.json"), "w") as f:
-        json.dump(record, f, indent=1)
+            # Written after every cell: a peer that kills the process loses nothing measured before it.
+            with open(os.path.join(args.out, f"chamfer{args.tag}.json"), "w") as f:
+                json.dump(record, f, indent=1)
     print(f"\ncuBLAS fp32 (highest) {record['cublas_gflops']['fp32_highest'] / 1e3:.1f} TFLOP/s, "
           f"TF32 {record['cublas_gflops']['tf32'] / 1e3:.1f} TFLOP/s; {record['device']}, commit {commit}")
     print(f"{'N':>3} {'P':>8} {'D':>4} {'method':>14} {'fwd ms':>9} {'f+b ms':>9} {'f+b MB':>9} {'nn err':>9}")

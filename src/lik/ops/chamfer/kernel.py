@@ -33,7 +33,7 @@ __all__ = ["nearest_dot_kernel", "nearest_direct_kernel", "nearest_indices", "AU
 AUGMENTED_MAX_DIM = 14
 BLOCK_M = 128
 BLOCK_N = 64
-_NO_KEY = 2147483647
+_NO_KEY = tl.constexpr(2147483647)
 
 _RUNTIME_INTS = [
     "stride_xn", "stride_xp", "stride_yn", "stride_yp", "stride_sn", "stride_in", "stride_ip", "stride_tn",
