@@ -140,7 +140,25 @@ def _msda_workload():
             torch.use_deterministic_algorithms(False)
 
 
-WORKLOADS = {"maxsim": _maxsim_workload, "varlen": _varlen_workload, "msda": _msda_workload}
+def _chamfer_workload():
+    gen = torch.Generator().manual_seed(3)
+    for dim in (3, 40):
+        x = torch.randn(2, 70, dim, generator=gen).requires_grad_()
+        y = torch.randn(2, 90, dim, generator=gen)
+        for norm in (1, 2):
+            lik.chamfer_distance(x, y, torch.tensor([70, 3]), torch.tensor([5, 90]), norm=norm)[0].backward()
+
+
+def _quantize_workload():
+    gen = torch.Generator().manual_seed(4)
+    for dim in (3, 200, 20000):
+        lik.quantize(torch.randn(5, dim, generator=gen), torch.int8)
+
+
+WORKLOADS = {
+    "maxsim": _maxsim_workload, "varlen": _varlen_workload, "msda": _msda_workload, "chamfer": _chamfer_workload,
+    "quantize": _quantize_workload,
+}
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
