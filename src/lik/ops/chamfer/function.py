@@ -163,7 +163,8 @@ def nearest_neighbors(
         ``(distances, indices)``: float32 ``[N, P1]`` (float64 for float64 inputs), differentiable with respect
         to ``x`` and ``y``, and int64 ``[N, P1]``. Ties go to the lowest index; a NaN coordinate in a valid point
         makes the distances it touches NaN. Padded points, and points whose ``y`` cloud is empty, get distance 0
-        and index -1.
+        and index -1. On the kernels, candidates within about ``2**-17`` relative of the nearest are ordered by
+        index rather than by value, so the distance may exceed the true minimum by that much.
 
     Example:
         >>> x = torch.tensor([[[0.0, 0.0], [5.0, 5.0]]])
