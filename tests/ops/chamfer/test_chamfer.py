@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import lik
 from lik.ops.chamfer import nearest_neighbors_reference
-from lik.ops.chamfer.kernel import AUGMENTED_MAX_DIM, BLOCK_M, BLOCK_N
+from lik.ops.chamfer.kernel import AUGMENTED_MAX_DIM, BLOCK_M, BLOCK_N, DIRECT_MAX_DIM
 
 
 def _dense_nearest(x, y, xl, yl, norm):
@@ -98,7 +98,9 @@ def _clouds(rng, n, p1, p2, dim, dtype=torch.float32, garbage=True):
     return x.to(dtype), y.to(dtype), xl, yl
 
 
-@pytest.mark.parametrize("dim", [1, 2, 3, 5, AUGMENTED_MAX_DIM, AUGMENTED_MAX_DIM + 1, 33, 64])
+@pytest.mark.parametrize(
+    "dim", [1, 2, 3, 5, DIRECT_MAX_DIM, DIRECT_MAX_DIM + 1, AUGMENTED_MAX_DIM, AUGMENTED_MAX_DIM + 1, 33, 64]
+)
 @pytest.mark.parametrize("norm", [1, 2])
 def test_nearest_matches_dense_float64(dim, norm, rng):
     x, y, xl, yl = _clouds(rng, 3, BLOCK_M + 9, BLOCK_N + 6, dim)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._config import interpreting
-from .kernel import nearest_indices
+from .kernel import DIRECT_MAX_DIM, coordinate_major, nearest_indices
 from .reference import nearest_neighbors_reference
 from .validation import PointSets, check_point_sets, check_reductions
 
@@ -65,40 +65,6 @@ class _GatherRows(torch.autograd.Function):
         return grad_y, None, None
 
 
-def _settle_nonfinite_rows(sets: PointSets, idx: torch.Tensor, norm: int) -> torch.Tensor:
-    """Give the rows that touch a non-finite coordinate (a NaN or inf in the ``x`` point, or anywhere in the valid
-    part of its ``y`` cloud) the reference's winner: the kernel orders keys, not IEEE values, there."""
-    x_valid = _valid_points(sets.x_lengths, sets.x.shape[1])
-    y_valid = _valid_points(sets.y_lengths, sets.y.shape[1])
-    x_bad = x_valid & ~torch.isfinite(sets.x).all(-1)
-    y_bad = (y_valid & ~torch.isfinite(sets.y).all(-1)).any(1)
-    settle = x_bad | (y_bad[:, None] & x_valid)
-    if not bool(settle.any()):
-        return idx
-    for cloud in torch.nonzero(settle.any(1)).flatten().tolist():
-        rows = torch.nonzero(settle[cloud]).flatten()
-        y_len = sets.y_lengths[cloud:cloud + 1]
-        _, arg = nearest_neighbors_reference(
-            sets.x[cloud:cloud + 1, rows], sets.y[cloud:cloud + 1], torch.full_like(y_len, len(rows)), y_len, norm
-        )
-        idx[cloud, rows] = arg[0]
-    return idx
-
-
-def _nearest(sets: PointSets, norm: int) -> torch.Tensor:
-    """int64 ``[N, P1]`` index of each valid ``x`` point's nearest ``y`` point; -1 for padded points and empty
-    ``y`` clouds."""
-    x, y = sets.x.detach(), sets.y.detach()
-    if not _uses_kernels(x):
-        return nearest_neighbors_reference(x, y, sets.x_lengths, sets.y_lengths, norm)[1]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if y.stride(-1) != 1:
-        y = y.contiguous()
-    idx = nearest_indices(x, y, sets.x_lengths, sets.y_lengths, norm).long()
-    return _settle_nonfinite_rows(PointSets(x, y, sets.x_lengths, sets.y_lengths, sets.ragged), idx, norm)
-
-
 def _valid_points(lengths: torch.Tensor, size: int) -> torch.Tensor:
     return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
 
@@ -107,37 +73,74 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _directed(sets: PointSets, norm: int, deterministic: bool, x_normals=None, y_normals=None):
-    """Distances ``[N, P1]`` from each ``x`` point to its nearest ``y`` point (0 at padded points and where ``y``
-    is empty), the winners ``[N, P1]`` and, with normals, the ``[N, P1]`` cosine similarity of the paired normals."""
-    x, y = sets.x, sets.y
-    n, p1, _ = x.shape
-    acc = _accumulation_dtype(x.dtype)
-    idx = _nearest(sets, norm)
-    x_valid = _valid_points(sets.x_lengths, p1)
-    y_valid = _valid_points(sets.y_lengths, y.shape[1])
+class _Cloud:
+    """What both directions of a call need of one side, computed once: validity, zero-padded coordinates in the
+    accumulation dtype, NaN rows, and (kernels) the coordinate-major copy."""
+
+    def __init__(self, points: torch.Tensor, lengths: torch.Tensor, kernels: bool, direct: bool):
+        self.points = points
+        self.lengths = lengths
+        self.valid = _valid_points(lengths, points.shape[1])
+        # Padded points are replaced by zeros before any arithmetic: garbage there reaches no value and no gradient.
+        self.clean = torch.where(self.valid[..., None], points, 0).to(_accumulation_dtype(points.dtype))
+        self.nan_rows = self.nonfinite_rows = None
+        self.major = None
+        if kernels:
+            self.nan_rows = torch.isnan(points.detach()).any(-1) & self.valid
+            self.nonfinite_rows = ~torch.isfinite(points.detach()).all(-1) & self.valid
+            if direct:
+                self.major = coordinate_major(points.detach())
+
+
+def _nearest(a: _Cloud, b: _Cloud, norm: int, kernels: bool) -> torch.Tensor:
+    """int64 ``[N, P1]`` index of each valid ``a`` point's nearest ``b`` point; -1 for padded points and empty
+    ``b`` clouds."""
+    x, y = a.points.detach(), b.points.detach()
+    if not kernels:
+        return nearest_neighbors_reference(x, y, a.lengths, b.lengths, norm)[1]
+    idx = nearest_indices(x, y, a.lengths, b.lengths, norm, a.major, b.major).long()
+    if y.shape[1] == 0:
+        return idx
+    # Non-finite coordinates, on the device and without a host sync, as the reference has them: a NaN in b makes
+    # every distance to that point NaN, so the first such point wins each row; a NaN or inf in the a point makes
+    # its whole row NaN or inf, a tie the first point wins.
+    has_nan = b.nan_rows.any(1, keepdim=True)
+    first_nan = b.nan_rows.to(torch.int8).argmax(1, keepdim=True)
+    paired = idx >= 0
+    idx = torch.where(paired & has_nan, first_nan, idx)
+    return torch.where(paired & a.nonfinite_rows, 0, idx)
+
+
+def _directed(a: _Cloud, b: _Cloud, norm: int, deterministic: bool, kernels: bool, a_normals=None, b_normals=None):
+    """Distances ``[N, P1]`` from each ``a`` point to its nearest ``b`` point (0 at padded points and where ``b``
+    is empty) and, with normals, the ``[N, P1]`` cosine similarity of the paired normals."""
+    idx = _nearest(a, b, norm, kernels)
     paired = idx >= 0
     safe_idx = idx.clamp(min=0)
-    # Padded points are replaced by zeros before any arithmetic: garbage there reaches no value and no gradient.
-    x_clean = torch.where(x_valid[..., None], x, 0).to(acc)
-    y_clean = torch.where(y_valid[..., None], y, 0).to(acc)
-    if y.shape[1] == 0:
-        y_near = torch.zeros_like(x_clean)
+    if b.points.shape[1] == 0:
+        b_near = torch.zeros_like(a.clean)
     else:
-        y_near = _GatherRows.apply(y_clean, safe_idx, deterministic)
-    diff = torch.where(paired[..., None], x_clean - y_near, 0)
+        b_near = _GatherRows.apply(b.clean, safe_idx, deterministic)
+    diff = torch.where(paired[..., None], a.clean - b_near, 0)
     dist = (diff * diff).sum(-1) if norm == 2 else diff.abs().sum(-1)
     cosine = None
-    if x_normals is not None:
-        xn = torch.where(x_valid[..., None], x_normals, 0).to(acc)
-        yn = torch.where(y_valid[..., None], y_normals, 0).to(acc)
-        if y.shape[1] == 0:
-            yn_near = torch.zeros_like(xn)
+    if a_normals is not None:
+        acc = a.clean.dtype
+        an = torch.where(a.valid[..., None], a_normals, 0).to(acc)
+        bn = torch.where(b.valid[..., None], b_normals, 0).to(acc)
+        if b.points.shape[1] == 0:
+            bn_near = torch.zeros_like(an)
         else:
             # As PyTorch3D's knn_gather: a point without a neighbour pairs with a zero normal.
-            yn_near = torch.where(paired[..., None], _GatherRows.apply(yn, safe_idx, deterministic), 0)
-        cosine = F.cosine_similarity(xn, yn_near, dim=2, eps=1e-6)
+            bn_near = torch.where(paired[..., None], _GatherRows.apply(bn, safe_idx, deterministic), 0)
+        cosine = F.cosine_similarity(an, bn_near, dim=2, eps=1e-6)
     return dist, idx, cosine
+
+
+def _clouds(sets: PointSets, norm: int) -> tuple[_Cloud, _Cloud, bool]:
+    kernels = _uses_kernels(sets.x)
+    direct = norm == 1 or sets.x.shape[2] <= DIRECT_MAX_DIM
+    return _Cloud(sets.x, sets.x_lengths, kernels, direct), _Cloud(sets.y, sets.y_lengths, kernels, direct), kernels
 
 
 def nearest_neighbors(
@@ -174,7 +177,9 @@ def nearest_neighbors(
     """
     sets = check_point_sets(x, y, x_lengths, y_lengths)
     check_reductions(None, None, norm, False)
-    dist, idx, _ = _directed(sets, norm, _deterministic(backward))
+    deterministic = _deterministic(backward)
+    a, b, kernels = _clouds(sets, norm)
+    dist, idx, _ = _directed(a, b, norm, deterministic, kernels)
     return dist, idx
 
 
@@ -275,27 +280,27 @@ def chamfer_distance(
             raise ValueError("weights cannot be negative")
     deterministic = _deterministic(backward)
 
-    def one_way(a_sets: PointSets, a_normals, b_normals):
-        dist, _, cosine = _directed(a_sets, norm, deterministic, a_normals, b_normals)
-        a_valid = _valid_points(a_sets.x_lengths, a_sets.x.shape[1])
+    x_cloud, y_cloud, kernels = _clouds(sets, norm)
+
+    def one_way(a: _Cloud, b: _Cloud, a_normals, b_normals):
+        dist, _, cosine = _directed(a, b, norm, deterministic, kernels, a_normals, b_normals)
         term_n = None
         if cosine is not None:
-            term_n = torch.where(a_valid, 1 - (cosine.abs() if abs_cosine else cosine), 0)
+            term_n = torch.where(a.valid, 1 - (cosine.abs() if abs_cosine else cosine), 0)
         if weights is not None:
             w = weights.to(acc)[:, None]
             dist = dist * w
             term_n = term_n * w if term_n is not None else None
-        dist = _point_reduce(dist, a_sets.x_lengths, point_reduction)
+        dist = _point_reduce(dist, a.lengths, point_reduction)
         if term_n is not None:
-            term_n = _point_reduce(term_n, a_sets.x_lengths, point_reduction)
+            term_n = _point_reduce(term_n, a.lengths, point_reduction)
         return dist, term_n
 
-    cham_x, norm_x = one_way(sets, x_normals, y_normals)
+    cham_x, norm_x = one_way(x_cloud, y_cloud, x_normals, y_normals)
     if single_directional:
         loss, loss_normals = cham_x, norm_x
     else:
-        swapped = PointSets(sets.y, sets.x, sets.y_lengths, sets.x_lengths, sets.ragged)
-        cham_y, norm_y = one_way(swapped, y_normals, x_normals)
+        cham_y, norm_y = one_way(y_cloud, x_cloud, y_normals, x_normals)
         if point_reduction == "max":
             loss, loss_normals = torch.maximum(cham_x, cham_y), None
         elif point_reduction is None:

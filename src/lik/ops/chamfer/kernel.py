@@ -7,9 +7,11 @@ and writes only the winner. Two ways to form the distance tile:
 * ``dot`` (``norm=2``): one tensor-core product per tile on coordinates centred on the ``x`` cloud, with
   ``|x|^2`` and ``|y|^2`` either carried as two extra columns (``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]``,
   so the product *is* the distance: small ``D``) or added after the product (wide ``D``). Centring keeps the digits
-  of nearby points far from the origin; the products run as three TF32 passes (near float32) unless the user
-  allowed TF32.
-* ``direct`` (``norm=1``): ``sum_k |x_k - y_k|`` from the coordinate differences.
+  of nearby points far from the origin; float32 products are true float32 unless the user allowed TF32 (as for
+  MaxSim), half inputs use half-precision tensor cores.
+* ``direct`` (``norm=1``, and ``norm=2`` for ``D <= DIRECT_MAX_DIM``, point clouds): ``sum_k (x_k - y_k)**2``
+  (or ``|x_k - y_k|``) from the coordinate differences on the CUDA cores, exact wherever the points lie; both
+  clouds are read coordinate-major (``[N, D, P]``) so a tile's loads are contiguous.
 
 The running minimum is an integer min over *keys*: the distance's float bits with the low ``log2(BLOCK_N)``
 mantissa bits replaced by the column in the tile. One integer min per distance then yields both the minimum and
@@ -27,8 +29,13 @@ import triton.language as tl
 
 from ..._config import cdiv
 
-__all__ = ["nearest_dot_kernel", "nearest_direct_kernel", "nearest_indices", "AUGMENTED_MAX_DIM", "BLOCK_N"]
+__all__ = [
+    "nearest_dot_kernel", "nearest_direct_kernel", "nearest_indices", "AUGMENTED_MAX_DIM", "DIRECT_MAX_DIM", "BLOCK_N",
+]
 
+# Point clouds: up to this width the differences (6 FP32 operations a pair at D = 3) beat a padded tensor-core step
+# and keep every digit.
+DIRECT_MAX_DIM = 8
 # Largest D whose two norm columns still fit the 16-wide tensor-core step without another step.
 AUGMENTED_MAX_DIM = 14
 BLOCK_M = 128
@@ -101,44 +108,50 @@ def nearest_dot_kernel(
                 # y' = -2y: the product is -2 x.y.
                 y_sq = tl.load(y_sq_ptr + cloud.to(tl.int64) * stride_tn + cols, mask=col_ok, other=0.0)
                 dist = dist + x_sq[:, None] + y_sq[None, :]
-            dist = tl.where(col_ok[None, :], dist, float("inf"))
+            # An infinite y point gives inf - inf = NaN here where its true distance to a finite x is +inf.
+            dist = tl.where(col_ok[None, :] & (dist == dist), dist, float("inf"))
             best_key, best_col = fold_key_tile(dist, start, best_key, best_col, BLOCK_N, COL_BITS)
     store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def nearest_direct_kernel(
-    x_ptr, y_ptr, x_len_ptr, y_len_ptr, idx_ptr,
-    stride_xn, stride_xp, stride_yn, stride_yp, stride_in, stride_ip,
-    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COL_BITS: tl.constexpr,
+    xt_ptr, yt_ptr, x_len_ptr, y_len_ptr, idx_ptr,
+    stride_xn, stride_xk, stride_yn, stride_yk, stride_in, stride_ip,
+    DIM: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COL_BITS: tl.constexpr,
 ):
     cloud = tl.program_id(1)
     x_len = tl.load(x_len_ptr + cloud)
     y_len = tl.load(y_len_ptr + cloud)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < x_len
-    x_rows = x_ptr + cloud.to(tl.int64) * stride_xn + rows * stride_xp
-    y_base = y_ptr + cloud.to(tl.int64) * stride_yn
+    x_base = xt_ptr + cloud.to(tl.int64) * stride_xn
+    y_base = yt_ptr + cloud.to(tl.int64) * stride_yn
     best_key = tl.full((BLOCK_M,), _NO_KEY, tl.int32)
     best_col = tl.full((BLOCK_M,), -1, tl.int32)
     if tl.program_id(0) * BLOCK_M < x_len:
         for start in range(0, y_len, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < y_len
-            y_cols = y_base + cols.to(tl.int64) * stride_yp
             dist = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for k in range(0, DIM):
-                xk = tl.load(x_rows + k, mask=row_ok, other=0.0).to(tl.float32)
-                yk = tl.load(y_cols + k, mask=col_ok, other=0.0).to(tl.float32)
-                dist += tl.abs(xk[:, None] - yk[None, :])
+            for k in tl.static_range(DIM):
+                xk = tl.load(x_base + k * stride_xk + rows, mask=row_ok, other=0.0).to(tl.float32)
+                yk = tl.load(y_base + k * stride_yk + cols, mask=col_ok, other=0.0).to(tl.float32)
+                diff = xk[:, None] - yk[None, :]
+                if NORM == 1:
+                    dist += tl.abs(diff)
+                else:
+                    dist += diff * diff
             dist = tl.where(col_ok[None, :], dist, float("inf"))
             best_key, best_col = fold_key_tile(dist, start, best_key, best_col, BLOCK_N, COL_BITS)
     store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip)
 
 
-def _dot_precision() -> str:
-    # Near-float32 products (three TF32 passes) unless the user allowed TF32 for float32 matmuls.
-    return "tf32" if torch.get_float32_matmul_precision() != "highest" else "tf32x3"
+def _dot_precision(dtype: torch.dtype) -> str:
+    # As MaxSim: float32 products are true float32 unless the user allowed TF32 for float32 matmuls.
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def _centred_operands(x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor, augmented: bool):
@@ -159,13 +172,20 @@ def _centred_operands(x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor,
     return xc.contiguous(), (-2.0 * yc).contiguous(), x_sq.contiguous(), y_sq.contiguous()
 
 
+def coordinate_major(points: torch.Tensor) -> torch.Tensor:
+    """``[N, P, D]`` -> contiguous ``[N, D, P]`` (the direct kernel's layout), in the input dtype."""
+    return points.transpose(1, 2).contiguous()
+
+
 def nearest_indices(
     x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor, y_lengths: torch.Tensor, norm: int,
+    xt: torch.Tensor | None = None, yt: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Winner of each valid ``x`` point: int32 ``[N, P1]``, -1 for padded points and empty ``y`` clouds.
 
-    ``x [N, P1, D]`` and ``y [N, P2, D]`` on one device (unit stride along ``D`` for ``norm=1``); padded points
-    are never read. Rows touching non-finite coordinates are not meaningful here (the caller settles them)."""
+    ``x [N, P1, D]`` and ``y [N, P2, D]`` on one device; ``xt`` / ``yt`` may pass their
+    :func:`coordinate_major` copies (a Chamfer call makes them once for both directions). Padded points are
+    never read. Among non-finite distances the winner is unspecified (the caller settles NaN rows)."""
     n, p1, dim = x.shape
     idx = torch.full((n, p1), -1, dtype=torch.int32, device=x.device)
     if n == 0 or p1 == 0 or y.shape[1] == 0 or dim == 0:
@@ -174,22 +194,27 @@ def nearest_indices(
     y_len32 = y_lengths.to(torch.int32)
     grid = (cdiv(p1, BLOCK_M), n)
     col_bits = BLOCK_N.bit_length() - 1
-    if norm == 1:
+    if norm == 1 or dim <= DIRECT_MAX_DIM:
+        xt = coordinate_major(x) if xt is None else xt
+        yt = coordinate_major(y) if yt is None else yt
         nearest_direct_kernel[grid](
-            x, y, x_len32, y_len32, idx,
-            x.stride(0), x.stride(1), y.stride(0), y.stride(1), idx.stride(0), idx.stride(1),
-            DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, COL_BITS=col_bits, num_warps=8,
+            xt, yt, x_len32, y_len32, idx,
+            xt.stride(0), xt.stride(1), yt.stride(0), yt.stride(1), idx.stride(0), idx.stride(1),
+            DIM=dim, NORM=norm, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, COL_BITS=col_bits, num_warps=8,
         )
         return idx
     augmented = dim <= AUGMENTED_MAX_DIM
     xa, ya, x_sq, y_sq = _centred_operands(x, y, x_lengths, augmented)
+    if x.dtype != torch.float32 and not augmented:
+        # Half inputs: the centred operands back in the input dtype feed the half-precision tensor cores.
+        xa, ya = xa.to(x.dtype), ya.to(x.dtype)
     width = xa.shape[-1]
-    block_k = 16 if width <= 16 else 32
+    block_k = 16 if width <= 16 else (32 if xa.dtype == torch.float32 else 64)
     nearest_dot_kernel[grid](
         xa, ya, x_sq, y_sq, x_len32, y_len32, idx,
         xa.stride(0), xa.stride(1), ya.stride(0), ya.stride(1), x_sq.stride(0), y_sq.stride(0),
         idx.stride(0), idx.stride(1),
         DIM=width, AUGMENTED=augmented, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, COL_BITS=col_bits,
-        DOT_PRECISION=_dot_precision(), num_warps=8, num_stages=2,
+        DOT_PRECISION=_dot_precision(xa.dtype), num_warps=8, num_stages=3,
     )
     return idx
