@@ -353,4 +353,4 @@ def test_gpu_million_points_memory_is_linear():
     sub = torch.randint(0, 1_000_000, (2000,), device="cuda")
     dist, idx = lik.nearest_neighbors(x[:, sub].detach(), y)
     ref, _ = nearest_neighbors_reference(x[:, sub].detach().cpu(), y.cpu(), torch.tensor([2000]), torch.tensor([1_000_000]))
-    torch.testing.assert_close(dist.cpu(), ref, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(dist.cpu(), ref, rtol=2e-5, atol=1e-9)
