@@ -142,7 +142,7 @@ def _msda_workload():
 
 def _chamfer_workload():
     gen = torch.Generator().manual_seed(3)
-    for dim in (3, 40):
+    for dim in (3, 40, 1000):
         x = torch.randn(2, 70, dim, generator=gen).requires_grad_()
         y = torch.randn(2, 90, dim, generator=gen)
         for norm in (1, 2):

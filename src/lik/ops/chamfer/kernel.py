@@ -40,6 +40,8 @@ DIRECT_MAX_DIM = 8
 AUGMENTED_MAX_DIM = 14
 BLOCK_M = 128
 BLOCK_N = 64
+# The direct kernel unrolls its coordinate loop up to this width.
+UNROLLED_MAX_DIM = tl.constexpr(16)
 _NO_KEY = tl.constexpr(2147483647)
 
 _RUNTIME_INTS = [
@@ -114,6 +116,17 @@ def nearest_dot_kernel(
     store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip)
 
 
+@triton.jit
+def add_coordinate(dist, x_base, y_base, k, rows, cols, row_ok, col_ok, stride_xk, stride_yk, NORM: tl.constexpr):
+    """Add coordinate ``k``'s term of every pair: ``(x_k - y_k)**2`` (``NORM`` 2) or ``|x_k - y_k|``."""
+    xk = tl.load(x_base + k * stride_xk + rows, mask=row_ok, other=0.0).to(tl.float32)
+    yk = tl.load(y_base + k * stride_yk + cols, mask=col_ok, other=0.0).to(tl.float32)
+    diff = xk[:, None] - yk[None, :]
+    if NORM == 1:
+        return dist + tl.abs(diff)
+    return dist + diff * diff
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def nearest_direct_kernel(
     xt_ptr, yt_ptr, x_len_ptr, y_len_ptr, idx_ptr,
@@ -134,14 +147,12 @@ def nearest_direct_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < y_len
             dist = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for k in tl.static_range(DIM):
-                xk = tl.load(x_base + k * stride_xk + rows, mask=row_ok, other=0.0).to(tl.float32)
-                yk = tl.load(y_base + k * stride_yk + cols, mask=col_ok, other=0.0).to(tl.float32)
-                diff = xk[:, None] - yk[None, :]
-                if NORM == 1:
-                    dist += tl.abs(diff)
-                else:
-                    dist += diff * diff
+            if DIM <= UNROLLED_MAX_DIM:
+                for k in tl.static_range(DIM):
+                    dist = add_coordinate(dist, x_base, y_base, k, rows, cols, row_ok, col_ok, stride_xk, stride_yk, NORM)
+            else:  # wide feature sets under norm=1: a runtime loop, not thousands of unrolled steps
+                for k in range(0, DIM):
+                    dist = add_coordinate(dist, x_base, y_base, k, rows, cols, row_ok, col_ok, stride_xk, stride_yk, NORM)
             dist = tl.where(col_ok[None, :], dist, float("inf"))
             best_key, best_col = fold_key_tile(dist, start, best_key, best_col, BLOCK_N, COL_BITS)
     store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip)
