@@ -262,3 +262,20 @@ def test_operator_names_are_kept():
         assert hasattr(torch.ops.lik, name), name
     assert maxsim_function._forward.op._qualname == "lik::maxsim_forward"
     assert msda_function._backward_kernels.op._qualname == "lik::msda_backward"
+
+
+@pytest.mark.gpu
+def test_gpu_inference_and_autograd_paths_give_the_same_forward(maxsim_problem, msda_problem):
+    """On the GPU, eager inference (direct launch), the autograd Function and torch.compile run the same kernels."""
+    q, d, d_mask = (t.cuda() for t in maxsim_problem)
+    q, d = q.half(), d.half()
+    inference = lik.maxsim(q, d, d_mask=d_mask)
+    trained = lik.maxsim(q.clone().requires_grad_(), d, d_mask=d_mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, d: lik.maxsim(q, d, d_mask=d_mask), fullgraph=True)(q, d)
+    assert inference.grad_fn is None and trained.grad_fn is not None
+    assert torch.equal(inference, trained.detach()) and torch.equal(inference, compiled)
+    value, shapes, starts, loc, weights = (t.cuda() for t in msda_problem)
+    inference = lik.ms_deform_attn(value, shapes, starts, loc, weights)
+    trained = lik.ms_deform_attn(value.clone().requires_grad_(), shapes, starts, loc, weights)
+    assert inference.grad_fn is None and torch.equal(inference, trained.detach())
