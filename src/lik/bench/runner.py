@@ -355,7 +355,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         raise SystemExit("lik bench: no CUDA device; use --smoke for the CPU plumbing check")
     dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "fp16")]
     if dtype == torch.float32 and device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32, the fp32 setting the bar is about
+        torch.set_float32_matmul_precision("high")  # TF32: lik's fp32 numbers are measured with it
     shapes = _selected_shapes(args)
     methods = select_methods(args.methods.split(",") if args.methods else None)
     rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 3)
