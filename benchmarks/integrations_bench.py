@@ -164,11 +164,77 @@ def bench_colpali(n_pages=1000, page_len=1030, query_counts=(16, 128), dim=128):
     return rows
 
 
+def check_peers(peers_dir: str) -> dict:
+    """The migration modules against the real peer kernels (fp16, L2-normalised, ragged lengths): max |diff|."""
+    sys.path.insert(0, peers_dir)
+    import flash_maxsim as fm
+    import late_interaction_kernels as li
+
+    import lik
+    import lik.integrations.flash_maxsim as our_fm
+    import lik.integrations.late_interaction_kernels as our_li
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def rand(*shape):
+        return torch.nn.functional.normalize(torch.randn(*shape, device="cuda", generator=g), dim=-1).half()
+
+    Q, D = rand(4, 32, 128), rand(50, 300, 128)
+    lengths = torch.randint(1, 301, (50,), device="cuda", generator=g).int()
+    d_mask = torch.arange(300, device="cuda")[None] < lengths[:, None]
+    q_mask = torch.ones(4, 32, dtype=torch.bool, device="cuda")
+    q_mask[1, 20:] = False
+    docs = [D[i, :n] for i, n in enumerate(lengths.tolist())]
+    queries = [Q[0, :32], Q[1, :20], Q[2], Q[3]]
+    out = {}
+
+    def record(name, fn):
+        try:
+            ours, theirs = fn()
+            out[name] = (ours.float() - theirs.float()).abs().max().item()
+        except Exception as error:  # record and go on: one failing check must not lose the others
+            out[name] = f"error: {type(error).__name__}: {error}"[:300]
+
+    record("flash_maxsim", lambda: (our_fm.flash_maxsim(Q[0], D, lengths), fm.flash_maxsim(Q[0], D, lengths)))
+    record("flash_maxsim_batched", lambda: (our_fm.flash_maxsim_batched(Q, D, lengths),
+                                            fm.flash_maxsim_batched(Q, D, lengths)))
+    record("flash_maxsim_batched_train", lambda: (our_fm.flash_maxsim_batched_train(Q, D, doc_lengths=lengths),
+                                                  fm.flash_maxsim_batched_train(Q, D, doc_lengths=lengths)))
+    packed, cu, max_d = our_fm.pack_docs(docs)
+    record("flash_maxsim_packed", lambda: (our_fm.flash_maxsim_packed(Q[0], packed, cu, max_d),
+                                           fm.flash_maxsim_packed(Q[0], packed, cu, max_d)))
+    pairs = our_fm.pack_pairs(queries, docs[:4])
+    record("flash_maxsim_varlen", lambda: (our_fm.flash_maxsim_varlen(*pairs), fm.flash_maxsim_varlen(*pairs)))
+    record("lik_peer_maxsim", lambda: (our_li.maxsim(Q, D, q_mask, d_mask), li.maxsim(Q, D, q_mask, d_mask)))
+    record("lik_peer_maxsim_kd", lambda: (our_li.maxsim(Q, D[:40].view(4, 10, 300, 128), q_mask,
+                                                        d_mask[:40].view(4, 10, 300)),
+                                          li.maxsim(Q, D[:40].view(4, 10, 300, 128), q_mask,
+                                                    d_mask[:40].view(4, 10, 300))))
+    record("lik_peer_maxsim_pairs", lambda: (our_li.maxsim_pairs(Q, D[:4], q_mask, d_mask[:4]),
+                                             li.maxsim_pairs(Q, D[:4], q_mask, d_mask[:4])))
+    q_packed, cu_q, _ = lik.pack(queries)
+    record("lik_peer_maxsim_varlen", lambda: (our_li.maxsim_varlen(q_packed, packed, cu_q, cu),
+                                              li.maxsim_varlen(q_packed, packed, cu_q, cu)))
+    record("lik_peer_retrieve_scores", lambda: (our_li.retrieve(Q, D, 10, q_mask, d_mask)[0],
+                                                li.retrieve(Q, D, 10, q_mask, d_mask)[0]))
+    empty = D[:2].clone()
+    empty_lengths = torch.tensor([0, 300], device="cuda", dtype=torch.int32)
+    try:
+        out["empty_document_flash"] = fm.flash_maxsim(Q[0], empty, empty_lengths).tolist()
+        out["empty_document_lik"] = our_fm.flash_maxsim(Q[0], empty, empty_lengths).tolist()
+    except Exception as error:
+        out["empty_document"] = f"error: {error}"[:300]
+    for name, value in out.items():
+        print(f"peer check {name}: {value}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--minilm", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--batches", default="32,128")
+    parser.add_argument("--peers", default=None, help="folder holding flash_maxsim and late_interaction_kernels")
     args = parser.parse_args()
     stubbed = _stub_missing(["datasets", "ujson", "voyager", "sqlitedict", "fast_plaid", "fastkmeans"])
     record = {
@@ -177,6 +243,10 @@ def main() -> None:
         "colpali": bench_colpali(),
         "pylate": bench_pylate(args.minilm, [int(b) for b in args.batches.split(",")]),
     }
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    if args.peers:
+        record["peers"] = check_peers(args.peers)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
 
