@@ -14,6 +14,7 @@ empty stand-ins where they are not installed.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -43,6 +44,7 @@ def _stub_missing(names):
             # Any name imported from a stand-in is an empty class (type hints, isinstance checks never taken).
             module.__getattr__ = _stand_in_attribute(name)
             module.__path__ = []
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
             sys.modules[name] = module
             stubbed.append(name)
     return stubbed
@@ -236,17 +238,22 @@ def main() -> None:
     parser.add_argument("--batches", default="32,128")
     parser.add_argument("--peers", default=None, help="folder holding flash_maxsim and late_interaction_kernels")
     args = parser.parse_args()
-    stubbed = _stub_missing(["datasets", "ujson", "voyager", "sqlitedict", "fast_plaid", "fastkmeans"])
+    stubbed = _stub_missing(["datasets", "ujson", "voyager", "sqlitedict", "fast_plaid", "fastkmeans", "pandas",
+                             "accelerate"])
     record = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "commit": os.environ.get("LIK_COMMIT", "unknown"), "stubbed_modules": stubbed,
-        "colpali": bench_colpali(),
-        "pylate": bench_pylate(args.minilm, [int(b) for b in args.batches.split(",")]),
     }
+    record["colpali"] = bench_colpali()
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    record["pylate"] = bench_pylate(args.minilm, [int(b) for b in args.batches.split(",")])
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     if args.peers:
         record["peers"] = check_peers(args.peers)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
 
