@@ -72,7 +72,9 @@ def _peak(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def bench_pylate(minilm: str, batch_sizes, q_len=32, d_len=180):
+def pylate_step(minilm: str, batch: int, q_len: int = 32, d_len: int = 180):
+    """A closure running one PyLate ``Contrastive`` training step (bf16 autocast) of a randomly initialised
+    all-MiniLM-L6-v2 ColBERT (128-d projection) on ``batch`` queries, one positive and one negative each."""
     import lik.integrations.pylate as lik_pylate
     from pylate import losses, models
     from sentence_transformers.models import Transformer
@@ -90,27 +92,32 @@ def bench_pylate(minilm: str, batch_sizes, q_len=32, d_len=180):
     )
     loss_fn = losses.Contrastive(model=model)
     words = "the a fast kernel scores late interaction documents queries tokens gpu memory".split()
+    g = torch.Generator().manual_seed(batch)
+
+    def text(n):
+        return " ".join(words[i] for i in torch.randint(len(words), (n,), generator=g).tolist())
+
+    queries = model.tokenize([text(12) for _ in range(batch)], is_query=True)
+    docs = model.tokenize([text(400) for _ in range(2 * batch)], is_query=False)  # truncated to d_len
+    docs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in docs.items()}
+    features = [{k: v.cuda() if torch.is_tensor(v) else v for k, v in queries.items()},
+                {k: (v[:batch] if torch.is_tensor(v) else v) for k, v in docs.items()},
+                {k: (v[batch:] if torch.is_tensor(v) else v) for k, v in docs.items()}]
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(features)
+        loss.backward()
+        return loss
+
+    return step, lik_pylate
+
+
+def bench_pylate(minilm: str, batch_sizes, q_len=32, d_len=180):
     rows = []
     for batch in batch_sizes:
-        g = torch.Generator().manual_seed(batch)
-
-        def text(n):
-            return " ".join(words[i] for i in torch.randint(len(words), (n,), generator=g).tolist())
-
-        queries = model.tokenize([text(12) for _ in range(batch)], is_query=True)
-        docs = model.tokenize([text(400) for _ in range(2 * batch)], is_query=False)  # truncated to d_len
-        docs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in docs.items()}
-        features = [{k: v.cuda() if torch.is_tensor(v) else v for k, v in queries.items()},
-                    {k: (v[:batch] if torch.is_tensor(v) else v) for k, v in docs.items()},
-                    {k: (v[batch:] if torch.is_tensor(v) else v) for k, v in docs.items()}]
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_fn(features)
-            loss.backward()
-            return loss
-
+        step, lik_pylate = pylate_step(minilm, batch, q_len, d_len)
         results = {}
         for method in ("stock", "lik", "stock", "lik"):  # interleaved; the second round is the one kept
             if method == "lik":

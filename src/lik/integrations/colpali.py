@@ -44,7 +44,7 @@ from . import _patching
 __all__ = ["score_multi_vector", "maxsim_inbatch", "maxsim_kd", "enable", "disable", "enabled", "is_enabled"]
 
 # Pages packed and scored together in score_multi_vector: bounds the packed copy (bytes), not the result.
-_PACK_BUDGET_BYTES = 512 * 1024 * 1024
+_PACK_BUDGET_BYTES = 128 * 1024 * 1024
 
 
 def _auto_device() -> str:
@@ -104,19 +104,29 @@ def _items(name: str, x) -> list[torch.Tensor] | torch.Tensor:
     raise TypeError(f"{name} must be a tensor or a list of tensors, got {type(x).__name__}")
 
 
-def _pages_with_block_padding(pages: list[torch.Tensor], batch_size: int, device) -> list[torch.Tensor]:
-    """Each page, on ``device``, followed by one zero token where colpali-engine's per-block padding gives it
-    at least one (its block of ``batch_size`` pages holds a longer page)."""
+def _needs_zero_token(lengths: list[int], batch_size: int) -> list[bool]:
+    """Which pages colpali-engine's per-block padding gives at least one zero token (a longer page shares their
+    block of ``batch_size``)."""
     out = []
-    for start in range(0, len(pages), batch_size):
-        block = pages[start:start + batch_size]
-        longest = max(page.shape[0] for page in block)
-        for page in block:
-            page = page.to(device)
-            if page.shape[0] < longest:
-                page = torch.cat([page, page.new_zeros(1, page.shape[1])])
-            out.append(page)
+    for start in range(0, len(lengths), batch_size):
+        block = lengths[start:start + batch_size]
+        longest = max(block)
+        out.extend(n < longest for n in block)
     return out
+
+
+def _pack_group(pages: list[torch.Tensor], padded: list[bool], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pages packed on ``device`` (one zero token after each flagged page), their int32 offsets, the longest."""
+    lengths = [page.shape[0] + int(pad) for page, pad in zip(pages, padded)]
+    if any(padded):
+        zero = pages[0].new_zeros(1, pages[0].shape[1])
+        pieces = [piece for page, pad in zip(pages, padded) for piece in ((page, zero) if pad else (page,))]
+    else:
+        pieces = pages
+    d = torch.cat(pieces).to(device)  # one copy (on the pages' device), then at most one transfer
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return d, cu.to(torch.int32).to(device, non_blocking=True), max(lengths)
 
 
 def score_multi_vector(
@@ -132,7 +142,7 @@ def score_multi_vector(
         ps: page embeddings, a list of ``[Ld_j, d]`` tensors or one zero-padded ``[n_pages, Ld, d]`` tensor;
             same dtype as ``qs`` (bfloat16, float16, float32).
         batch_size: the block size whose zero padding colpali-engine's scores reflect (see the module doc); it
-            does not bound memory here (pages are scored in packed chunks of at most 512 MiB).
+            does not bound memory here (pages are scored in packed chunks of at most 128 MiB).
         device: where to score; default: the first CUDA GPU, else MPS, else the CPU (colpali-engine's rule).
 
     Returns:
@@ -171,23 +181,21 @@ def score_multi_vector(
         with torch.no_grad():
             scores = [maxsim(q, pages[i:i + chunk]) for i in range(0, pages.shape[0], chunk)]
         return torch.cat(scores, dim=1).cpu().float()
+    lengths = [page.shape[0] for page in pages]
+    padded = _needs_zero_token(lengths, batch_size)
+    row_bytes = pages[0].shape[1] * pages[0].element_size()
     scores = []
     with torch.no_grad():
-        padded = _pages_with_block_padding(pages, batch_size, device)
         start = 0
-        while start < len(padded):
-            stop, size = start, 0
-            while stop < len(padded) and (stop == start or size + padded[stop].numel() * padded[stop].element_size()
-                                          <= _PACK_BUDGET_BYTES):
-                size += padded[stop].numel() * padded[stop].element_size()
+        while start < len(pages):
+            stop, size = start + 1, (lengths[start] + 1) * row_bytes
+            while stop < len(pages) and size + (lengths[stop] + 1) * row_bytes <= _PACK_BUDGET_BYTES:
+                size += (lengths[stop] + 1) * row_bytes
                 stop += 1
-            group = padded[start:stop]
-            lengths = torch.tensor([0] + [page.shape[0] for page in group], dtype=torch.int64)
-            cu = lengths.cumsum(0).to(torch.int32).to(device)
-            d = torch.cat(group)
+            d, cu, longest = _pack_group(pages[start:stop], padded[start:stop], device)
             if d.dtype != q.dtype:
                 raise TypeError(f"ps has dtype {d.dtype} but qs has {q.dtype}: pass both in one dtype")
-            scores.append(maxsim_packed(q, d, cu, max_seqlen_d=int(lengths.max())))
+            scores.append(maxsim_packed(q, d, cu, max_seqlen_d=longest))
             start = stop
     return torch.cat(scores, dim=1).cpu().float()
 
