@@ -7,7 +7,10 @@ that exactly, including its consequence that a page shorter than the longest pag
 ``batch_size`` competes against one zero token while the longest does not: lik adds one zero token to exactly
 the pages colpali-engine pads. Deliberate differences: the sums run in fp32 (colpali-engine sums bfloat16
 embeddings in bfloat16 and casts the result to float32 afterwards), and nothing of size
-``[queries, pages, Lq, Ld]`` is ever materialised.
+``[queries, pages, Lq, Ld]`` is ever materialised. Gradients agree with colpali-engine's except at exact ties,
+which only zero padding produces (a zero query row ties across every document token): ``amax`` splits the gradient
+among tied tokens, lik gives it to the first; the padding mask of the model that produced the embeddings stops
+both.
 
 * :func:`score_multi_vector` ``(qs, ps, batch_size=128, device=None) -> float32 [n_queries, n_pages]`` on the
   CPU, as ``BaseVisualRetrieverProcessor.score_multi_vector``;
