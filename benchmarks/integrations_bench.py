@@ -56,6 +56,8 @@ def _import_colpali_scoring():
     for package in ("colpali_engine", "colpali_engine.utils", "colpali_engine.loss"):
         module = types.ModuleType(package)
         module.__path__ = [root + package[len("colpali_engine"):].replace(".", "/")]
+        module.__spec__ = importlib.machinery.ModuleSpec(package, None, is_package=True)
+        module.__spec__.submodule_search_locations = module.__path__
         sys.modules[package] = module
     import colpali_engine.utils.maxsim  # noqa: F401
     import colpali_engine.utils.processing_utils as processing

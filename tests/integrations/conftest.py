@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -38,6 +39,8 @@ def import_colpali_scoring():
         for package in ("colpali_engine", "colpali_engine.utils", "colpali_engine.loss"):
             module = types.ModuleType(package)
             module.__path__ = [root + package[len("colpali_engine"):].replace(".", "/")]
+            module.__spec__ = importlib.machinery.ModuleSpec(package, None, is_package=True)
+            module.__spec__.submodule_search_locations = module.__path__
             sys.modules[package] = module
     return tuple(importlib.import_module(name) for name in (
         "colpali_engine.utils.maxsim", "colpali_engine.utils.processing_utils",
