@@ -246,6 +246,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batches", default="32,128")
     parser.add_argument("--peers", default=None, help="folder holding flash_maxsim and late_interaction_kernels")
+    parser.add_argument("--parts", default="colpali,pylate", help="comma-separated: colpali, pylate")
     args = parser.parse_args()
     stubbed = _stub_missing(["datasets", "ujson", "voyager", "sqlitedict", "fast_plaid", "fastkmeans", "pandas",
                              "accelerate"])
@@ -253,12 +254,15 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "commit": os.environ.get("LIK_COMMIT", "unknown"), "stubbed_modules": stubbed,
     }
-    record["colpali"] = bench_colpali()
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
-    record["pylate"] = bench_pylate(args.minilm, [int(b) for b in args.batches.split(",")])
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+    parts = args.parts.split(",")
+    if "colpali" in parts:
+        record["colpali"] = bench_colpali()
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    if "pylate" in parts:
+        record["pylate"] = bench_pylate(args.minilm, [int(b) for b in args.batches.split(",")])
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
     if args.peers:
         record["peers"] = check_peers(args.peers)
         with open(args.out, "w") as f:
