@@ -25,6 +25,9 @@ def test_score_multi_vector_matches_block_padding(colpali_scoring, rng):
         got = lik_colpali.score_multi_vector(qs, ps, batch_size=batch_size, device="cpu")
         assert got.dtype == torch.float32 and got.device.type == "cpu"
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+    equal = _ragged(rng, (6, 6, 6, 6))  # equal pages take the dense path
+    torch.testing.assert_close(lik_colpali.score_multi_vector(qs, equal, batch_size=3, device="cpu"),
+                               stock(qs, equal, batch_size=3, device="cpu"), rtol=1e-6, atol=1e-5)
     padded = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True)
     torch.testing.assert_close(lik_colpali.score_multi_vector(torch.stack(qs[:1]), padded, device="cpu"),
                                stock(torch.stack(qs[:1]), padded, device="cpu"), rtol=1e-6, atol=1e-5)

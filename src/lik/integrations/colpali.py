@@ -195,10 +195,18 @@ def score_multi_vector(
             while stop < len(pages) and size + (lengths[stop] + 1) * row_bytes <= _PACK_BUDGET_BYTES:
                 size += (lengths[stop] + 1) * row_bytes
                 stop += 1
-            d, cu, longest = _pack_group(pages[start:stop], padded[start:stop], device)
-            if d.dtype != q.dtype:
-                raise TypeError(f"ps has dtype {d.dtype} but qs has {q.dtype}: pass both in one dtype")
-            scores.append(maxsim_packed(q, d, cu, max_seqlen_d=longest))
+            group_lengths = lengths[start:stop]
+            if not any(padded[start:stop]) and min(group_lengths) == max(group_lengths):
+                # Equal pages (the usual ColPali case): one dense [n, L, d] batch for the padded kernels.
+                d = torch.stack(pages[start:stop]).to(device)
+                if d.dtype != q.dtype:
+                    raise TypeError(f"ps has dtype {d.dtype} but qs has {q.dtype}: pass both in one dtype")
+                scores.append(maxsim(q, d))
+            else:
+                d, cu, longest = _pack_group(pages[start:stop], padded[start:stop], device)
+                if d.dtype != q.dtype:
+                    raise TypeError(f"ps has dtype {d.dtype} but qs has {q.dtype}: pass both in one dtype")
+                scores.append(maxsim_packed(q, d, cu, max_seqlen_d=longest))
             start = stop
     return torch.cat(scores, dim=1).cpu().float()
 
