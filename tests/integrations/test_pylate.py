@@ -263,3 +263,16 @@ def test_fine_tuning_with_and_without_enable_agree(tiny_colbert):
             if a is not None:
                 torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     assert stock[0][0] != stock[-1][0]  # the steps did train
+
+
+def test_model_similarity_scores_with_lik(tiny_colbert, monkeypatch, rng):
+    calls = []
+    real = lik_pylate.maxsim
+    monkeypatch.setattr(lik_pylate, "maxsim", lambda *a, **k: calls.append(1) or real(*a, **k))
+    Q, D = torch.randn(2, 5, 64, generator=rng), torch.randn(3, 7, 64, generator=rng)
+    stock = tiny_colbert.similarity(Q, D)
+    assert calls == []
+    with lik_pylate.enabled():
+        scores = tiny_colbert.similarity(Q, D)
+    assert calls == [1]
+    torch.testing.assert_close(scores, stock, rtol=1e-5, atol=1e-5)
