@@ -62,3 +62,12 @@ def test_models_built_after_enable_call_lik(monkeypatch):
     assert len(calls) == len(attns)  # every deformable-attention layer ran lik, once per forward
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert lik_transformers.patch_model(stock_model) == len(attns)
+
+
+@pytest.mark.parametrize("short", ["grounding_dino", "rt_detr", "mm_grounding_dino", "omdet_turbo"])
+def test_enable_covers_the_family(short):
+    modeling = pytest.importorskip(f"transformers.models.{short}.modeling_{short}")
+    stock = modeling.MultiScaleDeformableAttention
+    with lik_transformers.enabled():
+        assert modeling.MultiScaleDeformableAttention is lik_transformers.MultiScaleDeformableAttention
+    assert modeling.MultiScaleDeformableAttention is stock
