@@ -276,3 +276,37 @@ def test_model_similarity_scores_with_lik(tiny_colbert, monkeypatch, rng):
         scores = tiny_colbert.similarity(Q, D)
     assert calls == [1]
     torch.testing.assert_close(scores, stock, rtol=1e-5, atol=1e-5)
+
+
+class _TokenIndex:
+    """The two calls retrieve.ColBERT makes of a token-level index: candidates per query token, and the
+    candidates' embeddings."""
+
+    is_end_to_end_index = False
+
+    def __init__(self, documents):
+        self.documents = documents
+
+    def __call__(self, queries_embeddings, k):
+        return {"documents_ids": [[list(self.documents)[:k] for _ in query] for query in queries_embeddings]}
+
+    def get_documents_embeddings(self, documents_ids):
+        return [[self.documents[i] for i in ids] for ids in documents_ids]
+
+
+def test_retrieve_colbert_scores_with_lik(monkeypatch, rng):
+    from pylate import retrieve
+
+    documents = {f"doc{i}": torch.randn(n, 16, generator=rng) for i, n in enumerate((5, 9, 3, 7))}
+    queries = [torch.randn(4, 16, generator=rng), torch.randn(6, 16, generator=rng)]
+    retriever = retrieve.ColBERT(index=_TokenIndex(documents))
+    stock = retriever.retrieve(queries, k=3, device="cpu")
+    calls = []
+    real = lik_pylate.maxsim
+    monkeypatch.setattr(lik_pylate, "maxsim", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with lik_pylate.enabled():
+        ours = retriever.retrieve(queries, k=3, device="cpu")
+    assert len(calls) == 2  # one rerank call per query
+    for a, b in zip(stock, ours):
+        assert [r["id"] for r in a] == [r["id"] for r in b]
+        assert [r["score"] for r in b] == pytest.approx([r["score"] for r in a], rel=1e-5, abs=1e-5)
