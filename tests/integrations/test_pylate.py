@@ -253,9 +253,14 @@ def _fine_tune(model, use_lik, steps=3):
     return history
 
 
-def test_fine_tuning_with_and_without_enable_agree(tiny_colbert):
+def test_fine_tuning_with_and_without_enable_agree(tiny_colbert, monkeypatch):
+    calls = []
+    real = lik_pylate.maxsim
+    monkeypatch.setattr(lik_pylate, "maxsim", lambda *a, **k: calls.append(1) or real(*a, **k))
     stock = _fine_tune(tiny_colbert, use_lik=False)
+    assert calls == []
     with_lik = _fine_tune(tiny_colbert, use_lik=True)
+    assert len(calls) == 3  # the Contrastive loss's ColBERTScores: one fused lik call per step
     for (loss_a, grads_a), (loss_b, grads_b) in zip(stock, with_lik):
         assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-6)
         for a, b in zip(grads_a, grads_b):
