@@ -22,8 +22,13 @@ else
 endif
 	touch $@
 
+# PyLate and colpali-engine pin packages that cannot install beside this torch (see pyproject's test extra):
+# the integration tests need only their Python modules, whose imports the test extra provides.
+TEST_HOSTS ?= pylate==1.6.0 colpali-engine==0.3.18
+
 $(VENV)/.lik-test: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps $(TEST_HOSTS)
 	touch $@
 
 $(VENV)/.lik-demo: $(VENV)/.torch pyproject.toml

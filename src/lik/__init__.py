@@ -14,6 +14,8 @@ Public functions (see README.md for shapes and semantics):
 * :func:`lik.ms_deform_attn` -- multi-scale deformable attention (Deformable DETR family), trainable; aliases
   :class:`lik.MSDeformAttnFunction` / :class:`lik.MultiScaleDeformableAttnFunction` and the stateless
   :class:`lik.MultiScaleDeformableAttention` module with the transformers signature.
+* :mod:`lik.integrations` -- lik inside PyLate, colpali-engine, sentence-transformers and transformers (one-line
+  ``enable()`` switches) and the peer libraries' APIs; host libraries are imported only when used.
 
 Subpackages are named after what they hold (``lik.ops.maxsim``, ``lik.ops.msda``, ``lik.retrieval``), never
 after a public function, so ``lik.search`` is always the function.
@@ -29,10 +31,10 @@ from .ops.maxsim import (
     pack,
     unpack,
 )
+from .integrations.transformers import MultiScaleDeformableAttention
 from .ops.chamfer import chamfer_distance, nearest_neighbors
 from .ops.msda import (
     MSDeformAttnFunction,
-    MultiScaleDeformableAttention,
     MultiScaleDeformableAttnFunction,
     ms_deform_attn,
     ms_deform_attn_reference,

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import lik._config as config
+from lik.integrations.transformers import MultiScaleDeformableAttention
 from lik.ops.msda import (
     MSDeformAttnFunction,
-    MultiScaleDeformableAttention,
     MultiScaleDeformableAttnFunction,
     ms_deform_attn,
     ms_deform_attn_reference,

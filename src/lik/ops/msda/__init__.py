@@ -2,7 +2,6 @@
 
 from .function import (
     MSDeformAttnFunction,
-    MultiScaleDeformableAttention,
     MultiScaleDeformableAttnFunction,
     ms_deform_attn,
 )
@@ -13,5 +12,4 @@ __all__ = [
     "ms_deform_attn_reference",
     "MSDeformAttnFunction",
     "MultiScaleDeformableAttnFunction",
-    "MultiScaleDeformableAttention",
 ]

@@ -1,5 +1,5 @@
-"""``lik.ms_deform_attn``: the autograd Function over the kernels, its Deformable-DETR / mmcv aliases, and the
-stateless module with the signature of HF transformers' ``MultiScaleDeformableAttention``.
+"""``lik.ms_deform_attn``: the autograd Function over the kernels and its Deformable-DETR / mmcv aliases (the
+transformers-style module lives in :mod:`lik.integrations.transformers`).
 
 Under ``torch.compile`` the Function reaches the kernels through two custom operators (``lik::msda_forward``,
 ``lik::msda_backward``) with shape-only fake implementations, so Dynamo traces the whole call without a graph break;
@@ -9,7 +9,6 @@ eager calls launch directly. :mod:`lik._dispatch` does that choice and the route
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..._config import interpreting
 from ..._dispatch import kernel_op, router
@@ -22,7 +21,6 @@ __all__ = [
     "ms_deform_attn",
     "MSDeformAttnFunction",
     "MultiScaleDeformableAttnFunction",
-    "MultiScaleDeformableAttention",
 ]
 
 
@@ -176,33 +174,3 @@ def ms_deform_attn(
     return _route(_uses_kernels(value, sampling_locations, attention_weights), needs_grad,
                   value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights)
 
-
-class MultiScaleDeformableAttention(nn.Module):
-    """Stateless module with the forward signature of HF transformers' ``MultiScaleDeformableAttention``
-    (Deformable DETR, Grounding DINO, Mask2Former, OneFormer, RT-DETR...), backed by :func:`ms_deform_attn`.
-
-    Example (swap it into a loaded transformers model):
-        >>> for module in model.modules():
-        ...     if hasattr(module, "attn") and type(module.attn).__name__ == "MultiScaleDeformableAttention":
-        ...         module.attn = lik.MultiScaleDeformableAttention()
-    """
-
-    def forward(
-        self,
-        value: torch.Tensor,
-        value_spatial_shapes: torch.Tensor,
-        value_spatial_shapes_list: list[tuple[int, int]],
-        level_start_index: torch.Tensor,
-        sampling_locations: torch.Tensor,
-        attention_weights: torch.Tensor,
-        im2col_step: int = 64,
-    ) -> torch.Tensor:
-        # value_spatial_shapes_list is the host copy transformers keeps to avoid a sync; the kernels read the
-        # device tensor, so it is only checked for agreement in length.
-        if len(value_spatial_shapes_list) != value_spatial_shapes.shape[0]:
-            raise ValueError(
-                f"value_spatial_shapes_list has {len(value_spatial_shapes_list)} levels but value_spatial_shapes "
-                f"has {value_spatial_shapes.shape[0]}"
-            )
-        return ms_deform_attn(value, value_spatial_shapes, level_start_index, sampling_locations,
-                              attention_weights, im2col_step)

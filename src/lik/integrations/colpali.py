@@ -1,0 +1,280 @@
+"""lik inside colpali-engine: drop-in ``score_multi_vector``, the MaxSim of its ``ColbertLoss`` family, and a
+one-line switch.
+
+colpali-engine has no masks: embeddings are zero-padded (per block of ``batch_size`` items in
+``score_multi_vector``), and a zero token's similarity, 0, takes part in the max like any other. The drop-ins keep
+that exactly, including its consequence that a page shorter than the longest page of its block of
+``batch_size`` competes against one zero token while the longest does not: lik adds one zero token to exactly
+the pages colpali-engine pads. Deliberate differences: the sums run in fp32 (colpali-engine sums bfloat16
+embeddings in bfloat16 and casts the result to float32 afterwards), and nothing of size
+``[queries, pages, Lq, Ld]`` is ever materialised. Gradients agree with colpali-engine's except at exact ties,
+which only zero padding produces (a zero query row ties across every document token): ``amax`` splits the gradient
+among tied tokens, lik gives it to the first; the padding mask of the model that produced the embeddings stops
+both.
+
+* :func:`score_multi_vector` ``(qs, ps, batch_size=128, device=None) -> float32 [n_queries, n_pages]`` on the
+  CPU, as ``BaseVisualRetrieverProcessor.score_multi_vector``;
+* :func:`maxsim_inbatch` ``(query [Bq, Lq, d], doc [Bd, Ld, d]) -> [Bq, Bd]`` and
+  :func:`maxsim_kd` ``(query [B, Lq, d], doc [B, N, Ld, d]) -> [B, N]`` as ``colpali_engine.utils.maxsim``,
+  differentiable (float32 results).
+
+:func:`enable` routes colpali-engine's scoring through them: ``score_multi_vector`` of every processor, and the
+``maxsim_inbatch`` / ``maxsim_kd`` calls of ``ColbertLoss``, ``ColbertNegativeCELoss``,
+``ColbertPairwiseCELoss``, ``ColbertPairwiseNegativeCELoss`` and ``ColbertSigmoidLoss``; ``normalize_scores``
+is applied by the losses as before, to lik's scores. Not routed: losses built with ``use_smooth_max=True`` (a
+log-sum-exp over the token similarities, which needs them all: colpali-engine keeps its einsum there, with or
+without the switch), and the positive-pair scores of the two ``*NegativeCELoss`` classes (a ``[B, Lq, Ld]``
+einsum colpali-engine computes inline). ``COLPALI_SCORES_BACKEND=torch`` still forces colpali-engine's own path.
+
+colpali-engine 0.3.18 imports torchvision (through transformers' Qwen2-VL image processor) when its package is
+imported; this module imports only ``colpali_engine.utils.maxsim``, ``colpali_engine.utils.processing_utils`` and
+``colpali_engine.loss.late_interaction_losses``, which :func:`enable` needs.
+
+Example:
+    >>> import lik.integrations.colpali as lik_colpali
+    >>> lik_colpali.enable()         # processor.score_multi_vector and ColbertLoss now use lik
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..ops.maxsim import maxsim, maxsim_packed
+from . import _patching
+
+__all__ = ["score_multi_vector", "maxsim_inbatch", "maxsim_kd", "enable", "disable", "enabled", "is_enabled"]
+
+# Pages packed and scored together in score_multi_vector: bounds the packed copy (bytes), not the result.
+_PACK_BUDGET_BYTES = 128 * 1024 * 1024
+
+
+def _auto_device() -> str:
+    """colpali-engine's ``get_torch_device("auto")``: the first CUDA GPU, else MPS, else the CPU."""
+    if torch.cuda.is_available():
+        return "cuda:0"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def _check_3d(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be [B, L, d], got shape {list(x.shape)}")
+    return x
+
+
+def maxsim_inbatch(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """colpali-engine's in-batch MaxSim on lik: ``[Bq, Bd]`` float32 scores of zero-padded ``query [Bq, Lq, d]``
+    and ``doc [Bd, Ld, d]`` (a zero token's similarity, 0, takes part in the max, as in colpali-engine).
+
+    Example:
+        >>> maxsim_inbatch(torch.randn(4, 20, 128), torch.randn(6, 1030, 128)).shape
+        torch.Size([4, 6])
+    """
+    return maxsim(_check_3d("query", query), _check_3d("doc", doc))
+
+
+def maxsim_kd(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """colpali-engine's per-query candidate MaxSim on lik: ``[B, N]`` float32 from ``query [B, Lq, d]`` and
+    ``doc [B, N, Ld, d]`` (zero-padded).
+
+    Example:
+        >>> maxsim_kd(torch.randn(4, 20, 128), torch.randn(4, 3, 700, 128)).shape
+        torch.Size([4, 3])
+    """
+    _check_3d("query", query)
+    if not isinstance(doc, torch.Tensor) or doc.dim() != 4:
+        raise ValueError(f"doc must be a [B, N, Ld, d] tensor, got {getattr(doc, 'shape', type(doc).__name__)}")
+    return maxsim(query, doc)
+
+
+def _items(name: str, x) -> list[torch.Tensor] | torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be a [n, L, d] tensor or a list of [L_i, d] tensors, got shape "
+                             f"{list(x.shape)}")
+        return x
+    if isinstance(x, (list, tuple)):
+        for i, item in enumerate(x):
+            if not isinstance(item, torch.Tensor) or item.dim() != 2:
+                raise ValueError(f"{name}[{i}] must be a [L, d] tensor, got "
+                                 f"{getattr(item, 'shape', type(item).__name__)}")
+        return list(x)
+    raise TypeError(f"{name} must be a tensor or a list of tensors, got {type(x).__name__}")
+
+
+def _needs_zero_token(lengths: list[int], batch_size: int) -> list[bool]:
+    """Which pages colpali-engine's per-block padding gives at least one zero token (a longer page shares their
+    block of ``batch_size``)."""
+    out = []
+    for start in range(0, len(lengths), batch_size):
+        block = lengths[start:start + batch_size]
+        longest = max(block)
+        out.extend(n < longest for n in block)
+    return out
+
+
+def _pack_group(pages: list[torch.Tensor], padded: list[bool], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pages packed on ``device`` (one zero token after each flagged page), their int32 offsets, the longest."""
+    lengths = [page.shape[0] + int(pad) for page, pad in zip(pages, padded)]
+    if any(padded):
+        zero = pages[0].new_zeros(1, pages[0].shape[1])
+        pieces = [piece for page, pad in zip(pages, padded) for piece in ((page, zero) if pad else (page,))]
+    else:
+        pieces = pages
+    d = torch.cat(pieces).to(device)  # one copy (on the pages' device), then at most one transfer
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return d, cu.to(torch.int32).to(device, non_blocking=True), max(lengths)
+
+
+def score_multi_vector(
+    qs: torch.Tensor | list[torch.Tensor],
+    ps: torch.Tensor | list[torch.Tensor],
+    batch_size: int = 128,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """colpali-engine's ``score_multi_vector`` on lik: late-interaction scores of every query against every page.
+
+    Args:
+        qs: query embeddings, a list of ``[Lq_i, d]`` tensors or one zero-padded ``[n_queries, Lq, d]`` tensor.
+        ps: page embeddings, a list of ``[Ld_j, d]`` tensors or one zero-padded ``[n_pages, Ld, d]`` tensor;
+            same dtype as ``qs`` (bfloat16, float16, float32).
+        batch_size: the block size whose zero padding colpali-engine's scores reflect (see the module doc); it
+            does not bound memory here (pages are scored in packed chunks of at most 128 MiB).
+        device: where to score; default: the first CUDA GPU, else MPS, else the CPU (colpali-engine's rule).
+
+    Returns:
+        float32 ``[n_queries, n_pages]`` on the CPU (sums in fp32).
+
+    Raises:
+        ValueError: no queries or no pages ("No queries provided" / "No passages provided", as colpali-engine).
+
+    Example:
+        >>> qs = [torch.randn(20, 128, dtype=torch.bfloat16) for _ in range(3)]
+        >>> ps = [torch.randn(1030, 128, dtype=torch.bfloat16) for _ in range(10)]
+        >>> score_multi_vector(qs, ps).shape
+        torch.Size([3, 10])
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    device = torch.device(device or _auto_device())
+    queries = _items("qs", qs)
+    pages = _items("ps", ps)
+    if len(queries) == 0:
+        raise ValueError("No queries provided")
+    if len(pages) == 0:
+        raise ValueError("No passages provided")
+    # Zero query tokens add exactly 0, so one padding for all queries equals colpali-engine's per-block padding.
+    if isinstance(queries, torch.Tensor):
+        q = queries.to(device)
+    else:
+        q = torch.nn.utils.rnn.pad_sequence([t.to(device) for t in queries], batch_first=True, padding_value=0)
+    if isinstance(pages, torch.Tensor):
+        # One padded tensor: every block's longest page is the tensor's width, so nothing is added.
+        pages = pages.to(device)
+        if pages.dtype != q.dtype:
+            raise TypeError(f"ps has dtype {pages.dtype} but qs has {q.dtype}: pass both in one dtype")
+        per_page = max(1, pages.shape[1] * pages.shape[2] * pages.element_size())
+        chunk = max(1, _PACK_BUDGET_BYTES // per_page)
+        with torch.no_grad():
+            scores = [maxsim(q, pages[i:i + chunk]) for i in range(0, pages.shape[0], chunk)]
+        return torch.cat(scores, dim=1).cpu().float()
+    lengths = [page.shape[0] for page in pages]
+    padded = _needs_zero_token(lengths, batch_size)
+    row_bytes = pages[0].shape[1] * pages[0].element_size()
+    scores = []
+    with torch.no_grad():
+        start = 0
+        while start < len(pages):
+            stop, size = start + 1, (lengths[start] + 1) * row_bytes
+            while stop < len(pages) and size + (lengths[stop] + 1) * row_bytes <= _PACK_BUDGET_BYTES:
+                size += (lengths[stop] + 1) * row_bytes
+                stop += 1
+            group_lengths = lengths[start:stop]
+            if not any(padded[start:stop]) and min(group_lengths) == max(group_lengths):
+                # Equal pages (the usual ColPali case): one dense [n, L, d] batch for the padded kernels.
+                d = torch.stack(pages[start:stop]).to(device)
+                if d.dtype != q.dtype:
+                    raise TypeError(f"ps has dtype {d.dtype} but qs has {q.dtype}: pass both in one dtype")
+                scores.append(maxsim(q, d))
+            else:
+                d, cu, longest = _pack_group(pages[start:stop], padded[start:stop], device)
+                if d.dtype != q.dtype:
+                    raise TypeError(f"ps has dtype {d.dtype} but qs has {q.dtype}: pass both in one dtype")
+                scores.append(maxsim_packed(q, d, cu, max_seqlen_d=longest))
+            start = stop
+    return torch.cat(scores, dim=1).cpu().float()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The switch
+# ---------------------------------------------------------------------------------------------------------------
+
+_SWITCH = _patching.Switch("colpali_engine")
+
+_CALL_SITE_MODULES = (
+    "colpali_engine.utils.maxsim",
+    "colpali_engine.utils.processing_utils",
+    "colpali_engine.loss.late_interaction_losses",
+)
+
+
+def _forced_stock() -> bool:
+    return os.environ.get("COLPALI_SCORES_BACKEND", "auto").lower() == "torch"
+
+
+def _routed(stock, ours):
+    def call(*args, **kwargs):
+        return stock(*args, **kwargs) if _forced_stock() else ours(*args, **kwargs)
+
+    call.__name__ = stock.__name__
+    call.__qualname__ = stock.__qualname__
+    call.__doc__ = f"lik (through lik.integrations.colpali.enable()); colpali-engine's own: {stock.__module__}."
+    call.__wrapped__ = stock
+    call.lik_stock = stock
+    return call
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` is in effect."""
+    return _SWITCH.on
+
+
+def enable() -> None:
+    """Make colpali-engine score with lik, until :func:`disable`.
+
+    Changes: every binding of ``colpali_engine.utils.maxsim.maxsim_inbatch`` / ``maxsim_kd`` in colpali-engine's
+    loaded modules (the processors' scoring and the ``Colbert*Loss`` classes) and
+    ``BaseVisualRetrieverProcessor.score_multi_vector`` now run lik, unless ``COLPALI_SCORES_BACKEND=torch``.
+    Losses with ``use_smooth_max=True`` keep colpali-engine's log-sum-exp path (see the module doc). Idempotent.
+
+    Raises:
+        ImportError: colpali-engine (or what its modules import) is not installed.
+    """
+    if _SWITCH.on:
+        return
+    maxsim_module, processing, _ = _patching.import_all(_CALL_SITE_MODULES)
+    try:
+        for stock, ours in ((maxsim_module.maxsim_inbatch, maxsim_inbatch), (maxsim_module.maxsim_kd, maxsim_kd)):
+            _SWITCH.rebind_everywhere(stock, _routed(stock, ours))
+        base = processing.BaseVisualRetrieverProcessor
+        stock_score = base.__dict__["score_multi_vector"].__func__
+        _SWITCH.set(base, "score_multi_vector", staticmethod(_routed(stock_score, score_multi_vector)))
+    except BaseException:
+        _SWITCH.restore()
+        raise
+
+
+def disable() -> None:
+    """Undo :func:`enable`."""
+    _SWITCH.restore()
+
+
+def enabled():
+    """Context manager: colpali-engine scores with lik inside the block only."""
+    return _patching.scoped(enable, disable, is_enabled)

@@ -1,0 +1,179 @@
+"""late-interaction-kernels 0.4.5's scoring API on lik, for people migrating: change the import, keep the calls.
+
+    from lik.integrations.late_interaction_kernels import maxsim, retrieve   # was: from late_interaction_kernels ...
+
+Covered, with its signatures, shapes and mask semantics (``True`` = valid token; a masked document token never
+takes part in the max, a masked query token adds 0, a document with no valid token scores 0: lik's
+``mask_mode="exclude"``): :func:`maxsim`, :func:`maxsim_pairs`, :func:`maxsim_varlen` (packed queries against
+packed documents, every query with every document) and :func:`retrieve`.
+
+Deliberate differences (its behaviour is not reproduced):
+
+* non-finite values: its reference (the CPU path of ``retrieve``) replaces a non-finite per-token maximum by 0, so
+  a NaN or inf in a valid token silently scores like padding; lik propagates NaN to the pairs it touches and
+  ``retrieve`` ranks NaN scores last;
+* ties in ``retrieve``: ``torch.topk`` leaves their order unspecified; lik returns the lower document index first;
+* ``backward="lowmem"`` reduces ``grad_D`` with half-precision products there (fp32 inputs get fp16-precision
+  gradients); here ``"lowmem"`` selects lik's deterministic backward, which keeps fp32 accumulation, and
+  ``"unified"`` its fast one;
+* ``normalize=True`` L2-normalises copies of ``Q`` and ``D`` before scoring (the peer does it inside its kernel):
+  pass normalised embeddings with ``normalize=False`` to avoid the copy; no warning is printed for unnormalised
+  inputs;
+* ``max_seqlen_*`` of :func:`maxsim_varlen` are hints here: a value below the true longest sequence costs speed,
+  never tokens.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..ops.maxsim import maxsim as _lik_maxsim
+from ..ops.maxsim import maxsim_packed
+from ..retrieval import search
+
+__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "retrieve"]
+
+_BACKWARDS = {None: "auto", "auto": "auto", "unified": "fast", "lowmem": "deterministic"}
+
+
+def _backward(backward) -> str:
+    if backward not in _BACKWARDS:
+        raise ValueError(f"backward= must be one of ('auto', 'unified', 'lowmem') or None, got {backward!r}")
+    return _BACKWARDS[backward]
+
+
+def _normalized(x: torch.Tensor, normalize: bool) -> torch.Tensor:
+    return torch.nn.functional.normalize(x, p=2, dim=-1, eps=1e-12) if normalize else x
+
+
+def maxsim(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
+           d_mask: torch.Tensor | None = None, *, normalize: bool = False, backward: str | None = None
+           ) -> torch.Tensor:
+    """Differentiable MaxSim (late-interaction-kernels' ``maxsim``).
+
+    Args:
+        Q: ``[Nq, Lq, d]`` or ``[Lq, d]``.
+        D: ``[Ld, d]`` (one document), ``[Nd, Ld, d]`` (every query with every document) or ``[Nq, K, Ld, d]``
+            (each query with its own ``K`` candidates).
+        q_mask, d_mask: optional bool masks shaped like the token axes of ``Q`` / ``D``.
+        normalize: L2-normalise ``Q`` and ``D`` per token first.
+        backward: ``None`` / ``"auto"``, ``"unified"`` (fast) or ``"lowmem"`` (deterministic).
+
+    Returns:
+        float32: a scalar (2-D ``Q`` and ``D``), ``[Nq]`` (3-D ``Q``, 2-D ``D``), ``[Nd]`` (2-D ``Q``), ``[Nq, Nd]``
+        or ``[Nq, K]``.
+
+    Example:
+        >>> maxsim(torch.randn(4, 32, 128), torch.randn(10, 300, 128)).shape
+        torch.Size([4, 10])
+    """
+    mode = _backward(backward)
+    if not isinstance(Q, torch.Tensor) or not isinstance(D, torch.Tensor):
+        raise TypeError("Q and D must be torch.Tensors")
+    Q, D = _normalized(Q, normalize), _normalized(D, normalize)
+    if D.dim() == 4:
+        return _lik_maxsim(Q, D, q_mask, d_mask, backward=mode)
+    single_doc = D.dim() == 2
+    if single_doc:
+        D = D.unsqueeze(0)
+        d_mask = None if d_mask is None else d_mask.unsqueeze(0)
+    scores = _lik_maxsim(Q, D, q_mask, d_mask, backward=mode)
+    return scores[..., 0] if single_doc else scores
+
+
+def maxsim_pairs(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
+                 d_mask: torch.Tensor | None = None, *, normalize: bool = False, backward: str | None = None
+                 ) -> torch.Tensor:
+    """Paired MaxSim (late-interaction-kernels' ``maxsim_pairs``): ``Q [B, Lq, d]``, ``D [B, Ld, d]`` ->
+    float32 ``[B]``, ``scores[i] = MaxSim(Q[i], D[i])``.
+
+    Example:
+        >>> maxsim_pairs(torch.randn(4, 32, 128), torch.randn(4, 300, 128)).shape
+        torch.Size([4])
+    """
+    if not isinstance(Q, torch.Tensor) or not isinstance(D, torch.Tensor) or Q.dim() != 3 or D.dim() != 3:
+        raise ValueError(f"maxsim_pairs needs both Q and D to be [B, L, d]; got Q.shape="
+                         f"{tuple(getattr(Q, 'shape', ()))}, D.shape={tuple(getattr(D, 'shape', ()))}.")
+    if Q.shape[0] != D.shape[0]:
+        raise ValueError(f"maxsim_pairs needs Q.shape[0] == D.shape[0]; got {Q.shape[0]} vs {D.shape[0]}.")
+    d_mask = None if d_mask is None else d_mask.unsqueeze(1)
+    return maxsim(Q, D.unsqueeze(1), q_mask, d_mask, normalize=normalize, backward=backward)[:, 0]
+
+
+def maxsim_varlen(Q_packed: torch.Tensor, D_packed: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_d: torch.Tensor, max_seqlen_q: int | None = None, max_seqlen_d: int | None = None
+                  ) -> torch.Tensor:
+    """Packed queries against packed documents, every query with every document (late-interaction-kernels'
+    ``maxsim_varlen``): ``Q_packed [sum Lq_i, d]``, ``D_packed [sum Ld_j, d]``, int32 offsets ``[Nq + 1]`` /
+    ``[Nd + 1]`` -> float32 ``[Nq, Nd]``, differentiable. (lik's own :func:`lik.maxsim_varlen` scores *pairs*;
+    this is the peer's cross product.)
+
+    Example:
+        >>> q, cu_q, _ = lik.pack([torch.randn(5, 64), torch.randn(7, 64)])
+        >>> d, cu_d, _ = lik.pack([torch.randn(30, 64), torch.randn(9, 64), torch.randn(0, 64)])
+        >>> maxsim_varlen(q, d, cu_q, cu_d).shape
+        torch.Size([2, 3])
+    """
+    for name, x in (("Q_packed", Q_packed), ("D_packed", D_packed)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"{name} must be a [total_tokens, d] tensor")
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 1:
+        raise ValueError("cu_seqlens_q must be a 1-D tensor [Nq + 1]")
+    # Queries are few and short: unpack them into a padded batch with a mask, and stream the packed corpus.
+    cu_q = cu_seqlens_q.to(device="cpu", dtype=torch.int64)
+    lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+    if any(n < 0 for n in lengths) or int(cu_q[0]) != 0 or int(cu_q[-1]) != Q_packed.shape[0]:
+        raise ValueError(f"cu_seqlens_q must start at 0, not decrease and end at Q_packed's {Q_packed.shape[0]} "
+                         f"rows, got {cu_q.tolist()}")
+    width = max([0, *lengths])
+    positions = torch.arange(width)
+    mask = positions[None, :] < torch.tensor(lengths, dtype=torch.int64)[:, None]
+    rows = (cu_q[:-1, None] + positions[None, :]).clamp(max=max(Q_packed.shape[0] - 1, 0))
+    if Q_packed.shape[0] == 0:
+        queries = Q_packed.new_zeros(len(lengths), width, Q_packed.shape[1])
+    else:
+        queries = Q_packed[rows.to(Q_packed.device)] * mask.to(Q_packed.device)[..., None].to(Q_packed.dtype)
+    return maxsim_packed(queries, D_packed, cu_seqlens_d, mask.to(Q_packed.device), max_seqlen_d)
+
+
+def retrieve(Q: torch.Tensor, D: torch.Tensor, top_k: int, q_mask: torch.Tensor | None = None,
+             d_mask: torch.Tensor | None = None, *, normalize: bool = True, chunk: int | None = None,
+             largest: bool = True, sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``top_k`` late-interaction retrieval (late-interaction-kernels' ``retrieve``), inference only.
+
+    Args:
+        Q: ``[Nq, Lq, d]`` or ``[Lq, d]``; D: ``[Nd, Ld, d]`` or ``[Ld, d]``.
+        top_k: results per query, clamped to ``Nd``; must be positive.
+        q_mask, d_mask: optional bool masks. normalize: L2-normalise first (default True, as the peer).
+        chunk: documents scored at once (memory bound); None: lik's own budget.
+        largest: the highest scores (True) or the lowest. sorted: accepted; results are always sorted.
+
+    Returns:
+        ``(scores float32 [Nq, k], indices int64 [Nq, k])`` (``[k]`` for 2-D ``Q``).
+
+    Example:
+        >>> scores, ids = retrieve(torch.randn(2, 32, 128), torch.randn(1000, 180, 128), top_k=10)
+    """
+    top_k = operator.index(top_k)
+    if top_k <= 0:
+        raise ValueError(f"top_k must be positive, got {top_k}")
+    if not isinstance(Q, torch.Tensor) or not isinstance(D, torch.Tensor):
+        raise TypeError("Q and D must be torch.Tensors")
+    if Q.device != D.device:
+        raise ValueError(f"Q and D must be on the same device; got Q.device={Q.device} vs D.device={D.device}.")
+    with torch.no_grad():
+        Q, D = _normalized(Q, normalize), _normalized(D, normalize)
+        if D.dim() == 2:
+            D = D.unsqueeze(0)
+            d_mask = None if d_mask is None else d_mask.unsqueeze(0)
+        k = min(top_k, D.shape[0])
+        if largest:
+            return search(Q, D, k, q_mask, d_mask, chunk_size=chunk)
+        scores = _lik_maxsim(Q, D, q_mask, d_mask)
+        # Lowest first, NaN last, ties by lower index: two stable sorts.
+        order = torch.where(scores.isnan(), float("inf"), scores).sort(dim=-1, stable=True).indices
+        order = order.gather(-1, scores.isnan().gather(-1, order).to(torch.uint8).sort(dim=-1, stable=True).indices)
+        order = order[..., :k]
+        return scores.gather(-1, order), order

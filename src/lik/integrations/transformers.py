@@ -1,0 +1,137 @@
+"""lik inside Hugging Face transformers: the ``MultiScaleDeformableAttention`` module and a one-line switch.
+
+:class:`MultiScaleDeformableAttention` is a stateless ``nn.Module`` with the forward signature of the module of
+that name in transformers' Deformable DETR family, backed by :func:`lik.ms_deform_attn`. It needs no import of
+transformers (``lik.MultiScaleDeformableAttention`` is this class).
+
+:func:`enable` rebinds ``MultiScaleDeformableAttention`` in every transformers modeling module that defines one
+(Deformable DETR, Grounding DINO, MM Grounding DINO, RT-DETR, OmDet-Turbo, LW-DETR, RF-DETR, PP-DocLayout...),
+so every such model *built afterwards* creates lik's module in its deformable-attention layers; models built
+before keep theirs (swap them with :func:`patch_model`). :func:`disable` restores transformers' classes.
+
+Example:
+    >>> import lik.integrations.transformers as lik_transformers
+    >>> lik_transformers.enable()
+    >>> model = DeformableDetrForObjectDetection.from_pretrained(...)   # its layers call lik.ms_deform_attn
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from ..ops.msda import ms_deform_attn
+from . import _patching
+
+__all__ = ["MultiScaleDeformableAttention", "enable", "disable", "enabled", "is_enabled", "patch_model"]
+
+
+class MultiScaleDeformableAttention(nn.Module):
+    """Stateless module with the forward signature of HF transformers' ``MultiScaleDeformableAttention``
+    (Deformable DETR, Grounding DINO, Mask2Former-style pixel decoders, RT-DETR...), backed by
+    :func:`lik.ms_deform_attn`.
+
+    Shapes: ``value [N, S, M, D]``, ``value_spatial_shapes [L, 2]`` (H, W), ``value_spatial_shapes_list`` the same
+    as Python ints, ``level_start_index [L]``, ``sampling_locations [N, Lq, M, L, P, 2]``, ``attention_weights
+    [N, Lq, M, L, P]`` -> ``[N, Lq, M * D]`` in ``value``'s dtype.
+
+    Example (swap it into a loaded transformers model):
+        >>> for module in model.modules():
+        ...     if hasattr(module, "attn") and type(module.attn).__name__ == "MultiScaleDeformableAttention":
+        ...         module.attn = lik.MultiScaleDeformableAttention()
+    """
+
+    def forward(
+        self,
+        value: torch.Tensor,
+        value_spatial_shapes: torch.Tensor,
+        value_spatial_shapes_list: list[tuple[int, int]],
+        level_start_index: torch.Tensor,
+        sampling_locations: torch.Tensor,
+        attention_weights: torch.Tensor,
+        im2col_step: int = 64,
+    ) -> torch.Tensor:
+        # value_spatial_shapes_list is the host copy transformers keeps to avoid a sync; the kernels read the
+        # device tensor, so it is only checked for agreement in length.
+        if len(value_spatial_shapes_list) != value_spatial_shapes.shape[0]:
+            raise ValueError(
+                f"value_spatial_shapes_list has {len(value_spatial_shapes_list)} levels but value_spatial_shapes "
+                f"has {value_spatial_shapes.shape[0]}"
+            )
+        return ms_deform_attn(value, value_spatial_shapes, level_start_index, sampling_locations,
+                              attention_weights, im2col_step)
+
+
+# transformers modeling modules (5.x) defining a class named MultiScaleDeformableAttention that their attention
+# layers instantiate; a module missing from the installed version is skipped.
+_MODELING_MODULES = (
+    "deformable_detr", "grounding_dino", "mm_grounding_dino", "rt_detr", "omdet_turbo", "lw_detr", "rf_detr",
+    "pp_doclayout_v2", "pp_doclayout_v3", "pp_doclayout_v4",
+)
+
+_SWITCH = _patching.Switch("transformers")
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` is in effect."""
+    return _SWITCH.on
+
+
+def enable() -> None:
+    """Make every transformers model built afterwards use lik's deformable attention, until :func:`disable`.
+
+    Changes: the name ``MultiScaleDeformableAttention`` in each modeling module listed in
+    ``_MODELING_MODULES`` that defines it (and in any other loaded ``transformers.models.*`` module binding the
+    same class) now refers to :class:`MultiScaleDeformableAttention`. Already-built models are not touched (see
+    :func:`patch_model`). Idempotent.
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    if _SWITCH.on:
+        return
+    importlib.import_module("transformers")
+    try:
+        for short in _MODELING_MODULES:
+            try:
+                module = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
+            except ImportError:
+                continue
+            stock = getattr(module, "MultiScaleDeformableAttention", None)
+            if isinstance(stock, type) and stock is not MultiScaleDeformableAttention:
+                _SWITCH.rebind_everywhere(stock, MultiScaleDeformableAttention)
+    except BaseException:
+        _SWITCH.restore()
+        raise
+
+
+def disable() -> None:
+    """Undo :func:`enable`."""
+    _SWITCH.restore()
+
+
+def enabled():
+    """Context manager: models built inside ``with enabled():`` use lik's deformable attention."""
+    return _patching.scoped(enable, disable, is_enabled)
+
+
+def patch_model(model: nn.Module) -> int:
+    """Replace, in an already-built model, every submodule whose class is named ``MultiScaleDeformableAttention``
+    by lik's (they are stateless, so nothing is lost). Returns how many were replaced.
+
+    Example:
+        >>> lik.integrations.transformers.patch_model(model)
+        6
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == "MultiScaleDeformableAttention" and not isinstance(
+                    child, MultiScaleDeformableAttention):
+                setattr(parent, name, MultiScaleDeformableAttention())
+                replaced += 1
+    return replaced

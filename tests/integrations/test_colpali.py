@@ -1,0 +1,130 @@
+"""colpali-engine integration: the drop-ins equal colpali-engine's own scoring (the installed package), and
+enable() routes its processors and losses through lik, reversibly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lik.integrations.colpali as lik_colpali
+
+
+def _ragged(rng, lengths, dim=16, dtype=torch.float32):
+    return [torch.randn(n, dim, generator=rng).to(dtype) for n in lengths]
+
+
+def test_score_multi_vector_matches_block_padding(colpali_scoring, rng):
+    _, processing, _ = colpali_scoring
+    stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
+    stock = getattr(stock, "lik_stock", stock)
+    qs = _ragged(rng, (3, 5, 1, 4))
+    # Pages 2 and 5 are the longest of their blocks of 3: colpali-engine pads every other page with zeros.
+    ps = _ragged(rng, (4, 9, 2, 7, 7, 3, 1, 0))
+    for batch_size in (3, 128):
+        expected = stock(qs, ps, batch_size=batch_size, device="cpu")
+        got = lik_colpali.score_multi_vector(qs, ps, batch_size=batch_size, device="cpu")
+        assert got.dtype == torch.float32 and got.device.type == "cpu"
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+    equal = _ragged(rng, (6, 6, 6, 6))  # equal pages take the dense path
+    torch.testing.assert_close(lik_colpali.score_multi_vector(qs, equal, batch_size=3, device="cpu"),
+                               stock(qs, equal, batch_size=3, device="cpu"), rtol=1e-6, atol=1e-5)
+    padded = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True)
+    torch.testing.assert_close(lik_colpali.score_multi_vector(torch.stack(qs[:1]), padded, device="cpu"),
+                               stock(torch.stack(qs[:1]), padded, device="cpu"), rtol=1e-6, atol=1e-5)
+
+
+def test_score_multi_vector_bf16_sums_in_fp32(colpali_scoring, rng):
+    _, processing, _ = colpali_scoring
+    stock = processing.BaseVisualRetrieverProcessor.score_multi_vector
+    stock = getattr(stock, "lik_stock", stock)
+    qs = _ragged(rng, (20, 17), dim=128, dtype=torch.bfloat16)
+    ps = _ragged(rng, (300, 257, 300), dim=128, dtype=torch.bfloat16)
+    exact = stock([q.double() for q in qs], [p.double() for p in ps], device="cpu")
+    got = lik_colpali.score_multi_vector(qs, ps, device="cpu")
+    stock_bf16 = stock(qs, ps, device="cpu")
+    assert (got.double() - exact).abs().max() < 1e-3
+    assert (got.double() - exact).abs().max() <= (stock_bf16.double() - exact).abs().max()
+
+
+def test_score_multi_vector_errors(rng):
+    with pytest.raises(ValueError, match="No queries provided"):
+        lik_colpali.score_multi_vector([], _ragged(rng, (3,)), device="cpu")
+    with pytest.raises(ValueError, match="No passages provided"):
+        lik_colpali.score_multi_vector(_ragged(rng, (3,)), [], device="cpu")
+    with pytest.raises(ValueError, match=r"ps\[0\]"):
+        lik_colpali.score_multi_vector(_ragged(rng, (3,)), [torch.randn(3)], device="cpu")
+
+
+def test_inbatch_and_kd_match_and_train(colpali_scoring, rng):
+    maxsim_module, _, _ = colpali_scoring
+    q = torch.randn(4, 6, 16, generator=rng)
+    q[0, 4:] = 0  # zero padding, colpali-engine's only padding
+    d = torch.randn(5, 9, 16, generator=rng)
+    d[1, 3:] = 0
+    torch.testing.assert_close(lik_colpali.maxsim_inbatch(q, d), maxsim_module._torch_maxsim(q, d),
+                               rtol=1e-6, atol=1e-5)
+    d4 = torch.randn(4, 3, 9, 16, generator=rng)
+    torch.testing.assert_close(lik_colpali.maxsim_kd(q, d4), maxsim_module._torch_maxsim_kd(q, d4),
+                               rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("loss_name", ["ColbertLoss", "ColbertPairwiseCELoss", "ColbertSigmoidLoss",
+                                       "ColbertNegativeCELoss", "ColbertPairwiseNegativeCELoss"])
+@pytest.mark.parametrize("normalize_scores", [False, True])
+def test_losses_with_enable_match_and_use_lik(colpali_scoring, rng, monkeypatch, loss_name, normalize_scores):
+    maxsim_module, _, losses = colpali_scoring
+    loss = getattr(losses, loss_name)(normalize_scores=normalize_scores)
+    q = torch.nn.functional.normalize(torch.randn(4, 6, 16, generator=rng), dim=-1)
+    q[1, 5:] = 0
+    d = torch.nn.functional.normalize(torch.randn(4, 9, 16, generator=rng), dim=-1)
+    negatives = torch.nn.functional.normalize(torch.randn(4, 2, 7, 16, generator=rng), dim=-1)
+    args = (q, d, negatives) if "Negative" in loss_name else (q, d)
+    results = []
+    calls = []
+    real = lik_colpali.maxsim
+    monkeypatch.setattr(lik_colpali, "maxsim", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for use_lik in (False, True):
+        leaves = [a.clone().requires_grad_() for a in args]
+        if use_lik:
+            with lik_colpali.enabled():
+                value = loss(*leaves)
+        else:
+            value = loss(*leaves)
+        value.backward()
+        results.append((value, [leaf.grad for leaf in leaves]))
+    assert calls, "enable() did not route the loss through lik"
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    # A zero-padding query row ties across every document token: colpali-engine's amax splits its gradient among
+    # them, lik gives it to the first (the model's padding mask stops both). Real rows must agree.
+    real_rows = q.any(dim=-1)
+    torch.testing.assert_close(results[1][1][0][real_rows], results[0][1][0][real_rows], rtol=1e-4, atol=1e-5)
+    for a, b in zip(results[0][1][1:], results[1][1][1:]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_smooth_max_keeps_colpali_path(colpali_scoring, rng, monkeypatch):
+    _, _, losses = colpali_scoring
+    calls = []
+    monkeypatch.setattr(lik_colpali, "maxsim", lambda *a, **k: calls.append(1))
+    q, d = torch.randn(3, 4, 8, generator=rng), torch.randn(3, 5, 8, generator=rng)
+    with lik_colpali.enabled():
+        losses.ColbertLoss(use_smooth_max=True, normalize_scores=False)(q, d)
+    assert calls == []
+
+
+def test_enable_is_reversible_and_covers_every_binding(colpali_scoring, monkeypatch, rng):
+    maxsim_module, processing, losses = colpali_scoring
+    sites = [(maxsim_module, "maxsim_inbatch"), (maxsim_module, "maxsim_kd"), (processing, "maxsim_inbatch"),
+             (losses, "maxsim_inbatch"), (losses, "maxsim_kd")]
+    before = [getattr(m, n) for m, n in sites]
+    stock_score = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"]
+    with lik_colpali.enabled():
+        assert all(getattr(m, n).lik_stock is b for (m, n), b in zip(sites, before))
+        qs, ps = _ragged(rng, (3, 2)), _ragged(rng, (4, 6, 5))
+        got = processing.BaseVisualRetrieverProcessor.score_multi_vector(qs, ps, device="cpu")
+        torch.testing.assert_close(got, lik_colpali.score_multi_vector(qs, ps, device="cpu"), rtol=0, atol=0)
+        monkeypatch.setenv("COLPALI_SCORES_BACKEND", "torch")
+        assert processing.maxsim_inbatch(torch.randn(2, 3, 8).bfloat16(), torch.randn(2, 3, 8).bfloat16()).dtype \
+            == torch.bfloat16  # colpali-engine's own path
+    assert [getattr(m, n) for m, n in sites] == before
+    assert processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"] is stock_score
