@@ -109,14 +109,18 @@ MultiScaleDeformableAttnFunction = MSDeformAttnFunction
 
 
 class _CheckedInputsFunction(MSDeformAttnFunction):
-    """The same Function for inputs :func:`ms_deform_attn` has just checked: skips the second check (host time
-    counts on decoder-sized calls)."""
+    """The same Function for inputs :func:`ms_deform_attn` has just checked and routed to the kernels: skips both
+    tests (host time counts on decoder-sized calls)."""
 
     @staticmethod
     def forward(ctx, value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
                 im2col_step=64):
-        return _forward(ctx, value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                        attention_weights)
+        # Routed here only when the kernels take the inputs, so the kernel test is not repeated either.
+        ctx.kernels = True
+        ctx.save_for_backward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                              attention_weights)
+        return _forward_kernels(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                                attention_weights)
 
 
 # The four paths of a public call, each taking the five checked tensors. Inference skips the autograd Function's
