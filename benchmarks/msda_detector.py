@@ -53,7 +53,7 @@ def build(config, attention_class, state=None):
     return model.cuda()
 
 
-def inputs(batch, height, width):
+def inputs(batch, height, width, n_labels):
     gen = torch.Generator().manual_seed(1)
     pixels = torch.randn(batch, 3, height, width, generator=gen).cuda()
     mask = torch.ones(batch, height, width, dtype=torch.long, device="cuda")
@@ -61,7 +61,7 @@ def inputs(batch, height, width):
     for _ in range(batch):
         centre = torch.rand(5, 2, generator=gen) * 0.6 + 0.2
         size = torch.rand(5, 2, generator=gen) * 0.2 + 0.05
-        labels.append({"class_labels": torch.randint(0, 91, (5,), generator=gen).cuda(),
+        labels.append({"class_labels": torch.randint(0, n_labels, (5,), generator=gen).cuda(),
                        "boxes": torch.cat([centre, size], 1).cuda()})
     return pixels, mask, labels
 
@@ -125,7 +125,7 @@ def main():
                 commit=os.environ.get("LIK_COMMIT", "unknown"), backbone=backbone, batch=args.batch, size=args.size,
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
     print(json.dumps(meta), flush=True)
-    pixels, mask, labels = inputs(args.batch, height, width)
+    pixels, mask, labels = inputs(args.batch, height, width, config.num_labels)
 
     variants = {"pytorch": STOCK, "lik": lik.MultiScaleDeformableAttention}
     if OriginalModule.function is not None:

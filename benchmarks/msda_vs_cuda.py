@@ -122,6 +122,25 @@ def host_profile(p):
     return text.getvalue()
 
 
+def tile_sweep():
+    """Encoder forward (inference path) under forced (rows, warps) tiles, fp32 and bf16, ms."""
+    import lik._config as config
+
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        p = make_problem(ENCODER, "realistic", dtype)
+        args = [p[k] for k in ("value", "shapes", "starts", "loc", "weights")]
+        for rows, warps in ((4, 1), (2, 1), (8, 1), (8, 2), (16, 2), (16, 4)):
+            tile = config.MsdaForwardConfig(block_rows=rows, block_points=4, block_d=32, num_warps=warps)
+            with config.override(msda_forward=tile):
+                ms = triton.testing.do_bench(lambda: lik.ms_deform_attn(*args), return_mode="median")
+            results.append(dict(dtype=str(dtype)[6:], rows=rows, warps=warps, fwd_ms=ms))
+            print(f"tile encoder {str(dtype)[6:]} rows {rows} warps {warps}: fwd {ms:.4f} ms", flush=True)
+        del p, args
+        torch.cuda.empty_cache()
+    return results
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -143,6 +162,8 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--scales", default="decoder,decoder900,encoder")
     parser.add_argument("--profile", action="store_true", help="kernel counts and a cProfile at decoder scale")
+    parser.add_argument("--sweep", action="store_true", help="encoder forward under forced tiles (rows, warps)")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = parser.parse_args()
     original = load_original_op(args.original_src) if args.original_src else None
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -173,7 +194,9 @@ def main():
             del p
             torch.cuda.empty_cache()
 
-    with open(os.path.join(args.out, "msda_vs_cuda.json"), "w") as fh:
+    if args.sweep:
+        extra["encoder_forward_tiles"] = tile_sweep()
+    with open(os.path.join(args.out, f"msda_vs_cuda{args.tag}.json"), "w") as fh:
         json.dump(dict(meta=meta, rows=rows, paper_h100_bf16=PAPER_H100_BF16, **extra), fh, indent=1)
     print(f"\n{meta['device']} torch {meta['torch']} triton {meta['triton']} commit {meta['commit']}")
     print(f"{'scale':10} {'dtype':8} | {'lik fwd':>8} {'op fwd':>8} {'x':>5} | {'lik bwd':>8} {'op bwd':>8} {'x':>5} | "
