@@ -26,16 +26,18 @@ __all__ = [
 ]
 
 
-def _uses_kernels(*tensors: torch.Tensor) -> bool:
+_KERNEL_DTYPES = frozenset(KERNEL_DTYPES)
+
+
+def _uses_kernels(value: torch.Tensor, loc: torch.Tensor, attn: torch.Tensor) -> bool:
     """CUDA tensors run the kernels, CPU tensors under ``TRITON_INTERPRET=1`` too; float64 is reference-only,
     and so is CPU bfloat16 (Triton's interpreter has no bfloat16 arithmetic)."""
-    dtypes = {t.dtype for t in tensors}
-    if not dtypes <= set(KERNEL_DTYPES):
+    if value.dtype not in _KERNEL_DTYPES or loc.dtype not in _KERNEL_DTYPES or attn.dtype not in _KERNEL_DTYPES:
         return False
-    device = tensors[0].device
-    if device.type == "cuda":
+    if value.is_cuda:
         return True
-    return device.type == "cpu" and interpreting() and torch.bfloat16 not in dtypes
+    return (value.device.type == "cpu" and interpreting()
+            and torch.bfloat16 not in (value.dtype, loc.dtype, attn.dtype))
 
 
 def _forward_fake(value, shapes, starts, loc, attn):
