@@ -123,20 +123,29 @@ def host_profile(p):
 
 
 def tile_sweep():
-    """Encoder forward (inference path) under forced (rows, warps) tiles, fp32 and bf16, ms."""
+    """Forward (inference path) and backward under forced (rows, warps) tiles: encoder fp32 and bf16, decoder
+    (900 queries) fp32; ms."""
     import lik._config as config
 
     results = []
-    for dtype in (torch.float32, torch.bfloat16):
-        p = make_problem(ENCODER, "realistic", dtype)
+    for scale, dtype in ((ENCODER, torch.float32), (ENCODER, torch.bfloat16), (DECODER_900, torch.float32)):
+        p = make_problem(scale, "realistic", dtype)
         args = [p[k] for k in ("value", "shapes", "starts", "loc", "weights")]
+        x = leaves(p)
         for rows, warps in ((4, 1), (2, 1), (8, 1), (8, 2), (16, 2), (16, 4)):
-            tile = config.MsdaForwardConfig(block_rows=rows, block_points=4, block_d=32, num_warps=warps)
-            with config.override(msda_forward=tile):
-                ms = triton.testing.do_bench(lambda: lik.ms_deform_attn(*args), return_mode="median")
-            results.append(dict(dtype=str(dtype)[6:], rows=rows, warps=warps, fwd_ms=ms))
-            print(f"tile encoder {str(dtype)[6:]} rows {rows} warps {warps}: fwd {ms:.4f} ms", flush=True)
-        del p, args
+            tile = dict(block_rows=rows, block_points=4, block_d=32, num_warps=warps)
+            with config.override(msda_forward=config.MsdaForwardConfig(**tile)):
+                fwd = triton.testing.do_bench(lambda: lik.ms_deform_attn(*args), return_mode="median")
+                out = lik.ms_deform_attn(x[0], p["shapes"], p["starts"], x[1], x[2])
+            with config.override(msda_backward=config.MsdaBackwardConfig(gather_rows=32, **tile)):
+                bwd = triton.testing.do_bench(lambda: torch.autograd.grad(out, x, p["grad"], retain_graph=True),
+                                              return_mode="median")
+            del out
+            results.append(dict(scale=scale["name"], dtype=str(dtype)[6:], rows=rows, warps=warps, fwd_ms=fwd,
+                                bwd_ms=bwd))
+            print(f"tile {scale['name']} {str(dtype)[6:]} rows {rows} warps {warps}: fwd {fwd:.4f} bwd {bwd:.4f} ms",
+                  flush=True)
+        del p, args, x
         torch.cuda.empty_cache()
     return results
 
@@ -195,7 +204,7 @@ def main():
             torch.cuda.empty_cache()
 
     if args.sweep:
-        extra["encoder_forward_tiles"] = tile_sweep()
+        extra["tiles"] = tile_sweep()
     with open(os.path.join(args.out, f"msda_vs_cuda{args.tag}.json"), "w") as fh:
         json.dump(dict(meta=meta, rows=rows, paper_h100_bf16=PAPER_H100_BF16, **extra), fh, indent=1)
     print(f"\n{meta['device']} torch {meta['torch']} triton {meta['triton']} commit {meta['commit']}")
