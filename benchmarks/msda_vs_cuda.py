@@ -83,7 +83,7 @@ def time_method(fn, p):
 
 
 def kernels_per_call(fn, p):
-    """Device kernels (and memsets / copies) launched by one forward and one backward."""
+    """Device kernels (and memsets / copies) launched by one forward and one backward, with their device time."""
     x = leaves(p)
     out = fn(*x)
     torch.autograd.grad(out, x, p["grad"], retain_graph=True)
@@ -94,8 +94,9 @@ def kernels_per_call(fn, p):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             call()
             torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        counts[phase] = dict(count=len(names), names=sorted(set(n[:60] for n in names)))
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts[phase] = dict(count=len(kernels), device_us=sum(e.time_range.elapsed_us() for e in kernels),
+                             kernels=[(e.name[:60], e.time_range.elapsed_us()) for e in kernels])
     return counts
 
 
