@@ -1,9 +1,10 @@
 """End to end: HF transformers' ``DeformableDetrForObjectDetection`` (default config: ResNet-50, 4 levels, 6 + 6
 layers, 300 queries; random weights) at 800x1333, one training step (forward + DETR loss + backward) and one
 inference forward, with the stock PyTorch attention, with lik switched in as the README says, and with the original
-Deformable-DETR CUDA op (``msda_original_op.py``). Same weights and inputs for all; time (CUDA events around
-``--steps`` steps after warm-up, median of steps) and peak memory above the model and inputs; the loss and gradients
-of each against the stock model (fp32), and of bf16 autocast against fp32.
+Deformable-DETR CUDA op (``msda_original_op.py``). Same weights and inputs for all; time (CUDA events around each
+step, the variants interleaved step by step, median of ``--steps`` rounds after three warm-up rounds), peak memory
+above the model and inputs (fresh, one variant at a time), the device time of one profiled step (all kernels and
+the deformable-attention ones), and the loss, logits and gradients of each against the stock model in fp32.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/msda_detector.py --original-src /path/to/Deformable-DETR --out $OUT
 """
@@ -99,6 +100,33 @@ def peak_mb(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def infer(model, pixels, mask, amp):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        return model(pixel_values=pixels, pixel_mask=mask)
+
+
+ATTENTION_KERNELS = ("msda", "ms_deformable", "grid_sampler")
+
+
+def profile_step(step):
+    """Device time of one step: all kernels, the deformable-attention ones (lik's, the original op's, or
+    grid_sample's forward and backward), and the five longest kernel names."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_name = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    attention = {n: t for n, t in by_name.items() if any(k in n for k in ATTENTION_KERNELS)}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
+    return dict(device_ms=sum(by_name.values()), attention_ms=sum(attention.values()),
+                attention_kernels={n[:70]: round(t, 3) for n, t in attention.items()},
+                top=[(n[:70], round(t, 3)) for n, t in top])
+
+
 def loss_and_grads(model, pixels, mask, labels, amp):
     out = train_step(model, pixels, mask, labels, amp)
     grads = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
@@ -131,7 +159,8 @@ def main():
     if OriginalModule.function is not None:
         variants["cuda-op"] = OriginalModule
     state = None
-    results, reference = {}, {}
+    results, reference, models = {}, {}, {}
+    # Correctness and peak memory, one variant at a time.
     for name, cls in variants.items():
         model = build(config, cls, state)
         if state is None:
@@ -153,34 +182,51 @@ def main():
                 row["vs_pytorch_fp32"] = dict(loss=rel(loss, reference["loss"]), logits=rel(logits, reference["logits"]),
                                               grads=rel(grads, reference["grads"]))
             del grads
-            row["train_ms"] = timed(lambda: train_step(model, pixels, mask, labels, amp), args.steps)
+            model.zero_grad(set_to_none=True)
             row["train_peak_MB"] = peak_mb(lambda: train_step(model, pixels, mask, labels, amp))
             model.zero_grad(set_to_none=True)
             model.eval()
-
-            def infer():
-                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-                    return model(pixel_values=pixels, pixel_mask=mask)
-
-            row["infer_ms"] = timed(infer, args.steps)
-            row["infer_peak_MB"] = peak_mb(infer)
+            row["infer_peak_MB"] = peak_mb(lambda: infer(model, pixels, mask, amp))
             results[key] = row
+            models[key] = (model, amp)
             print(key, json.dumps(row), flush=True)
         for h in hooks:
             h.remove()
-        del model
         torch.cuda.empty_cache()
+
+    # Time: the variants interleaved step by step (median of --steps rounds after warm-up).
+    for phase in ("train", "infer"):
+        times = {key: [] for key in models}
+        for round_ in range(3 + args.steps):
+            for key, (model, amp) in models.items():
+                model.train(phase == "train")
+                fn = (lambda: train_step(model, pixels, mask, labels, amp)) if phase == "train" else \
+                    (lambda: infer(model, pixels, mask, amp))
+                ms = timed(fn, 1, warmup=0)
+                if round_ >= 3:
+                    times[key].append(ms)
+        for key, values in times.items():
+            results[key][f"{phase}_ms"] = statistics.median(values)
+            results[key][f"{phase}_ms_all"] = values
+    # Where a training step's device time goes: one profiled fp32 step per variant.
+    for key, (model, amp) in models.items():
+        if not amp:
+            model.train()
+            results[key]["profile"] = profile_step(lambda: train_step(model, pixels, mask, labels, amp))
+            print(key, json.dumps(results[key]["profile"]), flush=True)
+        model.zero_grad(set_to_none=True)
 
     with open(os.path.join(args.out, "msda_detector.json"), "w") as fh:
         json.dump(dict(meta=meta, results=results), fh, indent=1)
     print(f"\n{meta['device']} transformers {meta['transformers']} {backbone}, batch {args.batch} at {args.size}")
-    print(f"{'variant':26} | {'train ms':>9} {'peak MB':>8} | {'infer ms':>9} {'peak MB':>8} | err vs pytorch fp32 "
-          f"(loss / logits / grads)")
+    print(f"{'variant':26} | {'train ms':>9} {'peak MB':>8} | {'infer ms':>9} {'peak MB':>8} | attn dev ms | "
+          f"err vs pytorch fp32 (loss / logits / grads)")
     for key, r in results.items():
         err = r.get("vs_pytorch_fp32")
         err = f"{err['loss']:.1e} / {err['logits']:.1e} / {err['grads']:.1e}" if err else "-"
+        attn = f"{r['profile']['attention_ms']:6.1f}" if "profile" in r else "     -"
         print(f"{key:26} | {r['train_ms']:9.1f} {r['train_peak_MB']:8.0f} | {r['infer_ms']:9.1f} "
-              f"{r['infer_peak_MB']:8.0f} | {err}")
+              f"{r['infer_peak_MB']:8.0f} | {attn}      | {err}")
 
 
 if __name__ == "__main__":
