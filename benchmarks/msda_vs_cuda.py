@@ -100,49 +100,6 @@ def kernels_per_call(fn, p):
     return counts
 
 
-def timeline(fn, p, iterations=4):
-    """What ``do_bench`` times for the backward, seen by torch.profiler: each iteration is an L2 flush, a start
-    event, ``autograd.grad``, an end event. For the last iteration, every host launch / memset / event record and
-    every device kernel, in us from the host's flush launch (host) and from the flush kernel's start (device)."""
-    x = leaves(p)
-    out = fn(*x)
-    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def body():
-        flush.zero_()
-        start.record()
-        torch.autograd.grad(out, x, p["grad"], retain_graph=True)
-        end.record()
-
-    for _ in range(10):
-        body()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(iterations):
-            body()
-        torch.cuda.synchronize()
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    host = [e for e in events if e.device_type != torch.autograd.DeviceType.CUDA
-            and any(k in e.name for k in ("Launch", "Memset", "EventRecord", "zero_", "autograd::engine"))]
-    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    host_flushes = [e for e in host if e.name == "aten::zero_"]
-    dev_flushes = [i for i, e in enumerate(device) if e.time_range.elapsed_us() > 50 and "elementwise" in e.name
-                   and e.time_range.start >= (host_flushes[-1].time_range.start if host_flushes else 0)]
-    if not host_flushes or not dev_flushes:
-        return {}
-    h0 = host_flushes[-1].time_range.start
-    d0 = device[dev_flushes[0]].time_range.start
-    last_host = [e for e in host if e.time_range.start >= h0]
-    last_dev = device[dev_flushes[0]:]
-    return dict(host=[(e.name[:40], round(e.time_range.start - h0, 1), round(e.time_range.elapsed_us(), 1))
-                      for e in last_host][:40],
-                device=[(e.name[:40], round(e.time_range.start - d0, 1), round(e.time_range.elapsed_us(), 1))
-                        for e in last_dev][:12],
-                event_ms=start.elapsed_time(end))
-
-
 def host_profile(p):
     """cProfile of 300 lik forward + backward calls (own time per function, top 25)."""
     x = leaves(p)
@@ -241,9 +198,6 @@ def main():
                 extra["kernels"] = {name: kernels_per_call(fn, p) for name, fn in make_methods(p, original).items()
                                     if name != "pytorch"}
                 extra["cprofile_lik"] = host_profile(p)
-                extra["timeline"] = {name: timeline(fn, p) for name, fn in make_methods(p, original).items()
-                                     if name != "pytorch"}
-                print(json.dumps(extra["timeline"], indent=None)[:3000])
                 print(json.dumps(extra["kernels"], indent=1))
                 print(extra["cprofile_lik"][:4000])
             rows.append(row)
