@@ -161,7 +161,8 @@ def ms_deform_attn(
     Returns:
         ``[N, Lq, M * D]`` in ``value``'s dtype. Coordinates and accumulation are fp32 whatever the dtypes;
         gradients come back in each input's dtype. Under ``torch.use_deterministic_algorithms(True)`` the backward
-        uses no atomics and is bitwise repeatable. Any strides are accepted; addressing is 64-bit.
+        uses no atomics and is bitwise repeatable. Any strides are accepted (a non-contiguous input is copied once);
+        addressing is 64-bit.
 
     CUDA tensors run the Triton kernels; CPU tensors run the ``grid_sample`` reference (or the kernels through
     Triton's interpreter when ``TRITON_INTERPRET=1``).
