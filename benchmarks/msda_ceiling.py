@@ -2,8 +2,9 @@
 
     PYTHONPATH=src python3 benchmarks/msda_ceiling.py [--out $OUT]
 
-lik's fp32 encoder kernels are bound by moving corner lines between L2 and the SMs, not by DRAM (benchmarks/
-NOTES.md, "Bound by gathers, not DRAM"). This measures what moving exactly those lines costs with kernels that do nothing else:
+lik's fp32 encoder kernels are bound by moving corner lines between L2 and the SMs, not by DRAM
+(benchmarks/NOTES.md, "Bound by gathers, not DRAM"). This measures what moving exactly those lines costs with
+kernels that do nothing else:
 
 * ``gather``: for every sample, the four bilinear corners (``D`` = 32 fp32 channels: one 128-byte line each) of the
   same pixels the real forward reads, loaded unmasked from a precomputed int32 offset of the top-left corner

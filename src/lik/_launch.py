@@ -180,6 +180,9 @@ def _hooks_installed() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
+_NEW = object()  # a keyword layout not seen yet for this kernel
+
+
 class _KernelTable:
     """Compiled kernels of one JIT function, by argument key; ``entries`` is None for a function launched through
     Triton only (interpreted, or found uncacheable). Kept on the function itself (``_lik_launch_table``), so it
@@ -273,7 +276,10 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
-    layout = table.layout(kernel, tuple(kwargs))
+    names = tuple(kwargs)
+    layout = table.layouts.get(names, _NEW)
+    if layout is _NEW:
+        layout = table.layout(kernel, names)
     if layout is None:
         kernel[grid](*args, **kwargs)
         return

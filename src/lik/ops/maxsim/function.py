@@ -19,16 +19,17 @@ from .validation import MaxSimInputs
 __all__ = ["maxsim", "MaxSimFunction", "uses_kernels", "resolve_backward"]
 
 
+_REFERENCE_ONLY_ON_CPU = (torch.float64, torch.bfloat16)
+
+
 def uses_kernels(x: torch.Tensor) -> bool:
     """Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
 
     float64 is reference-only. Triton's interpreter has no bfloat16 arithmetic, so CPU bfloat16 runs the
     reference even under the interpreter (bfloat16 kernels are covered by the GPU tests)."""
-    if x.dtype == torch.float64:
-        return False
-    if x.device.type == "cuda":
-        return True
-    return x.device.type == "cpu" and interpreting() and x.dtype != torch.bfloat16
+    if x.is_cuda:  # first and cheapest: this predicate is on every call's host path
+        return x.dtype != torch.float64
+    return x.device.type == "cpu" and x.dtype not in _REFERENCE_ONLY_ON_CPU and interpreting()
 
 
 def resolve_backward(backward: str) -> bool:
