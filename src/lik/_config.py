@@ -291,8 +291,7 @@ def msda_forward_config(*, n_rows: int, dim: int, n_points: int, device: torch.d
     forced = _OVERRIDES.get("msda_forward")
     if forced is not None:
         return forced
-    block_rows, block_p, block_d, num_warps = _msda_tile(n_rows, dim, n_points, device)
-    return MsdaForwardConfig(block_rows, block_p, block_d, num_warps=num_warps)
+    return _msda_configs(n_rows, dim, n_points, device)[0]
 
 
 def msda_backward_config(*, n_rows: int, dim: int, n_points: int, device: torch.device) -> MsdaBackwardConfig:
@@ -301,8 +300,15 @@ def msda_backward_config(*, n_rows: int, dim: int, n_points: int, device: torch.
     forced = _OVERRIDES.get("msda_backward")
     if forced is not None:
         return forced
+    return _msda_configs(n_rows, dim, n_points, device)[1]
+
+
+@functools.lru_cache(maxsize=1024)  # building a frozen dataclass per call costs host time too
+def _msda_configs(n_rows: int, dim: int, n_points: int, device: torch.device
+                  ) -> tuple[MsdaForwardConfig, MsdaBackwardConfig]:
     block_rows, block_p, block_d, num_warps = _msda_tile(n_rows, dim, n_points, device)
-    return MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=num_warps)
+    return (MsdaForwardConfig(block_rows, block_p, block_d, num_warps=num_warps),
+            MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=num_warps))
 
 
 def maxsim_varlen_config(

@@ -213,6 +213,22 @@ def test_non_contiguous_inputs(rng):
         check_against_reference(problem)
 
 
+def test_strided_views_in_no_dense_layout(rng):
+    """Views that are dense in neither value layout (every other channel, every other pixel; locations and weights
+    sliced out of larger tensors) are copied once by the launchers and give the reference's values and gradients."""
+    value, shapes, starts, loc, weights, grad = rand_problem(rng, 2, 6, 2, 10, [(3, 4), (2, 3)], 2)
+    value_strided = torch.stack([value, value * 0 + float("nan")], -1).flatten(-2)[..., ::2]
+    value_strided = torch.stack([value_strided, value_strided], 2).flatten(1, 2)[:, ::2]
+    loc_strided = torch.cat([loc, loc], 1)[:, 1::2]
+    weights_strided = weights.repeat(1, 1, 1, 1, 2)[..., : weights.shape[-1]]
+    assert value_strided.shape == value.shape and torch.equal(value_strided, value)
+    assert not value_strided.is_contiguous() and not value_strided.transpose(1, 2).is_contiguous()
+    assert not loc_strided.is_contiguous() and not weights_strided.is_contiguous()
+    check_against_reference((value_strided, shapes, starts, loc_strided, weights_strided, grad))
+    with _deterministic():
+        check_against_reference((value_strided, shapes, starts, loc_strided, weights_strided, grad))
+
+
 @pytest.mark.parametrize("n, lq", [(2, 0), (0, 4)])
 def test_empty_queries_or_batch(rng, n, lq):
     value, shapes, starts, loc, weights, grad = rand_problem(rng, max(n, 1), max(lq, 1), 2, 4, [(2, 3)], 2)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..._config import cdiv, msda_backward_config
 from ..._launch import launch
-from .forward import RUNTIME_INTS, check_pixel_count, check_point_tile, level_strides, transposed_value
+from .forward import RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, kernel_value
 from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
 
 __all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward"]
@@ -32,21 +32,19 @@ __all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward"]
 def msda_bwd_kernel(
     value_ptr, shapes_ptr, starts_ptr, cells_ptr, loc_ptr, attn_ptr, gout_ptr,
     gvalue_ptr, gloc_ptr, gattn_ptr, bucket_ptr,
-    n_rows, n_queries, n_heads, n_levels, n_points, n_cells, no_bucket,
-    stride_vn, stride_vs, stride_vm, stride_vd,
-    stride_sl, stride_sc, stride_st,
-    stride_ln, stride_lq, stride_lm, stride_ll, stride_lp, stride_lc,
-    stride_an, stride_aq, stride_am, stride_al, stride_ap,
-    stride_on, stride_oq, stride_oc,
-    stride_gvn, stride_gvs, stride_gvm,
-    stride_gc,
+    n_rows, n_pixels, n_queries, n_heads, n_levels, n_points, n_cells, no_bucket, stride_gc,
     DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
     ATOMIC_VALUE: tl.constexpr,
     WRITE_BUCKETS: tl.constexpr,
 ):
+    # Every tensor is contiguous (the launcher makes it so); value and the fp32 value gradient share one layout.
+    (stride_vn, stride_vs, stride_vm, stride_ln, stride_lq, stride_lm, stride_ll, stride_an, stride_aq, stride_am,
+     stride_al, stride_on, stride_oq) = contiguous_strides(n_pixels, n_queries, n_heads, n_levels, n_points, DIM,
+                                                           HEAD_MAJOR)
     row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
     chunk = tl.program_id(1)
     chan = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -55,26 +53,24 @@ def msda_bwd_kernel(
     else:
         chan_ok = (chan < DIM)[None, None, :]
     value_rows = value_ptr + batch * stride_vn + head * stride_vm
-    chan_off = (chan.to(tl.int64) * stride_vd)[None, None, :]
+    chan_off = chan.to(tl.int64)[None, None, :]
     loc_rows = loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm
     attn_rows = attn_ptr + batch * stride_an + query * stride_aq + head * stride_am
-    gout = gout_ptr + batch * stride_on + query * stride_oq + (head * DIM) * stride_oc
+    gout = gout_ptr + batch * stride_on + query * stride_oq + head * DIM
     grad = tl.load(
-        gout[:, None] + (chan * stride_oc)[None, :], mask=row_ok[:, None] & (chan < DIM)[None, :], other=0.0
+        gout[:, None] + chan[None, :], mask=row_ok[:, None] & (chan < DIM)[None, :], other=0.0
     ).to(tl.float32)[:, None, :]
-    gvalue_rows = gvalue_ptr + batch * stride_gvn + head * stride_gvm
+    gvalue_rows = gvalue_ptr + batch * stride_vn + head * stride_vm
     # Point gradients are written contiguously as [chunk, N, Lq, M, L * P] (times 2 for locations).
     row_samples = ((batch * n_queries + query) * n_heads + head) * (n_levels * n_points)
 
     # As in the forward: one loop over levels, all points of a level in one [rows, BLOCK_P] tile.
     point = tl.arange(0, BLOCK_P)
     for level in range(n_levels):
-        height, width, start = level_shape(level, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st)
+        height, width, start = level_shape(level, shapes_ptr, starts_ptr, 2, 1, 1)
         down = width.to(tl.int64) * stride_vs
         live = row_ok[:, None] & (point < n_points)[None, :]
-        loc_x, loc_y, weight = load_samples(
-            loc_rows, attn_rows, level, point, live, stride_ll, stride_lp, stride_lc, stride_al, stride_ap
-        )
+        loc_x, loc_y, weight = load_samples(loc_rows, attn_rows, level, point, live, stride_ll, 2, 1, stride_al, 1)
         x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = bilinear(loc_x, loc_y, height, width, live)
         m00, m01, m10, m11 = corner_masks(in_x0, in_x1, in_y0, in_y1, chan_ok)
         pixel = start + (y0 * width + x0)
@@ -94,12 +90,11 @@ def msda_bwd_kernel(
         tl.store(gloc_ptr + 2 * index + 1, weight * height.to(tl.float32) * (bottom - top), mask=live)
         if ATOMIC_VALUE:
             w00, w01, w10, w11 = corner_weights(fx, fy, weight)
-            gptr = (gvalue_rows[:, None] + pixel * stride_gvs)[:, :, None] + chan[None, None, :]
-            gdown = width.to(tl.int64) * stride_gvs
+            gptr = (gvalue_rows[:, None] + pixel * stride_vs)[:, :, None] + chan[None, None, :]
             tl.atomic_add(gptr, grad * w00[:, :, None], mask=m00, sem="relaxed")
-            tl.atomic_add(gptr + stride_gvs, grad * w01[:, :, None], mask=m01, sem="relaxed")
-            tl.atomic_add(gptr + gdown, grad * w10[:, :, None], mask=m10, sem="relaxed")
-            tl.atomic_add(gptr + gdown + stride_gvs, grad * w11[:, :, None], mask=m11, sem="relaxed")
+            tl.atomic_add(gptr + stride_vs, grad * w01[:, :, None], mask=m01, sem="relaxed")
+            tl.atomic_add(gptr + down, grad * w10[:, :, None], mask=m10, sem="relaxed")
+            tl.atomic_add(gptr + down + stride_vs, grad * w11[:, :, None], mask=m11, sem="relaxed")
         if WRITE_BUCKETS:
             reaches = (in_x0 | in_x1) & (in_y0 | in_y1)
             cell = tl.load(cells_ptr + level) + (y0 + 1).to(tl.int64) * (width + 1) + (x0 + 1)
@@ -184,7 +179,8 @@ def msda_backward(
     *,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(grad_value, grad_sampling_locations, grad_attention_weights)``, each in its input's dtype."""
+    """Gradients ``(grad_value, grad_sampling_locations, grad_attention_weights)``, each in its input's dtype (any
+    strides: non-contiguous inputs are copied once)."""
     check_pixel_count(value)
     n, n_pixels, heads, dim = value.shape
     _, n_queries, _, n_levels, n_points, _ = loc.shape
@@ -192,30 +188,22 @@ def msda_backward(
     n_rows = n * n_queries * heads
     cfg = msda_backward_config(n_rows=n_rows, dim=dim, n_points=n_points, device=device)
     check_point_tile(cfg.block_points, n_points)
-    n_chunks = cdiv(dim, cfg.block_d) if dim else 1
+    n_chunks = -(-dim // cfg.block_d) if dim else 1
     n_samples = n_rows * n_levels * n_points
     if n_samples == 0 or dim == 0:
         return tuple(torch.zeros(t.shape, dtype=t.dtype, device=device) for t in (value, loc, attn))
-    # One channel chunk writes the point gradients in their final dtype; several add fp32 partials afterwards.
-    # The kernel writes every point, so no memset; the atomic value gradient needs a zeroed fp32 buffer, the
-    # deterministic one writes every value row in the value's dtype.
-    # One chunk writes straight into the returned tensors (no leading chunk axis to slice off).
-    chunked = (n_chunks,) if n_chunks > 1 else ()
-    gloc = torch.empty((*chunked, *loc.shape), dtype=loc.dtype if n_chunks == 1 else torch.float32, device=device)
-    gattn = torch.empty((*chunked, *attn.shape), dtype=attn.dtype if n_chunks == 1 else torch.float32, device=device)
-    if deterministic:
-        gvalue = torch.empty(value.shape, dtype=value.dtype, device=device)
+    value, head_major = kernel_value(value, cfg.transpose)
+    shapes, starts, loc, attn, grad_out = dense(shapes), dense(starts), dense(loc), dense(attn), dense(grad_out)
+    # One channel chunk writes the point gradients in their final dtype, straight into the returned tensors;
+    # several add fp32 partials afterwards. The kernel writes every point, so no memset; the atomic value gradient
+    # needs a zeroed fp32 buffer (in value's layout), the deterministic one writes every value row.
+    if n_chunks == 1:
+        gloc, gattn = torch.empty_like(loc), torch.empty_like(attn)
     else:
-        # fp32 accumulator; in the transposed layout when the gathers use it (the same corner pairs are
-        # contiguous there), copied back to [N, S, M, D] at the end.
-        if cfg.transpose:
-            gvalue = torch.zeros((n, heads, n_pixels, dim), dtype=torch.float32, device=device).transpose(1, 2)
-        else:
-            gvalue = torch.zeros(value.shape, dtype=torch.float32, device=device)
-    if cfg.transpose:
-        value = transposed_value(value)
-
+        gloc = loc.new_empty((n_chunks, *loc.shape), dtype=torch.float32)
+        gattn = attn.new_empty((n_chunks, *attn.shape), dtype=torch.float32)
     if deterministic:
+        gvalue = torch.empty((n, n_pixels, heads, dim), dtype=value.dtype, device=device)
         # Corner cells of every level on a (H + 1) x (W + 1) grid; one host sync for their total.
         sizes = (shapes[:, 0].to(torch.int64) + 1) * (shapes[:, 1].to(torch.int64) + 1)
         cells = torch.cumsum(sizes, 0) - sizes
@@ -223,21 +211,19 @@ def msda_backward(
         no_bucket = n * heads * n_cells
         buckets = torch.empty(n_samples, dtype=torch.int64, device=device)
     else:
+        gvalue = torch.zeros(value.shape, dtype=torch.float32, device=device)
         cells, n_cells, no_bucket, buckets = starts, 0, 0, gvalue
 
-    grid = (cdiv(n_rows, cfg.block_rows), n_chunks)
     launch(
-        msda_bwd_kernel, grid,
+        msda_bwd_kernel, (-(-n_rows // cfg.block_rows), n_chunks),
         value, shapes, starts, cells, loc, attn, grad_out,
         gvalue, gloc, gattn, buckets,
-        n_rows, n_queries, heads, n_levels, n_points, n_cells, no_bucket,
-        *value.stride(), *level_strides(shapes, starts), *loc.stride(), *attn.stride(), *grad_out.stride(),
-        *gvalue.stride()[:3],
-        n_samples,
+        n_rows, n_pixels, n_queries, heads, n_levels, n_points, n_cells, no_bucket, n_samples,
         DIM=dim,
         BLOCK_R=cfg.block_rows,
         BLOCK_P=cfg.block_points,
         BLOCK_D=cfg.block_d,
+        HEAD_MAJOR=head_major,
         ATOMIC_VALUE=not deterministic,
         WRITE_BUCKETS=deterministic,
         num_warps=cfg.num_warps,
@@ -247,9 +233,11 @@ def msda_backward(
         gloc = gloc.sum(0).to(loc.dtype)
         gattn = gattn.sum(0).to(attn.dtype)
     if not deterministic:
-        if gvalue.dtype == value.dtype and gvalue.is_contiguous():
-            return gvalue, gloc, gattn
-        return torch.empty(value.shape, dtype=value.dtype, device=device).copy_(gvalue), gloc, gattn
+        if head_major:
+            gvalue = gvalue.transpose(1, 2)  # back to [N, S, M, D] (head-major storage)
+        if gvalue.dtype != value.dtype:
+            gvalue = torch.empty(gvalue.shape, dtype=value.dtype, device=device).copy_(gvalue)
+        return gvalue, gloc, gattn
 
     sorted_buckets, order = torch.sort(buckets, stable=True)
     offsets = torch.searchsorted(sorted_buckets, torch.arange(no_bucket + 1, device=device))
@@ -259,7 +247,8 @@ def msda_backward(
         msda_bwd_value_kernel, grid,
         shapes, starts, cells, loc, attn, grad_out, offsets, order, gvalue,
         n_value_rows, n_pixels, n_queries, heads, n_levels, n_points, n_cells,
-        *level_strides(shapes, starts), *loc.stride(), *attn.stride(), *grad_out.stride(), *gvalue.stride(),
+        shapes.stride(0), shapes.stride(1), starts.stride(0), *loc.stride(), *attn.stride(), *grad_out.stride(),
+        *gvalue.stride(),
         DIM=dim,
         BLOCK_R=cfg.gather_rows,
         BLOCK_D=cfg.block_d,

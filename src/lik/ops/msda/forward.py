@@ -19,26 +19,56 @@ from ..._config import cdiv, msda_forward_config
 from ..._launch import launch
 from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
 
-__all__ = ["msda_fwd_kernel", "msda_forward", "transposed_value", "check_pixel_count", "check_point_tile", "RUNTIME_INTS"]
+__all__ = ["msda_fwd_kernel", "msda_forward", "contiguous_strides", "kernel_value", "dense", "check_pixel_count",
+           "check_point_tile", "RUNTIME_INTS"]
 
 # Batch, query count, heads, levels and points vary per call and never trigger a recompile.
-RUNTIME_INTS = ["n_rows", "n_queries", "n_heads", "n_levels", "n_points"]
+RUNTIME_INTS = ["n_rows", "n_pixels", "n_queries", "n_heads", "n_levels", "n_points"]
+
+
+@triton.jit
+def contiguous_strides(n_pixels, n_queries, n_heads, n_levels, n_points, DIM: tl.constexpr,
+                       HEAD_MAJOR: tl.constexpr):
+    """Element strides of contiguous ``value [N, S, M, D]`` (or its ``[N, M, S, D]`` copy when ``HEAD_MAJOR``),
+    ``sampling_locations [N, Lq, M, L, P, 2]``, ``attention_weights [N, Lq, M, L, P]`` and ``out [N, Lq, M*D]``,
+    computed here rather than passed: every argument costs host time per launch (decoder calls are host bound).
+    Batch strides are int64 (a tensor may hold 2**31 elements or more)."""
+    if HEAD_MAJOR:
+        stride_vs = DIM
+        stride_vm = n_pixels.to(tl.int64) * DIM
+        stride_vn = stride_vm * n_heads
+    else:
+        stride_vm = DIM
+        stride_vs = n_heads * DIM
+        stride_vn = n_pixels.to(tl.int64) * stride_vs
+    stride_ll = 2 * n_points
+    stride_lm = stride_ll * n_levels
+    stride_lq = stride_lm * n_heads
+    stride_ln = n_queries.to(tl.int64) * stride_lq
+    stride_al = n_points
+    stride_am = stride_al * n_levels
+    stride_aq = stride_am * n_heads
+    stride_an = n_queries.to(tl.int64) * stride_aq
+    stride_oq = n_heads * DIM
+    stride_on = n_queries.to(tl.int64) * stride_oq
+    return (stride_vn, stride_vs, stride_vm, stride_ln, stride_lq, stride_lm, stride_ll, stride_an, stride_aq,
+            stride_am, stride_al, stride_on, stride_oq)
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def msda_fwd_kernel(
     value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, out_ptr,
-    n_rows, n_queries, n_heads, n_levels, n_points,
-    stride_vn, stride_vs, stride_vm, stride_vd,
-    stride_sl, stride_sc, stride_st,
-    stride_ln, stride_lq, stride_lm, stride_ll, stride_lp, stride_lc,
-    stride_an, stride_aq, stride_am, stride_al, stride_ap,
-    stride_on, stride_oq, stride_oc,
+    n_rows, n_pixels, n_queries, n_heads, n_levels, n_points,
     DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
+    # Every tensor is contiguous (the launcher makes it so); shapes is [L, 2] and starts [L].
+    (stride_vn, stride_vs, stride_vm, stride_ln, stride_lq, stride_lm, stride_ll, stride_an, stride_aq, stride_am,
+     stride_al, stride_on, stride_oq) = contiguous_strides(n_pixels, n_queries, n_heads, n_levels, n_points, DIM,
+                                                           HEAD_MAJOR)
     row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
     chan = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     if DIM % BLOCK_D == 0:
@@ -47,7 +77,7 @@ def msda_fwd_kernel(
     else:
         chan_ok = (chan < DIM)[None, None, :]
     value_rows = value_ptr + batch * stride_vn + head * stride_vm
-    chan_off = (chan.to(tl.int64) * stride_vd)[None, None, :]
+    chan_off = chan.to(tl.int64)[None, None, :]
     loc_rows = loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm
     attn_rows = attn_ptr + batch * stride_an + query * stride_aq + head * stride_am
 
@@ -57,11 +87,9 @@ def msda_fwd_kernel(
     # loop over (level, point block), made the forward 12-16% slower at encoder scale; benchmarks/NOTES.md).
     point = tl.arange(0, BLOCK_P)
     for level in range(n_levels):
-        height, width, start = level_shape(level, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st)
+        height, width, start = level_shape(level, shapes_ptr, starts_ptr, 2, 1, 1)
         live = row_ok[:, None] & (point < n_points)[None, :]
-        loc_x, loc_y, weight = load_samples(
-            loc_rows, attn_rows, level, point, live, stride_ll, stride_lp, stride_lc, stride_al, stride_ap
-        )
+        loc_x, loc_y, weight = load_samples(loc_rows, attn_rows, level, point, live, stride_ll, 2, 1, stride_al, 1)
         x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = bilinear(loc_x, loc_y, height, width, live)
         w00, w01, w10, w11 = corner_weights(fx, fy, weight)
         m00, m01, m10, m11 = corner_masks(in_x0, in_x1, in_y0, in_y1, chan_ok)
@@ -72,17 +100,29 @@ def msda_fwd_kernel(
         acc += w10[:, :, None] * tl.load(ptr + down, mask=m10, other=0.0).to(tl.float32)
         acc += w11[:, :, None] * tl.load(ptr + down + stride_vs, mask=m11, other=0.0).to(tl.float32)
 
-    out = out_ptr + batch * stride_on + query * stride_oq + (head * DIM) * stride_oc
-    tl.store(out[:, None] + (chan * stride_oc)[None, :], tl.sum(acc, axis=1),
+    out = out_ptr + batch * stride_on + query * stride_oq + head * DIM
+    tl.store(out[:, None] + chan[None, :], tl.sum(acc, axis=1),
              mask=row_ok[:, None] & (chan < DIM)[None, :])
 
 
-def transposed_value(value: torch.Tensor) -> torch.Tensor:
-    """``value`` copied into the ``[N, M, S, D]`` layout and viewed as ``[N, S, M, D]`` again: each head's map is
-    one contiguous block, its pixels ``D`` apart, so a corner pair is one contiguous span and neighbouring
-    samples share cache lines. Costs one copy of ``value`` per call, worth it when the points read each pixel
-    of a head about once or more (an encoder: L * P reads per pixel)."""
-    return value.transpose(1, 2).contiguous().transpose(1, 2)
+def kernel_value(value: torch.Tensor, head_major: bool) -> tuple[torch.Tensor, bool]:
+    """``value`` as the kernels read it: contiguous ``[N, S, M, D]``, or a contiguous ``[N, M, S, D]`` (returned
+    transposed, with True) when ``head_major`` is asked for or is how ``value`` is already stored. Copies only
+    when neither layout is dense. The head-major layout makes each head's map one block, its pixels ``D`` apart
+    (measured slower on the encoder, benchmarks/NOTES-msda.md change 3; kept as a forced option)."""
+    if not head_major and value.is_contiguous():
+        return value, False
+    heads_first = value.transpose(1, 2)
+    if heads_first.is_contiguous():
+        return heads_first, True
+    if head_major:
+        return heads_first.contiguous(), True
+    return value.contiguous(), False
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when contiguous, else a contiguous copy (the kernels compute strides from the shapes)."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def check_point_tile(block_points: int, n_points: int) -> None:
@@ -101,10 +141,6 @@ def check_pixel_count(value: torch.Tensor) -> None:
         )
 
 
-def level_strides(shapes: torch.Tensor, starts: torch.Tensor) -> tuple[int, int, int]:
-    return shapes.stride(0), shapes.stride(1), starts.stride(0)
-
-
 def msda_forward(
     value: torch.Tensor,
     shapes: torch.Tensor,
@@ -112,9 +148,10 @@ def msda_forward(
     loc: torch.Tensor,
     attn: torch.Tensor,
 ) -> torch.Tensor:
-    """Launch the forward on validated inputs (any strides); returns ``[N, Lq, M*D]`` in ``value``'s dtype."""
+    """Launch the forward on validated inputs (any strides: non-contiguous ones are copied once); returns
+    ``[N, Lq, M*D]`` in ``value``'s dtype."""
     check_pixel_count(value)
-    n, _, heads, dim = value.shape
+    n, n_pixels, heads, dim = value.shape
     _, n_queries, _, n_levels, n_points, _ = loc.shape
     out = torch.empty((n, n_queries, heads * dim), dtype=value.dtype, device=value.device)
     n_rows = n * n_queries * heads
@@ -122,18 +159,16 @@ def msda_forward(
         return out.zero_()
     cfg = msda_forward_config(n_rows=n_rows, dim=dim, n_points=n_points, device=value.device)
     check_point_tile(cfg.block_points, n_points)
-    if cfg.transpose:
-        value = transposed_value(value)
-    grid = (cdiv(n_rows, cfg.block_rows), cdiv(dim, cfg.block_d))
+    value, head_major = kernel_value(value, cfg.transpose)
     launch(
-        msda_fwd_kernel, grid,
-        value, shapes, starts, loc, attn, out,
-        n_rows, n_queries, heads, n_levels, n_points,
-        *value.stride(), *level_strides(shapes, starts), *loc.stride(), *attn.stride(), *out.stride(),
+        msda_fwd_kernel, (cdiv(n_rows, cfg.block_rows), cdiv(dim, cfg.block_d)),
+        value, dense(shapes), dense(starts), dense(loc), dense(attn), out,
+        n_rows, n_pixels, n_queries, heads, n_levels, n_points,
         DIM=dim,
         BLOCK_R=cfg.block_rows,
         BLOCK_P=cfg.block_points,
         BLOCK_D=cfg.block_d,
+        HEAD_MAJOR=head_major,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

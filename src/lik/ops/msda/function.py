@@ -24,16 +24,18 @@ __all__ = [
 ]
 
 
-def _uses_kernels(*tensors: torch.Tensor) -> bool:
+_KERNEL_DTYPES = frozenset(KERNEL_DTYPES)
+
+
+def _uses_kernels(value: torch.Tensor, loc: torch.Tensor, attn: torch.Tensor) -> bool:
     """CUDA tensors run the kernels, CPU tensors under ``TRITON_INTERPRET=1`` too; float64 is reference-only,
     and so is CPU bfloat16 (Triton's interpreter has no bfloat16 arithmetic)."""
-    dtypes = {t.dtype for t in tensors}
-    if not dtypes <= set(KERNEL_DTYPES):
+    if value.dtype not in _KERNEL_DTYPES or loc.dtype not in _KERNEL_DTYPES or attn.dtype not in _KERNEL_DTYPES:
         return False
-    device = tensors[0].device
-    if device.type == "cuda":
+    if value.is_cuda:
         return True
-    return device.type == "cpu" and interpreting() and torch.bfloat16 not in dtypes
+    return (value.device.type == "cpu" and interpreting()
+            and torch.bfloat16 not in (value.dtype, loc.dtype, attn.dtype))
 
 
 def _forward_fake(value, shapes, starts, loc, attn):
@@ -107,14 +109,18 @@ MultiScaleDeformableAttnFunction = MSDeformAttnFunction
 
 
 class _CheckedInputsFunction(MSDeformAttnFunction):
-    """The same Function for inputs :func:`ms_deform_attn` has just checked: skips the second check (host time
-    counts on decoder-sized calls)."""
+    """The same Function for inputs :func:`ms_deform_attn` has just checked and routed to the kernels: skips both
+    tests (host time counts on decoder-sized calls)."""
 
     @staticmethod
     def forward(ctx, value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
                 im2col_step=64):
-        return _forward(ctx, value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                        attention_weights)
+        # Routed here only when the kernels take the inputs, so the kernel test is not repeated either.
+        ctx.kernels = True
+        ctx.save_for_backward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                              attention_weights)
+        return _forward_kernels(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                                attention_weights)
 
 
 # The four paths of a public call, each taking the five checked tensors. Inference skips the autograd Function's
@@ -153,7 +159,8 @@ def ms_deform_attn(
     Returns:
         ``[N, Lq, M * D]`` in ``value``'s dtype. Coordinates and accumulation are fp32 whatever the dtypes;
         gradients come back in each input's dtype. Under ``torch.use_deterministic_algorithms(True)`` the backward
-        uses no atomics and is bitwise repeatable. Any strides are accepted; addressing is 64-bit.
+        uses no atomics and is bitwise repeatable. Any strides are accepted (a non-contiguous input is copied once);
+        addressing is 64-bit.
 
     CUDA tensors run the Triton kernels; CPU tensors run the ``grid_sample`` reference (or the kernels through
     Triton's interpreter when ``TRITON_INTERPRET=1``).

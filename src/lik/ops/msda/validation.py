@@ -1,7 +1,7 @@
 """Input checking for multi-scale deformable attention.
 
 Every check looks at shapes, dtypes and devices only, so none of them synchronises with the GPU; each error names
-the offending argument. Views are kept as they are (strides go to the kernels), so nothing is copied here.
+the offending argument. Nothing is copied here (the launchers copy a non-contiguous input once).
 """
 
 from __future__ import annotations
