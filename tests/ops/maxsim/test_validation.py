@@ -56,7 +56,9 @@ def test_reference_budget_does_not_change_results(rng, budget):
     Dr = torch.randn(9, 7, 16, generator=rng, dtype=torch.float64)
     dm = torch.rand(9, 7, generator=rng) > 0.3
     full = maxsim_reference(Qr, Dr, None, dm, budget_bytes=1 << 30)
-    assert torch.equal(maxsim_reference(Qr, Dr, None, dm, budget_bytes=budget), full)
+    # Chunks of another size may take another BLAS blocking (and summation order) for the same products: equal to
+    # float64 rounding, not bitwise (torch 2.13's CPU einsum differs in the last bits between batch sizes).
+    torch.testing.assert_close(maxsim_reference(Qr, Dr, None, dm, budget_bytes=budget), full, rtol=1e-14, atol=1e-13)
 
 
 def test_reference_never_holds_more_than_its_budget(monkeypatch):
