@@ -16,9 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import cdiv, maxsim_forward_config, maxsim_forward_doc_programs, next_power_of_2
+from ..._config import cdiv, feature_chunks, maxsim_forward_config, maxsim_forward_doc_programs
 from ..._launch import launch
-from .tile import NO_KEY, counted_rows, document_tile, first_nan_keys, query_rows, store_group_sums, stream_document
+from .tile import (
+    NO_KEY, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, query_rows, store_group_sums,
+    stream_document,
+)
 from .validation import MaxSimInputs
 
 __all__ = [
@@ -155,7 +158,50 @@ def maxsim_fwd_kernel(
     doc_base = d_ptr + doc_set * stride_dn
     doc_mask_base = d_mask_ptr + doc_set * stride_dmn
     first_doc = pid // n_row_blocks
-    if PERSISTENT:
+    if NUM_K > 1:
+        # Wide embeddings: neither the query block nor a document tile fits on chip whole, so both stream through
+        # in feature chunks, one flat loop over (document, tile, chunk) steps (the pipeline never drains between
+        # tiles or documents); a tile is folded into the running max on its last chunk.
+        q_load_ptrs = (
+            q_ptr + tl.minimum(query, n_queries - 1) * stride_qn + tl.minimum(token, q_len - 1) * stride_ql
+        )
+        tiles = tl.cdiv(doc_len, BLOCK_N)
+        my_docs = tl.cdiv(n_docs - first_doc, doc_programs).to(tl.int32)
+        best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
+        n_valid = tl.zeros((), tl.int32)
+        nan_rows = tl.zeros((BLOCK_M,), tl.int32)
+        sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        doc = first_doc
+        start = 0
+        chunk = 0
+        for _ in tl.range(0, my_docs * tiles * NUM_K):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ptrs = doc_base + doc * stride_db + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
+            sim = chunk_similarity(
+                sim, q_load_ptrs, stride_qk, col_ptrs, stride_dk, chunk * BLOCK_K, DIM, BLOCK_K, DOT_PRECISION,
+            )
+            last_chunk = chunk == NUM_K - 1
+            last_tile = start + BLOCK_N >= doc_len
+            if last_chunk:
+                best, key, n_valid = fold_tile(
+                    sim, start, doc_len, doc_mask_base + doc * stride_dmb, stride_dml, best, key, n_valid,
+                    BLOCK_N, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
+                )
+                if last_tile:
+                    nan_rows |= write_document(
+                        best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
+                        argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab,
+                        stride_al, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+                    )
+                    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                    key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
+                    n_valid = tl.zeros((), tl.int32)
+            sim = tl.where(last_chunk, 0.0, sim)
+            doc = tl.where(last_chunk & last_tile, doc + doc_programs, doc)
+            start = tl.where(last_chunk, tl.where(last_tile, 0, start + BLOCK_N), start)
+            chunk = tl.where(last_chunk, 0, chunk + 1)
+    elif PERSISTENT:
         # One flat loop over (document, tile) steps: the pipeliner then prefetches the next document's first
         # tiles while the current one finishes, instead of draining and refilling at every document (short
         # documents are a few tiles long). A document is written from inside the loop, on its last tile only.
@@ -257,8 +303,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     n_chunks = cdiv(l_q, cfg.group_rows)
     n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
     partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device)
-    block_d = max(16, next_power_of_2(dim))
-    block_k = min(cfg.block_k, block_d)
+    block_k, num_k = feature_chunks(dim, cfg.block_k)
     q_mask, q_mask_strides = _mask_arg(inputs.q_mask, q, 2)
     d_mask, d_mask_strides = _mask_arg(inputs.d_mask, d, 3)
     d_strides = set_strides(d)
@@ -277,7 +322,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         GROUPS=cfg.groups,
         BLOCK_N=cfg.block_n,
         BLOCK_K=block_k,
-        NUM_K=cdiv(block_d, block_k),
+        NUM_K=num_k,
         HAS_Q_MASK=inputs.q_mask is not None,
         HAS_D_MASK=inputs.d_mask is not None,
         EXCLUDE=inputs.mask_mode == "exclude",

@@ -17,8 +17,8 @@ import triton.language as tl
 
 __all__ = [
     "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
-    "document_tile", "stream_document", "first_nan_keys", "nan_winner_keys", "maxsim_doc_rows", "NO_KEY",
-    "NAN_PASS_BLOCK_N",
+    "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys", "nan_winner_keys",
+    "maxsim_doc_rows", "NO_KEY", "NAN_PASS_BLOCK_N",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
@@ -96,8 +96,10 @@ def similarity_tile(
         )
         sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
     else:
+        # A runtime loop: its shared memory is one chunk per pipeline stage whatever d (an unrolled loop keeps
+        # every chunk of every stage in flight).
         sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for kc in tl.static_range(NUM_K):
+        for kc in range(NUM_K):
             kk = kc * BLOCK_K + offs_k
             q_chunk = tl.load(
                 q_row_ptrs[:, None] + kk[None, :] * stride_qk,
@@ -111,6 +113,56 @@ def similarity_tile(
             )
             sim = tl.dot(q_chunk, tl.trans(d_chunk), sim, input_precision=DOT_PRECISION)
     return sim
+
+
+@triton.jit
+def chunk_similarity(
+    sim, q_row_ptrs, stride_qk, col_ptrs, stride_dk, k_start,
+    DIM: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Add the product of feature chunk ``k_start .. k_start + BLOCK_K`` of the query rows and the document rows
+    at ``col_ptrs`` to ``sim`` (the streamed-k loop: neither side stays on chip between chunks).
+
+    Both pointer sets must address real rows (clamped by the caller): the loads carry no row predicate, only the
+    feature bound of a ragged last chunk, so the pipeliner issues plain asynchronous copies. What clamped rows
+    produce is discarded by :func:`fold_tile` and by the row bookkeeping."""
+    kk = k_start + tl.arange(0, BLOCK_K)
+    if DIM % BLOCK_K == 0:
+        q_chunk = tl.load(q_row_ptrs[:, None] + kk[None, :] * stride_qk)
+        d_chunk = tl.load(col_ptrs[:, None] + kk[None, :] * stride_dk)
+    else:
+        q_chunk = tl.load(q_row_ptrs[:, None] + kk[None, :] * stride_qk, mask=kk[None, :] < DIM, other=0.0)
+        d_chunk = tl.load(col_ptrs[:, None] + kk[None, :] * stride_dk, mask=kk[None, :] < DIM, other=0.0)
+    return tl.dot(q_chunk, tl.trans(d_chunk), sim, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def fold_tile(
+    sim, start, doc_len, doc_mask_ptr, stride_dml, best, key, n_valid,
+    BLOCK_N: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
+):
+    """Mask a finished tile of similarities of the tokens ``start .. start + BLOCK_N`` (computed from clamped,
+    unmasked rows) and fold it into ``(best, key)``; add its valid tokens to ``n_valid``.
+
+    Selecting (rather than zeroing the loads) keeps garbage in masked or clamped rows out: "exclude" drops a
+    masked token, "zero" gives it similarity exactly 0, and columns past the document never compete."""
+    cols = start + tl.arange(0, BLOCK_N)
+    in_range = cols < doc_len
+    if HAS_D_MASK:
+        flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
+        col_valid = in_range & (flags != 0)
+        if EXCLUDE:
+            sim = tl.where(col_valid[None, :], sim, float("-inf"))
+        else:
+            sim = tl.where(col_valid[None, :], sim, tl.where(in_range[None, :], 0.0, float("-inf")))
+        col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY).to(tl.int32)
+        n_valid += tl.sum(col_valid.to(tl.int32), axis=0)
+    else:
+        sim = tl.where(in_range[None, :], sim, float("-inf"))
+        col_key = tl.where(in_range, cols * 2, NO_KEY).to(tl.int32)
+        n_valid += tl.minimum(doc_len - start, BLOCK_N)
+    best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
+    return best, key, n_valid
 
 
 @triton.jit

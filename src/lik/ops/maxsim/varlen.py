@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import cdiv, maxsim_backward_config, maxsim_varlen_config, next_power_of_2
+from ..._config import cdiv, feature_chunks, maxsim_backward_config, maxsim_varlen_config
 from ..._launch import launch
 from .backward import feature_blocks, launch_dd_atomic, maxsim_backward_dq, winners_sum
 from .forward import dot_precision
@@ -325,8 +325,7 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
     cfg = maxsim_varlen_config(
         q_len=max(1, l_q), n_queries=n_q, dim=dim, dtype=q.dtype, pairs=inputs.pairs, device=device
     )
-    block_d = max(16, next_power_of_2(dim))
-    block_k = min(cfg.block_k, block_d)
+    block_k, num_k = feature_chunks(dim, cfg.block_k)
     if inputs.pairs:
         # At least one program per pair: the hint only sizes the grid (see the kernel).
         n_chunks = n_row_blocks = max(1, cdiv(l_q, cfg.group_rows))
@@ -352,7 +351,7 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         GROUPS=1 if inputs.pairs else cfg.groups,
         BLOCK_N=cfg.block_n,
         BLOCK_K=block_k,
-        NUM_K=cdiv(block_d, block_k),
+        NUM_K=num_k,
         PAIRS=inputs.pairs,
         HAS_Q_MASK=q_mask is not None,
         STORE_ARGMAX=store_argmax,
