@@ -63,7 +63,7 @@ def _describe(fn, args, kwargs) -> dict:
     }
     signature, constants, aligned = {}, {}, []
     for p in params:
-        value = values[p.name]
+        value = values[p.name] if p.name in values else p.default  # a constexpr left at its default
         specialised = p.name not in not_specialised
         if "constexpr" in str(p.annotation):
             signature[p.name] = "constexpr"

@@ -122,6 +122,8 @@ class MaxSimForwardConfig:
     num_stages: int = 2
     programs_per_sm: int = 0
     max_registers: int = 0
+    # Streamed-k loop (d > MAX_RESIDENT_DIM): one flat (document, tile, chunk) loop, or chunks nested per tile.
+    flat_k: bool = True
 
     @property
     def block_m(self) -> int:

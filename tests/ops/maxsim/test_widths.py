@@ -26,7 +26,7 @@ def _packed_reference(q_list, d_list, grad):
     qs = [q.detach().double().requires_grad_() for q in q_list]
     ds = [d.detach().double().requires_grad_() for d in d_list]
     scores = torch.stack([
-        (q @ d.T).max(dim=1).values.sum() if len(q) and len(d) else torch.zeros((), dtype=torch.float64)
+        (q @ d.T).max(dim=1).values.sum() if len(q) and len(d) else q.new_zeros(())
         for q, d in zip(qs, ds)
     ])
     (scores * grad.double()).sum().backward()

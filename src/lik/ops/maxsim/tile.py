@@ -18,12 +18,19 @@ import triton.language as tl
 __all__ = [
     "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
     "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys", "nan_winner_keys",
-    "maxsim_doc_rows", "NO_KEY", "NAN_PASS_BLOCK_N",
+    "maxsim_doc_rows", "fresh_rows", "NO_KEY", "NAN_PASS_BLOCK_N",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
 # Document tile of the (rare) NaN pass: narrow, so that pass needs few registers next to the main loop's.
 NAN_PASS_BLOCK_N = tl.constexpr(16)
+
+
+@triton.jit
+def fresh_rows(BLOCK_M: tl.constexpr):
+    """The running state of ``BLOCK_M`` rows before any document token: ``(best = -inf, key = NO_KEY,
+    n_valid = 0)``."""
+    return tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32), tl.zeros((), tl.int32)
 
 
 @triton.jit
@@ -329,10 +336,10 @@ def maxsim_doc_rows(
     nothing valid was seen), the winner key (meaningful only with ``TRACK_ARGMAX``), and the number of valid
     document tokens (used by ``mask_mode="exclude"`` to score an all-masked document 0).
     """
+    best, key, _ = fresh_rows(BLOCK_M)
     best, key, n_valid = stream_document(
         q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
-        tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32),
-        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, False, DOT_PRECISION,
+        best, key, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, False, DOT_PRECISION,
     )
     if TRACK_ARGMAX:
         key = nan_winner_keys(
