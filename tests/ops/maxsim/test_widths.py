@@ -118,6 +118,15 @@ def test_wide_widths_stream_the_query_in_chunks(dim):
 GPU_TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
+@pytest.fixture
+def true_fp32():
+    """fp32 inputs multiply in full precision (no TF32) for the duration of a test."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(prev)
+
+
 def _cuda_problem(gen, shape_q, shape_d, dtype, masks):
     Q = torch.nn.functional.normalize(torch.randn(shape_q, device="cuda", generator=gen), dim=-1).to(dtype)
     D = torch.nn.functional.normalize(torch.randn(shape_d, device="cuda", generator=gen), dim=-1).to(dtype)
@@ -131,65 +140,55 @@ def _cuda_problem(gen, shape_q, shape_d, dtype, masks):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dim", WIDTHS)
-def test_gpu_every_width_matches_float64(dim, dtype):
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        gen = torch.Generator(device="cuda").manual_seed(dim)
-        tol = GPU_TOL[dtype]
-        mode = ("exclude", "zero")[dim % 2]
-        # Tall row blocks (a long query; stacked short ones) against masked documents, fast backward.
-        for shape_q in ((2, 150, dim), (9, 20, dim)):
-            Q, D, qm, dm = _cuda_problem(gen, shape_q, (5, 203, dim), dtype, masks=True)
-            check_against_reference(Q, D, qm, dm, torch.randn(shape_q[0], 5, device="cuda", generator=gen),
-                                    mask_mode=mode, backward="fast", tol=tol)
-        # One short query per candidate set, no masks, deterministic backward.
-        Q, D, _, _ = _cuda_problem(gen, (3, 30, dim), (3, 4, 77, dim), dtype, masks=False)
-        check_against_reference(Q, D, None, None, torch.randn(3, 4, device="cuda", generator=gen),
-                                backward="deterministic", tol=tol)
-        # 2-D query, inference, long documents.
-        Q, D, _, _ = _cuda_problem(gen, (32, dim), (6, 600, dim), dtype, masks=False)
-        with torch.no_grad():
-            assert rel_err(lik.maxsim(Q, D), lik.maxsim_reference(Q.double(), D.double())) < tol
-    finally:
-        torch.set_float32_matmul_precision(prev)
+def test_gpu_every_width_matches_float64(dim, dtype, true_fp32):
+    gen = torch.Generator(device="cuda").manual_seed(dim)
+    tol = GPU_TOL[dtype]
+    mode = ("exclude", "zero")[dim % 2]
+    # Tall row blocks (a long query; stacked short ones) against masked documents, fast backward.
+    for shape_q in ((2, 150, dim), (9, 20, dim)):
+        Q, D, qm, dm = _cuda_problem(gen, shape_q, (5, 203, dim), dtype, masks=True)
+        check_against_reference(Q, D, qm, dm, torch.randn(shape_q[0], 5, device="cuda", generator=gen),
+                                mask_mode=mode, backward="fast", tol=tol)
+    # One short query per candidate set, no masks, deterministic backward.
+    Q, D, _, _ = _cuda_problem(gen, (3, 30, dim), (3, 4, 77, dim), dtype, masks=False)
+    check_against_reference(Q, D, None, None, torch.randn(3, 4, device="cuda", generator=gen),
+                            backward="deterministic", tol=tol)
+    # 2-D query, inference, long documents.
+    Q, D, _, _ = _cuda_problem(gen, (32, dim), (6, 600, dim), dtype, masks=False)
+    with torch.no_grad():
+        assert rel_err(lik.maxsim(Q, D), lik.maxsim_reference(Q.double(), D.double())) < tol
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dim", WIDTHS)
-def test_gpu_packed_search_and_warmup_at_every_width(dim, dtype):
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        gen = torch.Generator(device="cuda").manual_seed(dim + 1)
-        tol = GPU_TOL[dtype]
-        q_list = [torch.randn(n, dim, device="cuda", generator=gen).to(dtype) for n in (30, 0, 7)]
-        d_list = [torch.randn(n, dim, device="cuda", generator=gen).to(dtype) for n in (190, 5, 0)]
-        q, cu_q, max_q = lik.pack(q_list)
-        d, cu_d, max_d = lik.pack(d_list)
-        grad = torch.randn(3, device="cuda", generator=gen)
-        ref, ref_dq, ref_dd = _packed_reference(q_list, d_list, grad)
-        for backward in ("fast", "deterministic"):
-            qg, dg = q.clone().requires_grad_(), d.clone().requires_grad_()
-            scores = lik.maxsim_varlen(qg, dg, cu_q, cu_d, max_q, max_d, backward=backward)
-            dq, dd = torch.autograd.grad(scores, (qg, dg), grad)
-            assert rel_err(scores, ref) < tol and rel_err(dq, ref_dq) < tol and rel_err(dd, ref_dd) < tol
-        Q = torch.randn(4, 32, dim, device="cuda", generator=gen).to(dtype).requires_grad_()
-        dg = d.clone().requires_grad_()
-        scores = lik.maxsim_packed(Q, dg, cu_d, max_seqlen_d=max_d)
-        padded = torch.zeros(3, max_d, dim, device="cuda", dtype=torch.float64)
-        mask = torch.zeros(3, max_d, dtype=torch.bool, device="cuda")
-        for i, x in enumerate(d_list):
-            padded[i, :len(x)], mask[i, :len(x)] = x.double(), True
-        assert rel_err(scores, lik.maxsim_reference(Q.double(), padded, d_mask=mask)) < tol
-        scores.sum().backward()
-        assert Q.grad.dtype == dtype and dg.grad.dtype == dtype
-        # search and warmup at this width
-        corpus = torch.randn(20, 40, dim, device="cuda", generator=gen).to(dtype)
-        top, idx = lik.search(Q.detach(), corpus, k=5, chunk_size=7)
-        full = lik.maxsim_reference(Q.detach().double(), corpus.double())
-        assert rel_err(top, full.gather(1, idx)) < tol
-        assert lik.warmup([(1, 32, dim)], dtype=dtype, training=True) > 0
-    finally:
-        torch.set_float32_matmul_precision(prev)
+def test_gpu_packed_search_and_warmup_at_every_width(dim, dtype, true_fp32):
+    gen = torch.Generator(device="cuda").manual_seed(dim + 1)
+    tol = GPU_TOL[dtype]
+    q_list = [torch.randn(n, dim, device="cuda", generator=gen).to(dtype) for n in (30, 0, 7)]
+    d_list = [torch.randn(n, dim, device="cuda", generator=gen).to(dtype) for n in (190, 5, 0)]
+    q, cu_q, max_q = lik.pack(q_list)
+    d, cu_d, max_d = lik.pack(d_list)
+    grad = torch.randn(3, device="cuda", generator=gen)
+    ref, ref_dq, ref_dd = _packed_reference(q_list, d_list, grad)
+    for backward in ("fast", "deterministic"):
+        qg, dg = q.clone().requires_grad_(), d.clone().requires_grad_()
+        scores = lik.maxsim_varlen(qg, dg, cu_q, cu_d, max_q, max_d, backward=backward)
+        dq, dd = torch.autograd.grad(scores, (qg, dg), grad)
+        assert rel_err(scores, ref) < tol and rel_err(dq, ref_dq) < tol and rel_err(dd, ref_dd) < tol
+    Q = torch.randn(4, 32, dim, device="cuda", generator=gen).to(dtype).requires_grad_()
+    dg = d.clone().requires_grad_()
+    scores = lik.maxsim_packed(Q, dg, cu_d, max_seqlen_d=max_d)
+    padded = torch.zeros(3, max_d, dim, device="cuda", dtype=torch.float64)
+    mask = torch.zeros(3, max_d, dtype=torch.bool, device="cuda")
+    for i, x in enumerate(d_list):
+        padded[i, :len(x)], mask[i, :len(x)] = x.double(), True
+    assert rel_err(scores, lik.maxsim_reference(Q.double(), padded, d_mask=mask)) < tol
+    scores.sum().backward()
+    assert Q.grad.dtype == dtype and dg.grad.dtype == dtype
+    # search and warmup at this width
+    corpus = torch.randn(20, 40, dim, device="cuda", generator=gen).to(dtype)
+    top, idx = lik.search(Q.detach(), corpus, k=5, chunk_size=7)
+    full = lik.maxsim_reference(Q.detach().double(), corpus.double())
+    assert rel_err(top, full.gather(1, idx)) < tol
+    assert lik.warmup([(1, 32, dim)], dtype=dtype, training=True) > 0
