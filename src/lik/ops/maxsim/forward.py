@@ -108,6 +108,29 @@ def settle_nan_winners(
         )
 
 
+@triton.jit
+def finish_tile(
+    sim, start, length, last_tile, doc, doc_mask_ptr, stride_dml, best, key, n_valid, nan_rows, row_valid,
+    row_in_range, query, token, row_block, partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn,
+    stride_pb, stride_an, stride_ab, stride_al, row_offset,
+    BLOCK_N: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_D_MASK: tl.constexpr,
+    EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr,
+):
+    """A streamed tile's similarities are complete: fold them in and, on the document's last tile, write the
+    document and start the next one afresh. Returns ``(best, key, n_valid, nan_rows)``."""
+    best, key, n_valid = fold_tile(
+        sim, start, length, doc_mask_ptr, stride_dml, best, key, n_valid, BLOCK_N, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
+    )
+    if last_tile:
+        nan_rows |= write_document(
+            best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, argmax_ptr,
+            n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset,
+            GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+        )
+        best, key, n_valid = fresh_rows(GROUP_ROWS * GROUPS)
+    return best, key, n_valid, nan_rows
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def maxsim_fwd_kernel(
     q_ptr,
@@ -232,18 +255,13 @@ def score_documents(
                     sim = chunk_similarity(
                         sim, q_load_ptrs, stride_qk, col_ptrs, stride_dk, kc * BLOCK_K, DIM, BLOCK_K, DOT_PRECISION,
                     )
-                best, key, n_valid = fold_tile(
-                    sim, start, length, doc_mask_ptr + (doc - first_doc) * stride_dmb, stride_dml, best, key,
-                    n_valid, BLOCK_N, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
-                )
                 last_tile = start + BLOCK_N >= length
-                if last_tile:
-                    nan_rows |= write_document(
-                        best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
-                        argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab,
-                        stride_al, row_offset, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
-                    )
-                    best, key, n_valid = fresh_rows(BLOCK_M)
+                best, key, n_valid, nan_rows = finish_tile(
+                    sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb, stride_dml,
+                    best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block, partial_ptr,
+                    argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+                    row_offset, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
+                )
                 doc = tl.where(last_tile, doc + doc_programs, doc)
                 start = tl.where(last_tile, 0, start + BLOCK_N)
         else:
@@ -260,17 +278,13 @@ def score_documents(
                 last_chunk = chunk == NUM_K - 1
                 last_tile = start + BLOCK_N >= length
                 if last_chunk:
-                    best, key, n_valid = fold_tile(
-                        sim, start, length, doc_mask_ptr + (doc - first_doc) * stride_dmb, stride_dml, best, key,
-                        n_valid, BLOCK_N, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
+                    best, key, n_valid, nan_rows = finish_tile(
+                        sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb,
+                        stride_dml, best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block,
+                        partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an,
+                        stride_ab, stride_al, row_offset, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE,
+                        STORE_ARGMAX,
                     )
-                    if last_tile:
-                        nan_rows |= write_document(
-                            best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
-                            argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab,
-                            stride_al, row_offset, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
-                        )
-                        best, key, n_valid = fresh_rows(BLOCK_M)
                 sim = tl.where(last_chunk, 0.0, sim)
                 doc = tl.where(last_chunk & last_tile, doc + doc_programs, doc)
                 start = tl.where(last_chunk, tl.where(last_tile, 0, start + BLOCK_N), start)
