@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/gluon_probe.py [--rounds 2] [--out DIR]      (Hopper GPU; writes gluon_probe.json)
 
-Question (issues 3 and 4): is the gap between lik's forward and the cuBLAS rate a limit of the hardware, or of what
+Question: is the gap between lik's forward and the cuBLAS rate a limit of the hardware, or of what
 Triton's pipeliner makes of the tile loop (cp.async tiles with a CTA barrier per tile, each wgmma waited for at
 once)? The kernel here has lik's loop structure (one program per (row block, document); the row max, and with
 ARGMAX the lowest winning token, per tile) written in Gluon, Triton's lower-level dialect, where the schedule is
@@ -12,7 +12,7 @@ select. OVERLAP=True also issues tile t's wgmma before reducing tile t-1 (two ac
 FlashAttention-3 way of hiding the reduction under the tensor cores. NaN semantics are not reproduced (random
 data). Each variant is checked against lik (scores, and winners against lik's argmax forward) and timed with
 do_bench, alternating with lik for ``--rounds`` rounds. Gluon has no CPU interpreter, which is why this stays a
-probe (benchmarks/NOTES.md item 21)."""
+probe (benchmarks/NOTES.md, "What bounds the compute-bound gap")."""
 
 import json
 import os

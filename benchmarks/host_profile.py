@@ -1,4 +1,4 @@
-"""Host (CPU) cost of each piece of a MaxSim training step, for the launch-bound small shapes (issue 4).
+"""Host (CPU) cost of each piece of a MaxSim training step, for the launch-bound small shapes.
 
     python3 benchmarks/host_profile.py [--shape colbert-128] [--out $OUT]
 

@@ -1,6 +1,6 @@
 """Multi-scale deformable attention on the GPU: correctness, then lik against grid_sample, forward and backward.
 
-Shapes (issue 6): encoder (N = 2 at 1536x2048: levels 192x256 .. 24x32, Lq = S = 65 280) and decoder (N = 4 at
+Shapes: encoder (N = 2 at 1536x2048: levels 192x256 .. 24x32, Lq = S = 65 280) and decoder (N = 4 at
 800x1333: levels 100x167 .. 13x21, Lq = 300), M = 8, D = 32, L = 4, P = 4; fp32 and bf16; "realistic" sampling
 (reference points plus Deformable DETR's initial offset pattern plus noise) and uniform random sampling.
 

@@ -1,9 +1,10 @@
-"""How fast can any gather-based kernel run the encoder-scale deformable attention? (issue 6)
+"""How fast can any gather-based kernel run the encoder-scale deformable attention?
 
     PYTHONPATH=src python3 benchmarks/msda_ceiling.py [--out $OUT]
 
-lik's fp32 encoder kernels are bound by moving corner lines between L2 and the SMs, not by DRAM (benchmarks/
-NOTES-msda.md). This measures what moving exactly those lines costs with kernels that do nothing else:
+lik's fp32 encoder kernels are bound by moving corner lines between L2 and the SMs, not by DRAM
+(benchmarks/NOTES.md, "Bound by gathers, not DRAM"). This measures what moving exactly those lines costs with
+kernels that do nothing else:
 
 * ``gather``: for every sample, the four bilinear corners (``D`` = 32 fp32 channels: one 128-byte line each) of the
   same pixels the real forward reads, loaded unmasked from a precomputed int32 offset of the top-left corner
@@ -17,8 +18,8 @@ NOTES-msda.md). This measures what moving exactly those lines costs with kernels
   location gradient and scatter into them for the value gradient).
 
 Each runs over a few tiles (rows per program, warps); the fastest is the ceiling. The same process times
-``lik``'s forward and backward kernels and the ``grid_sample`` reference, so the ratios the issue's bars ask for
-(forward >= 20x, backward >= 15x over grid_sample, fp32) can be set against what the line traffic allows.
+``lik``'s forward and backward kernels and the ``grid_sample`` reference, so the ratios BENCHMARKS.md's targets
+ask for (forward >= 20x, backward >= 15x over grid_sample, fp32) can be set against what the line traffic allows.
 Writes ``msda_ceiling.json``.
 """
 
@@ -35,7 +36,7 @@ import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
-import msda_bench  # noqa: E402  (the issue's problem generator)
+import msda_bench  # noqa: E402  (the benchmark's problem generator)
 
 import lik.ops.msda as msda  # noqa: E402
 from lik.ops.msda.backward import msda_backward  # noqa: E402

@@ -1,4 +1,4 @@
-"""Time each kernel of the MaxSim training backward separately (issue 4).
+"""Time each kernel of the MaxSim training backward separately.
 
     python3 benchmarks/profile_backward.py [--shapes colbert-128,...]
 
@@ -6,7 +6,7 @@ Per in-batch training shape (d 128, fp16, L2-normalised random data): the forwar
 loop step 1 = the first version, and the configured / swept values), the atomic dD scatter through fp32
 buffers of a few sizes, the sorted-winners gather over a few sort chunks and key widths (each with its peak
 memory; the sort alone), and the whole step through ``lik.maxsim`` (fast / deterministic, with peaks). The
-one-hot dD kernels this replaced were last profiled at commit 1e5e6cd (benchmarks/NOTES-backward.md).
+one-hot dD kernels this replaced were last profiled at commit 1e5e6cd (benchmarks/NOTES.md, "fast" dD).
 Medians of ``triton.testing.do_bench`` (ms). Prints a table, writes ``$OUT/profile_backward.json`` (or --out).
 ``--parts forward,steps`` times only the two forwards and the whole steps (an A/B of a forward change);
 ``--parts forward-tiles`` times the argmax forward under forced tiles around the heuristic's (rows per program,

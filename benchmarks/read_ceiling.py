@@ -1,4 +1,4 @@
-"""How close can any single kernel get to the bandwidth floor at the memory-bound MaxSim shapes? (issue 3)
+"""How close can any single kernel get to the bandwidth floor at the memory-bound MaxSim shapes?
 
     python3 benchmarks/read_ceiling.py [--out $OUT]
 
@@ -29,7 +29,8 @@ import triton.language as tl
 
 SIZES_MB = {
     "textual B 1000 (32 x 300 docs)": 76.8, "long-doc B 1000": 262.1, "textual B 10000": 768.0,
-    # issue 5's packed corpora (varlen_bench.py: bytes of the real tokens, floors 4.0 / 7.1 / 23.7 us at 4.24 TB/s)
+    # the packed corpora of VARLEN.md (varlen_bench.py: bytes of the real tokens; floors 4.0 / 7.1 / 23.7 us
+    # at 4.24 TB/s)
     "varlen corpus ragged": 17.0, "varlen corpus hotpotqa": 30.1, "varlen corpus uniform": 100.5,
 }
 BLOCKS = (16384, 4096)  # fp16 elements per program (32 KB, 8 KB): the faster one is reported

@@ -1,4 +1,4 @@
-"""The in-batch training shapes and inputs shared by the backward profiling scripts (issue 4).
+"""The in-batch training shapes and inputs shared by the backward profiling scripts.
 
 ``SHAPES[name] = (Lq, B, Ld)`` with ``Nq = B`` (in-batch negatives), d = 128. ``in_batch_inputs`` draws
 L2-normalised random ``Q [B, Lq, d]`` and ``D [B, Ld, d]`` with a fixed seed; ``contrastive_grad`` is the gradient

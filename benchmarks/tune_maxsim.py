@@ -1,6 +1,6 @@
 """Sweep MaxSim forward tilings on the GPU: the evidence behind the heuristic in ``lik._config``.
 
-For each canonical shape (DESIGN.md, fp16, d = 128) it times the heuristic's choice, a grid of forced
+For each canonical shape (docs/design.md, fp16, d = 128) it times the heuristic's choice, a grid of forced
 configurations and fp16 eager einsum, reports each as % of the floor (measured ceilings of this machine) and
 writes everything as JSON. Usage on the device::
 
@@ -119,7 +119,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     dtype = DTYPES[args.dtype]
     if dtype == torch.float32:
-        torch.set_float32_matmul_precision("high")  # TF32, the fp32 setting issue 3's bar is about
+        torch.set_float32_matmul_precision("high")  # TF32: lik's fp32 is benchmarked with it
     bandwidth, flops = ceilings()
     print(f"ceilings: {bandwidth / 1e12:.2f} TB/s copy, {flops / 1e12:.0f} TFLOP/s fp16 cuBLAS", flush=True)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -1,4 +1,4 @@
-"""Issue 5's bars: packed variable-length MaxSim against padded eager einsum and the two peers' packed paths.
+"""Packed variable-length MaxSim against padded eager einsum and the two peers' packed paths.
 
 Cells (d = 128, fp16, L2-normalised random data, lengths drawn once with a fixed seed):
 
@@ -12,7 +12,7 @@ Cells (d = 128, fp16, L2-normalised random data, lengths drawn once with a fixed
   (lik.maxsim_varlen), ``einsum-padded`` (batched over padded pairs), ``flash-maxsim`` (flash_maxsim_varlen),
   ``lik-kernels`` (late_interaction_kernels.score_pairs.score_pairs_packed).
 
-Each cell's floor is computed from the real, unpadded tokens (DESIGN.md: max(FLOPs / cuBLAS fp16 rate, bytes /
+Each cell's floor is computed from the real, unpadded tokens (docs/design.md: max(FLOPs / cuBLAS fp16 rate, bytes /
 device-copy bandwidth), both measured in this run). Two timings per method: ``eager_ms``, the
 ``triton.testing.do_bench`` median of a plain call (L2 flushed; includes the host's launch cost whenever the
 host is slower than the GPU), and ``graph_ms``, one call's share of a CUDA graph replaying many calls over

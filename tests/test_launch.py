@@ -11,7 +11,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from lik import _launch
-from lik._launch import _record, _Uncached, argument_key, launch
+from lik._launch import _record, _Uncached, argument_key, cache_key, keyword_layout, launch, triton_version_tested
 
 
 def _scale_rows(x_ptr, out_ptr, n, stride, factor, BLOCK: tl.constexpr, NEGATE: tl.constexpr = False):
@@ -82,6 +82,108 @@ def test_record_refuses_what_it_cannot_replay_by_position():
     assert _record(kernel, object(), (1, 2, 3, 4, 5.0), {"BLOCK": 64}) is None
 
 
+def test_record_refuses_a_kernel_compiled_with_other_options():
+    kernel = JITFunction(_scale_rows)
+
+    class Compiled(_Compiled):
+        metadata = type("Metadata", (), {"num_warps": 8, "num_stages": 3, "maxnreg": None})()
+
+    args, kwargs = (1, 2, 3, 4, 5.0), {"BLOCK": 64, "num_warps": 8, "maxnreg": None}
+    assert _record(kernel, Compiled(), args, kwargs, ("num_warps", "maxnreg")) is not None
+    assert _record(kernel, Compiled(), args, {**kwargs, "num_warps": 4}, ("num_warps", "maxnreg")) is None
+    assert _record(kernel, Compiled(), args, {**kwargs, "num_ctas": 2}, ("num_warps", "num_ctas")) is None
+
+
+# --- the key names the launch configuration explicitly (CPU) ---------------------------------------------------
+
+
+def test_keyword_layout_names_constexprs_in_order_then_every_key_option():
+    kernel = JITFunction(_scale_rows)
+    constexprs, options = keyword_layout(kernel, ("num_stages", "NEGATE", "num_warps", "BLOCK"))
+    assert constexprs == ("BLOCK", "NEGATE")  # declaration order, whatever the call's order
+    assert options == (("num_warps", True), ("num_stages", True), ("maxnreg", False), ("num_ctas", False))
+    # Another Triton option is named after the four; a keyword that is neither makes the call uncached.
+    assert keyword_layout(kernel, ("BLOCK", "enable_fp_fusion"))[1][-1] == ("enable_fp_fusion", True)
+    assert keyword_layout(kernel, ("BLOCK", "factor")) is None  # a runtime parameter by keyword
+    assert keyword_layout(kernel, ("BLOCK", "num_wraps")) is None  # a typo
+
+
+def test_cache_key_separates_every_launch_option_and_ignores_keyword_order():
+    kernel = JITFunction(_scale_rows)
+    args = (torch.zeros(4), torch.zeros(4), 4, 1, 1.0)
+    base = {"BLOCK": 64, "num_warps": 4, "num_stages": 2, "maxnreg": None}
+    key = cache_key(kernel, 0, args, base)
+    assert key == cache_key(kernel, 0, args, dict(reversed(base.items())))
+    others = [{**base, "num_warps": 8}, {**base, "num_stages": 3}, {**base, "maxnreg": 128}, {**base, "BLOCK": 32},
+              {**base, "NEGATE": True}, {"BLOCK": 64, "num_warps": 4, "num_stages": 2}]
+    keys = [cache_key(kernel, 0, args, kw) for kw in others] + [cache_key(kernel, 1, args, base)]
+    assert len({key, *keys}) == len(keys) + 1
+    # An option left to Triton's default is not the same key as the same value passed (Triton's default may differ).
+    assert cache_key(kernel, 0, args, {"BLOCK": 64}) != cache_key(kernel, 0, args, {"BLOCK": 64, "num_warps": 4})
+    assert cache_key(kernel, 0, args, {"BLOCK": 64, "factor": 2.0}) is None
+
+
+def test_cached_path_records_then_replays_with_the_callers_options(monkeypatch):
+    """The whole cached path on CPU, with a stand-in for Triton's compiled kernel and launcher."""
+    runs, replays = [], []
+
+    class Metadata:
+        num_warps, num_stages, maxnreg, num_ctas = 2, 1, None, 1
+
+    class Compiled:
+        function, packed_metadata, metadata = 11, (), Metadata()
+
+        @staticmethod
+        def run(*launch_args):
+            replays.append(launch_args)
+
+    class FakeJIT(JITFunction):
+        def run(self, *args, grid, warmup, **kwargs):
+            runs.append((grid, args, kwargs))
+            return Compiled()
+
+    kernel = FakeJIT(_scale_rows)
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(_launch, "_get_stream", lambda device: 99)
+    monkeypatch.setattr(_launch, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    x, out = torch.zeros(32), torch.zeros(32)
+    for _ in range(3):
+        launch(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=2, num_stages=1)
+    assert len(runs) == 1 and len(replays) == 2
+    assert replays[0] == (2, 1, 1, 99, 11, (), None, None, None, x, out, 32, 1, 2.0, 16, False)
+    # Other options: a new key, so Triton's path runs (and here compiles with options the key does not match:
+    # the record is refused and the kernel stays on Triton's path from then on).
+    launch(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=4, num_stages=1)
+    assert len(runs) == 2 and kernel._lik_launch_table.entries is None
+
+
+@pytest.mark.parametrize("version, tested", [
+    ("3.6.0", True), ("3.6.1", True), ("3.6.0+git5b4a9c1", True), ("3.5.1", False), ("3.7.0", False),
+    ("3.60.0", False), ("4.6.0", False),
+])
+def test_version_gate(version, tested):
+    assert triton_version_tested(version) is tested
+
+
+def test_untested_triton_takes_tritons_path_with_one_notice(monkeypatch):
+    calls = []
+
+    class FakeJIT(JITFunction):
+        def run(self, *args, grid, warmup, **kwargs):
+            calls.append(grid)
+
+    kernel = FakeJIT(_scale_rows)
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    monkeypatch.setattr(_launch, "_NOTICE", "lik: Triton 9.9 is not among the versions ...")
+    x = torch.zeros(4)
+    with pytest.warns(RuntimeWarning, match="Triton 9.9") as record:
+        launch(kernel, (1,), x, x, 4, 1, 1.0, BLOCK=16)
+        launch(kernel, (1,), x, x, 4, 1, 1.0, BLOCK=16)
+    assert len(record) == 1 and len(calls) == 2
+    assert kernel._lik_launch_table.entries == {}  # nothing recorded
+
+
 def test_interpreted_kernels_take_tritons_path(monkeypatch):
     if isinstance(scale_rows, JITFunction):
         pytest.skip("only meaningful under TRITON_INTERPRET=1 (the CPU test run)")
@@ -112,8 +214,8 @@ def test_cached_kernel_is_the_one_tritons_binder_picks():
             launch(scale_rows, (triton.cdiv(n, 128),), x, out, n, stride, 2.0, BLOCK=128, num_warps=4, **flags)
             expected = 2 * x[: (n - 1) * stride + 1 : stride] * (-1 if flags else 1)
             torch.testing.assert_close(out, expected, rtol=0, atol=0)
-        key = (torch.cuda.current_device(), tuple(map(argument_key, (x, out, n, stride, 2.0))),
-               tuple({"BLOCK": 128, "num_warps": 4, **flags}.items()))
+        key = cache_key(scale_rows, torch.cuda.current_device(), (x, out, n, stride, 2.0),
+                        {"BLOCK": 128, "num_warps": 4, **flags})
         cached = _table(scale_rows)[key]
         chosen = scale_rows.warmup(x, out, n, stride, 2.0, BLOCK=128, num_warps=4, grid=(1,), **flags)
         assert cached[1] == chosen.function, (n, stride, flags)
@@ -179,3 +281,35 @@ def test_fast_and_triton_launch_give_the_same_bits(op, monkeypatch):
 
     kernel = maxsim_fwd_kernel if op == "maxsim" else msda_fwd_kernel
     assert _table(kernel), "the forward kernel did not go through the cached path"
+
+
+@pytest.mark.gpu
+def test_every_lik_kernel_stays_on_the_cached_path():
+    """The record step refuses a kernel whose compiled options differ from the caller's: none of lik's may be."""
+    import sys
+
+    import lik
+
+    assert _launch.ENABLED, f"Triton {triton.__version__}: the cached path is off (version gate or LIK_TRITON_LAUNCH)"
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(3, 21, 64, device="cuda", generator=gen, dtype=torch.float16, requires_grad=True)
+    d = torch.randn(5, 33, 64, device="cuda", generator=gen, dtype=torch.float16, requires_grad=True)
+    for backward in ("fast", "deterministic"):
+        lik.maxsim(q, d, backward=backward).sum().backward()
+    packed, cu, max_len = lik.pack([torch.randn(n, 64) for n in (7, 30, 1)])
+    packed = packed.to("cuda", torch.float16).requires_grad_()
+    lik.maxsim_packed(q, packed, cu.cuda(), max_seqlen_d=max_len).sum().backward()
+    shapes = torch.tensor([[7, 9], [3, 5]], device="cuda")
+    starts = torch.tensor([0, 63], device="cuda")
+    value = torch.randn(2, 78, 3, 32, device="cuda", generator=gen, requires_grad=True)
+    loc = torch.rand(2, 11, 3, 2, 4, 2, device="cuda", generator=gen, requires_grad=True)
+    attn = torch.rand(2, 11, 3, 2, 4, device="cuda", generator=gen, requires_grad=True)
+    lik.ms_deform_attn(value, shapes, starts, loc, attn).sum().backward()
+    tables = {
+        f"{module.__name__}.{name}": kernel._lik_launch_table
+        for module in list(sys.modules.values()) if (module.__name__ or "").startswith("lik.")
+        for name, kernel in vars(module).items() if isinstance(kernel, JITFunction) and hasattr(kernel,
+                                                                                                "_lik_launch_table")
+    }
+    assert len(tables) >= 5, sorted(tables)
+    assert not [name for name, table in tables.items() if table.entries is None]

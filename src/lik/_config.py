@@ -143,7 +143,7 @@ class MaxSimBackwardConfig:
     # dQ: documents gathered per loop step (unrolled, all in flight).
     dq_docs: int = 2
     # dD kernels: "fast" takes ``fast_dd`` ("atomic" scatter or "sorted" gather), "deterministic" takes
-    # ``deterministic_dd`` (only "sorted": no atomics). H200 (benchmarks/NOTES-backward.md): the atomic scatter
+    # ``deterministic_dd`` (only "sorted": no atomics). H200 (benchmarks/NOTES.md, "fast" dD): the atomic scatter
     # through a 16 MiB buffer beat the sorted gather at every training shape (ColBERT B 2048: 18.5 vs 20.9 ms).
     # The sorted gather: contributions per block, warps, winners per sort chunk (about 44 bytes of workspace
     # each at peak) and an optional cap on a chunk's document rows (32 767 or fewer: 16-bit sort keys).
@@ -211,7 +211,7 @@ def _maxsim_forward_heuristic(
     if not interpreted and dtype == torch.float32 and group_rows * groups < 128:
         stages = 2
     elif not interpreted and hopper and not wide:
-        # H200 sweeps (tune_maxsim.py --near-heuristic, NOTES.md v14): one short query streams long documents
+        # H200 sweeps (tune_maxsim.py --near-heuristic, benchmarks/NOTES.md): one short query streams long documents
         # best in 128-token tiles, 4 stages (long-doc 0.077 -> 0.074 ms); short documents keep 64-token tiles
         # (textual B = 10 000: 0.200 -> 0.218 ms with 128); stacked short queries gain from a persistent launch,
         # 2 programs per SM (fp16 multi textual 0.223 -> 0.191 ms, multi long-doc 0.52; fp32 / TF32 multi
@@ -221,7 +221,7 @@ def _maxsim_forward_heuristic(
         if dtype == torch.float32 and groups == 1 and group_rows == 256 and not per_query and not argmax:
             # fp32 (TF32) long queries: the query block alone fills half of the shared memory, so one program per
             # SM; a persistent one keeps its query and streams documents back to back (H200, tune_maxsim.py
-            # --dtype fp32, NOTES.md item 19, same-process A/B: visual 0.489 -> 0.447 ms, ColPali 0.966 -> 0.848,
+            # --dtype fp32, benchmarks/NOTES.md "fp32 (TF32)", A/B: visual 0.489 -> 0.447 ms, ColPali 0.966 -> 0.848,
             # multi ColPali 3.70 -> 3.47; fp16 gets slower with it, visual 0.238 -> 0.258).
             programs_per_sm = 1
         if groups > 1:
@@ -232,7 +232,7 @@ def _maxsim_forward_heuristic(
                 max_registers = 128
         if argmax and groups > 1 and group_rows <= 32 and dtype != torch.float32:
             # The winner bookkeeping needs ~165 registers at 256 stacked rows; 128 rows capped at 128 registers
-            # run two programs per SM (H200, profile_backward.py --parts forward-tiles, NOTES-backward.md item 14:
+            # run two programs per SM (H200, profile_backward.py --parts forward-tiles, NOTES.md "Argmax forward tile":
             # ColBERT B 512 argmax forward 1.95 -> 1.29 ms, B 128 0.157 -> 0.091); the persistent launch and the
             # cap are the stacked branch's above.
             groups = max(1, min(128 // group_rows, next_power_of_2(n_groups_total)))
@@ -351,7 +351,7 @@ def _msda_tile(n_rows: int, dim: int, n_points: int, device: torch.device) -> tu
     # Every channel of a head up to 128 (wider heads split over a grid axis) and every point of a level in one
     # tile (the kernels have no point loop); one warp per 512 elements of a corner tile, rows to fill it, then fewer
     # rows until there are a few programs per SM (the decoder has only N * 300 * M rows). Measured on an H200 at
-    # encoder scale, D = 32, P = 4 (benchmarks/NOTES-msda.md, change 4): 4 rows x 1 warp and 16 rows x 4 warps
+    # encoder scale, D = 32, P = 4 (benchmarks/NOTES.md): 4 rows x 1 warp and 16 rows x 4 warps
     # are equal in fp32 (0.76 ms), 1 warp is faster in bf16 (0.56 against 0.78 ms).
     full_d = next_power_of_2(max(dim, 1))
     block_d = min(full_d, 128)

@@ -13,23 +13,39 @@ a bool's or constexpr's exact value; the launch options. So a hit can only reuse
 would have chosen (``tests/test_launch.py`` checks that against the binder on the GPU). A miss launches through
 ``kernel[grid](...)``, compiling if needed, and records what it ran.
 
-Triton's own path is taken under the interpreter (``TRITON_INTERPRET=1``), while a Triton launch hook is
+The key names the launch configuration explicitly: besides the device and the argument keys it holds every
+keyword of the call in a fixed order, the kernel's constexpr parameters in declaration order, then the launch
+options ``num_warps``, ``num_stages``, ``maxnreg``, ``num_ctas`` and any other Triton option (one the caller leaves
+out takes Triton's default, and is named as left out). A keyword that is neither a constexpr nor a Triton option
+makes the call uncached. When a kernel is first recorded, the options Triton compiled it with (its own metadata)
+must equal the ones the caller passed, or the kernel stays on Triton's path.
+
+Replaying a compiled kernel uses Triton's launcher by position, which is private API: the cached path runs only on
+the Triton versions in :data:`TESTED_TRITON` (those the GPU equivalence tests in ``tests/test_launch.py`` passed
+on). On any other version every launch takes Triton's own path and the first one says so once
+(``warnings.warn``); set ``lik._launch.ENABLED = True`` to try the cached path there anyway.
+
+Triton's own path is also taken under the interpreter (``TRITON_INTERPRET=1``), while a Triton launch hook is
 installed (profilers such as proton install one), when ``LIK_TRITON_LAUNCH=jit`` is set at import (or
-``lik._launch.ENABLED`` is False), and for a kernel called
-in a form this module does not cache (a constexpr passed by position, an argument of another type, or a Triton
-whose compiled kernels lack the launcher attributes used here).
+``lik._launch.ENABLED`` is False), and for a kernel called in a form this module does not cache (a constexpr
+passed by position, an argument of another type, an unknown keyword, or a Triton whose compiled kernels lack the
+launcher attributes used here).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import warnings
+from operator import itemgetter
 
 import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-__all__ = ["launch", "argument_key"]
+__all__ = [
+    "launch", "argument_key", "cache_key", "keyword_layout", "triton_version_tested", "TESTED_TRITON",
+]
 
 _I32 = 2**31
 _U64 = 2**63
@@ -64,9 +80,93 @@ def argument_key(arg):
     raise _Uncached(kind.__name__)
 
 
+# Triton releases (major.minor) whose launcher the cached path replays correctly: the GPU tests of
+# tests/test_launch.py (same kernel as Triton's binder, same bits as Triton's launch) passed on them.
+TESTED_TRITON = ("3.6",)
+
+
+def triton_version_tested(version: str) -> bool:
+    """True when ``version`` (e.g. ``"3.6.0"``, ``"3.6.0+git1234"``) is a release in :data:`TESTED_TRITON`."""
+    return ".".join(version.split("+")[0].split(".")[:2]) in TESTED_TRITON
+
+
+_REQUESTED = os.environ.get("LIK_TRITON_LAUNCH", "fast") != "jit"
+_TRITON_TESTED = triton_version_tested(triton.__version__)
 # Read once at import; tests switch it through this module's attribute.
-ENABLED = os.environ.get("LIK_TRITON_LAUNCH", "fast") != "jit"
+ENABLED = _REQUESTED and _TRITON_TESTED
+# Said once, at the first launch on a GPU, when the version gate (not the user) turned the cached path off.
+_NOTICE = None if _TRITON_TESTED or not _REQUESTED else (
+    f"lik: Triton {triton.__version__} is not among the versions lik's cached kernel launch was tested with "
+    f"({', '.join(v + '.x' for v in TESTED_TRITON)}); kernels launch through Triton's own path (slower host side)"
+)
+
+
+def _say_untested_once() -> None:
+    global _NOTICE
+    notice, _NOTICE = _NOTICE, None
+    if notice is not None:
+        warnings.warn(notice, RuntimeWarning, stacklevel=3)
+
+
 _KNOBS = getattr(triton, "knobs", None)
+
+# The launch options every key names, passed or left to Triton's default, in this order.
+_KEY_OPTIONS = ("num_warps", "num_stages", "maxnreg", "num_ctas")
+
+
+def _triton_options() -> frozenset[str]:
+    """Keyword names Triton's NVIDIA backend reads as compile / launch options (not kernel parameters)."""
+    try:
+        from dataclasses import fields
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return frozenset(f.name for f in fields(CUDAOptions))
+    except Exception:  # another backend layout: the options lik's launchers pass
+        return frozenset(_KEY_OPTIONS + ("enable_fp_fusion", "launch_cooperative_grid", "launch_pdl"))
+
+
+_OPTIONS = _triton_options() | frozenset(_KEY_OPTIONS)
+
+
+def keyword_layout(kernel, names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[tuple[str, bool], ...]] | None:
+    """The explicit, order-independent description of a call's keywords that goes into the cache key.
+
+    Returns ``(constexprs, options)``: the constexpr parameters passed, in the kernel's declaration order, and
+    ``(option, passed)`` for ``num_warps``, ``num_stages``, ``maxnreg``, ``num_ctas`` (always, in that order)
+    followed by any other Triton option passed (by name). None when a keyword is neither (uncached).
+
+    Example:
+        >>> keyword_layout(kernel, ("num_warps", "BLOCK"))
+        (('BLOCK',), (('num_warps', True), ('num_stages', False), ('maxnreg', False), ('num_ctas', False)))
+    """
+    constexprs = [p.name for p in kernel.params if p.is_constexpr]
+    if any(n not in constexprs and n not in _OPTIONS for n in names):
+        return None
+    passed = set(names)
+    options = tuple((n, n in passed) for n in _KEY_OPTIONS)
+    options += tuple((n, True) for n in sorted(passed - set(constexprs) - set(_KEY_OPTIONS)))
+    return tuple(n for n in constexprs if n in passed), options
+
+
+class _Layout:
+    """A call's keyword layout, interned per kernel: ``ident`` is the same for every call whose keywords describe
+    the same layout (in any order), and ``values`` reads their values in the layout's order."""
+
+    __slots__ = ("ident", "values", "options")
+
+    def __init__(self, ident: int, layout, names: tuple[str, ...]):
+        constexprs, options = layout
+        ordered = constexprs + tuple(n for n, passed in options if passed)
+        self.ident = ident
+        self.options = ordered[len(constexprs):]
+        if len(ordered) > 1:
+            self.values = itemgetter(*ordered)
+        elif ordered:
+            name = ordered[0]
+            self.values = lambda kwargs: (kwargs[name],)
+        else:
+            self.values = lambda kwargs: ()
 
 
 def _hooks_installed() -> bool:
@@ -80,29 +180,46 @@ def _hooks_installed() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
+_NEW = object()  # a keyword layout not seen yet for this kernel
+
+
 class _KernelTable:
     """Compiled kernels of one JIT function, by argument key; ``entries`` is None for a function launched through
     Triton only (interpreted, or found uncacheable). Kept on the function itself (``_lik_launch_table``), so it
     lives and dies with it."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "layouts", "layout_ids")
 
     def __init__(self, kernel):
         self.entries: dict | None = {} if isinstance(kernel, JITFunction) else None
+        self.layouts: dict[tuple[str, ...], _Layout | None] = {}  # keyword names as passed -> their layout
+        self.layout_ids: dict = {}  # explicit layout -> ident
+
+    def layout(self, kernel, names: tuple[str, ...]) -> _Layout | None:
+        if names not in self.layouts:
+            layout = keyword_layout(kernel, names)
+            self.layouts[names] = None if layout is None else _Layout(
+                self.layout_ids.setdefault(layout, len(self.layout_ids)), layout, names)
+        return self.layouts[names]
 
 
 _get_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
 
 
-def _record(kernel, compiled, args: tuple, kwargs: dict):
+def _record(kernel, compiled, args: tuple, kwargs: dict, options: tuple[str, ...] = ()):
     """The launcher, function handle, packed metadata and trailing constexpr values of a kernel Triton just ran,
-    or None when it cannot be replayed by position."""
+    or None when it cannot be replayed by position or was not compiled with the ``options`` the caller passed."""
     run = getattr(compiled, "run", None)
     function = getattr(compiled, "function", None)
     packed = getattr(compiled, "packed_metadata", None)
     params = getattr(kernel, "params", None)
     if run is None or function is None or packed is None or params is None:
         return None
+    metadata = getattr(compiled, "metadata", None)
+    missing = object()
+    for name in options:
+        if getattr(metadata, name, missing) != kwargs[name]:
+            return None
     if any(p.is_constexpr for p in params[: len(args)]):
         return None
     tail = []
@@ -118,6 +235,22 @@ def _record(kernel, compiled, args: tuple, kwargs: dict):
                 return None
             tail.append(default)
     return run, function, packed, tuple(tail)
+
+
+def cache_key(kernel, device: int, args: tuple, kwargs: dict):
+    """The key :func:`launch` files a call under (the same computation, for tests and inspection):
+    ``(device, argument keys, keyword layout id, keyword values in the layout's order)``, where the layout id
+    stands for :func:`keyword_layout`'s explicit description. None for a call that is not cached."""
+    table = getattr(kernel, "_lik_launch_table", None)
+    if table is None:
+        table = kernel._lik_launch_table = _KernelTable(kernel)
+    layout = table.layout(kernel, tuple(kwargs))
+    if layout is None:
+        return None
+    try:
+        return device, tuple(map(argument_key, args)), layout.ident, layout.values(kwargs)
+    except _Uncached:
+        return None
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
@@ -138,18 +271,27 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         table = kernel._lik_launch_table = _KernelTable(kernel)
     entries = table.entries
     if entries is None or not ENABLED or _get_stream is None or _hooks_installed():
+        if _NOTICE is not None and entries is not None:
+            _say_untested_once()
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
+    names = tuple(kwargs)
+    layout = table.layouts.get(names, _NEW)
+    if layout is _NEW:
+        layout = table.layout(kernel, names)
+    if layout is None:
+        kernel[grid](*args, **kwargs)
+        return
     try:
-        key = (device, tuple(map(argument_key, args)), tuple(kwargs.items()))
+        key = (device, tuple(map(argument_key, args)), layout.ident, layout.values(kwargs))
         entry = entries.get(key)
     except (_Uncached, TypeError):  # TypeError: an unhashable keyword value
         kernel[grid](*args, **kwargs)
         return
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
-        entry = _record(kernel, compiled, args, kwargs)
+        entry = _record(kernel, compiled, args, kwargs, layout.options)
         if entry is None:
             table.entries = None
         else:

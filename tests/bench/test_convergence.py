@@ -1,4 +1,4 @@
-"""Issue 4's training-loop check: losses of a contrastive model trained through ``lik.maxsim`` track float32."""
+"""The training-loop check: losses of a contrastive model trained through ``lik.maxsim`` track float32."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""benchmarks/msda_ceiling.py: its traffic kernel moves exactly the corners it claims to (the issue-6 ceiling rests
-on it)."""
+"""benchmarks/msda_ceiling.py: its traffic kernel moves exactly the corners it claims to (the encoder-scale
+ceiling in benchmarks/NOTES.md rests on it)."""
 
 from __future__ import annotations
 

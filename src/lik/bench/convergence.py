@@ -1,4 +1,4 @@
-"""Training-loop check (issue 4): a small contrastive model trained with ``lik.maxsim`` tracks a float32 reference.
+"""Training-loop check: a small contrastive model trained with ``lik.maxsim`` tracks a float32 reference.
 
 A bias-free linear projection maps synthetic token embeddings (``d_in``) to ``dim``. Each query token copies the
 first ``signal_dims`` features of a token of its positive document (planted positives) and has fresh, larger

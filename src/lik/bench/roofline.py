@@ -1,6 +1,6 @@
 """Floors: the least time a shape can take on a machine, from its FLOPs, its bytes and measured ceilings.
 
-``floor = max(FLOPs / matmul rate, minimal bytes / copy bandwidth)`` (DESIGN.md, "How performance is judged").
+``floor = max(FLOPs / matmul rate, minimal bytes / copy bandwidth)`` (docs/design.md, "How performance is judged").
 
 * FLOPs of the forward: ``2 * Nq * B * Lq * Ld * d`` (the similarity products; the max and the sum are free
   next to them). The training step adds the backward's two gathers over the argmax, ``2 * Nq * B * Lq * d``

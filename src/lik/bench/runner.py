@@ -331,6 +331,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.add_argument("--list", action="store_true", help="print the selected shapes and methods with their floors' "
                    "FLOPs and bytes, and exit")
+    p.add_argument("--ceilings", action="store_true",
+                   help="no shapes: measure the machine's ceilings (device copy, matmul per dtype, pinned host "
+                   "copies) into OUT/ceilings.json")
     p.add_argument("--from-json", default=None,
                    help="no run: re-print the table and redraw the plot of an existing results JSON")
     return p.parse_args(argv)
@@ -352,7 +355,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         raise SystemExit("lik bench: no CUDA device; use --smoke for the CPU plumbing check")
     dtype = DTYPES[args.dtype or ("fp32" if args.smoke else "fp16")]
     if dtype == torch.float32 and device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32, the fp32 setting the issue's bar is about
+        torch.set_float32_matmul_precision("high")  # TF32: lik's fp32 numbers are measured with it
     shapes = _selected_shapes(args)
     methods = select_methods(args.methods.split(",") if args.methods else None)
     rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 3)
@@ -449,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:
         print(registry_listing(args))
+        return 0
+    if args.ceilings:
+        from .ceilings import main as measure_ceilings_only
+
+        measure_ceilings_only(args.out, smoke=args.smoke, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms or 100.0)
         return 0
     out_dir = Path(args.out)
     if args.from_json:

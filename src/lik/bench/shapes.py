@@ -7,9 +7,9 @@ A :class:`Shape` is one MaxSim problem. ``suite`` says how it is run:
 * ``train``: in-batch contrastive step, ``Q [B, Lq, d]`` against ``D [B, Ld, d]``: the ``[B, B]`` scores,
   cross-entropy against the diagonal, and the gradients of ``Q`` and ``D``.
 
-The canonical sizes are those of DESIGN.md ("How performance is judged") and issues 3 and 4; ``quick`` marks
-the subset that ``--quick`` runs. ``--smoke`` runs :data:`SMOKE_SHAPES`, tiny versions of each suite that run
-on a CPU in well under a second.
+The canonical sizes are those of docs/design.md ("How performance is judged") plus larger training batches;
+``quick`` marks the subset that ``--quick`` runs. ``--smoke`` runs :data:`SMOKE_SHAPES`, tiny versions of each
+suite that run on a CPU in well under a second.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["Shape", "SUITES", "CANONICAL_SHAPES", "SMOKE_SHAPES", "FAMILIES", "s
 
 SUITES = ("forward", "multi", "train")
 
-# family -> (Lq, Ld): the canonical MaxSim geometries of DESIGN.md, all at d = 128.
+# family -> (Lq, Ld): the canonical MaxSim geometries of docs/design.md, all at d = 128.
 FAMILIES = {
     "textual": (32, 300),
     "long-doc": (32, 1024),
@@ -93,14 +93,14 @@ def _train(family: str, b: int, quick: bool) -> Shape:
 
 
 CANONICAL_SHAPES: tuple[Shape, ...] = (
-    # Issue 3: single-query reranking at B = 1 000 and 10 000.
+    # Single-query reranking at B = 1 000 and 10 000.
     *(_forward(f, 1000, True) for f in ("textual", "long-doc", "medium", "visual", "colpali")),
     *(_forward(f, 10000, f in ("textual", "colpali")) for f in ("textual", "long-doc", "medium", "visual", "colpali")),
-    # Issue 3: 32 queries against a shared corpus.
+    # 32 queries against a shared corpus.
     _multi("textual", 1024),
     _multi("long-doc", 1024),
     _multi("colpali", 128),
-    # Issue 4: in-batch training; the bars at 128 / 512 and 32 / 64, scale at 2048 and 128.
+    # In-batch training: the canonical batches 128 / 512 and 32 / 64, and 2048 / 128 for scale.
     _train("colbert-train", 128, True),
     _train("colbert-train", 512, True),
     _train("colbert-train", 2048, False),

@@ -46,7 +46,7 @@ DETERMINISTIC_DD = ("sorted",)
 # Strides that follow a batch size or a length are not specialised either (a stride's divisibility by 16
 # would otherwise pick a new variant when B or Lq changes). Embedding strides (Lq * d, Ld * d) stay specialised:
 # they keep their divisibility when d does, and without it Triton cannot prove rows 16-byte aligned and loads
-# them element by element (see benchmarks/NOTES.md, version 6).
+# them element by element (benchmarks/NOTES.md, "Aligned embedding strides").
 _BATCH_STRIDES = ["stride_gn", "stride_an", "stride_ab"]
 
 

@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 # The gradient's row stride follows the batch size: not specialised (no recompile when B changes). Embedding
-# strides stay specialised (16-byte aligned rows, vector loads; benchmarks/NOTES.md, version 6).
+# strides stay specialised (16-byte aligned rows, vector loads; benchmarks/NOTES.md, "Aligned embedding strides").
 _BATCH_STRIDES = ["stride_gn", "stride_gb"]
 
 

@@ -1,9 +1,8 @@
 """``lik.maxsim``: the autograd Function over the fused kernels, and the public entry point.
 
 Under ``torch.compile`` the kernels are reached through custom operators (``lik::maxsim_forward``,
-``lik::maxsim_backward_dq``, ``lik::maxsim_backward_dd``) with shape-only fake implementations, so Dynamo traces
-a call as one graph instead of failing inside the Triton launch path; eager calls launch directly (the
-dispatcher's overhead would show on small, launch-bound calls).
+``lik::maxsim_backward_dq``, ``lik::maxsim_backward_dd``) with shape-only fake implementations; eager calls launch
+directly. :mod:`lik._dispatch` does that choice and the route of each call (see docs/design.md).
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..._config import interpreting
+from ..._dispatch import kernel_op, router
 from .backward import BACKWARD_MODES, maxsim_backward_dd, maxsim_backward_dq
 from .forward import maxsim_forward
 from .reference import maxsim_reference_canonical
@@ -19,16 +19,17 @@ from .validation import MaxSimInputs
 __all__ = ["maxsim", "MaxSimFunction", "uses_kernels", "resolve_backward"]
 
 
+_REFERENCE_ONLY_ON_CPU = (torch.float64, torch.bfloat16)
+
+
 def uses_kernels(x: torch.Tensor) -> bool:
     """Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
 
     float64 is reference-only. Triton's interpreter has no bfloat16 arithmetic, so CPU bfloat16 runs the
     reference even under the interpreter (bfloat16 kernels are covered by the GPU tests)."""
-    if x.dtype == torch.float64:
-        return False
-    if x.device.type == "cuda":
-        return True
-    return x.device.type == "cpu" and interpreting() and x.dtype != torch.bfloat16
+    if x.is_cuda:  # first and cheapest: this predicate is on every call's host path
+        return x.dtype != torch.float64
+    return x.device.type == "cpu" and x.dtype not in _REFERENCE_ONLY_ON_CPU and interpreting()
 
 
 def resolve_backward(backward: str) -> bool:
@@ -40,15 +41,6 @@ def resolve_backward(backward: str) -> bool:
     return backward == "deterministic"
 
 
-@torch.library.custom_op("lik::maxsim_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, d: torch.Tensor, q_mask: torch.Tensor | None, d_mask: torch.Tensor | None,
-                mask_mode: str, per_query: bool, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    scores, argmax = maxsim_forward(MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query), store_argmax)
-    # A custom operator returns tensors only: a 0-element placeholder where no argmax was stored.
-    return scores, argmax if argmax is not None else q.new_empty((0,), dtype=torch.int16)
-
-
-@_forward_op.register_fake
 def _forward_fake(q, d, q_mask, d_mask, mask_mode, per_query, store_argmax):
     n_q, l_q, _ = q.shape
     n_docs, l_d = d.shape[1], d.shape[2]
@@ -58,25 +50,31 @@ def _forward_fake(q, d, q_mask, d_mask, mask_mode, per_query, store_argmax):
     return scores, q.new_empty((n_q, n_docs, l_q), dtype=torch.int16 if l_d < 2**15 else torch.int32)
 
 
-@torch.library.custom_op("lik::maxsim_backward_dq", mutates_args=())
-def _dq_op(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
-    return maxsim_backward_dq(grad, d, argmax, q.shape, q.dtype)
+@kernel_op("lik::maxsim_forward", fake=_forward_fake)
+def _forward(q: torch.Tensor, d: torch.Tensor, q_mask: torch.Tensor | None, d_mask: torch.Tensor | None,
+             mask_mode: str, per_query: bool, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    scores, argmax = maxsim_forward(MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query), store_argmax)
+    # A custom operator returns tensors only: a 0-element placeholder where no argmax was stored.
+    return scores, argmax if argmax is not None else q.new_empty((0,), dtype=torch.int16)
 
 
-@_dq_op.register_fake
 def _dq_fake(grad, q, d, argmax):
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("lik::maxsim_backward_dd", mutates_args=())
-def _dd_op(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor, deterministic: bool,
-           per_query: bool) -> torch.Tensor:
-    return maxsim_backward_dd(grad, q, argmax, d.shape, d.dtype, deterministic=deterministic, per_query=per_query)
+@kernel_op("lik::maxsim_backward_dq", fake=_dq_fake)
+def _dq(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    return maxsim_backward_dq(grad, d, argmax, q.shape, q.dtype)
 
 
-@_dd_op.register_fake
 def _dd_fake(grad, q, d, argmax, deterministic, per_query):
     return d.new_empty(d.shape)
+
+
+@kernel_op("lik::maxsim_backward_dd", fake=_dd_fake)
+def _dd(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor, deterministic: bool,
+        per_query: bool) -> torch.Tensor:
+    return maxsim_backward_dd(grad, q, argmax, d.shape, d.dtype, deterministic=deterministic, per_query=per_query)
 
 
 class MaxSimFunction(torch.autograd.Function):
@@ -85,11 +83,7 @@ class MaxSimFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, d, q_mask, d_mask, mask_mode, per_query, deterministic):
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        if torch.compiler.is_compiling():
-            scores, argmax = _forward_op(q, d, q_mask, d_mask, mask_mode, per_query, needs_grad)
-        else:
-            inputs = MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query)
-            scores, argmax = maxsim_forward(inputs, store_argmax=needs_grad)
+        scores, argmax = _forward(q, d, q_mask, d_mask, mask_mode, per_query, needs_grad)
         if needs_grad:
             ctx.save_for_backward(q, d, argmax)
             ctx.per_query = per_query
@@ -100,22 +94,32 @@ class MaxSimFunction(torch.autograd.Function):
     def backward(ctx, grad_scores):
         q, d, argmax = ctx.saved_tensors
         grad_scores = grad_scores.float().contiguous()
-        dq = dd = None
-        compiling = torch.compiler.is_compiling()
-        if ctx.needs_input_grad[0]:
-            if compiling:
-                dq = _dq_op(grad_scores, q, d, argmax)
-            else:
-                dq = maxsim_backward_dq(grad_scores, d, argmax, q.shape, q.dtype)
-        if ctx.needs_input_grad[1]:
-            if compiling:
-                dd = _dd_op(grad_scores, q, d, argmax, ctx.deterministic, ctx.per_query)
-            else:
-                dd = maxsim_backward_dd(
-                    grad_scores, q, argmax, d.shape, d.dtype,
-                    deterministic=ctx.deterministic, per_query=ctx.per_query,
-                )
+        dq = _dq(grad_scores, q, d, argmax) if ctx.needs_input_grad[0] else None
+        dd = _dd(grad_scores, q, d, argmax, ctx.deterministic, ctx.per_query) if ctx.needs_input_grad[1] else None
         return dq, dd, None, None, None, None, None
+
+
+# The four paths of a public call, each taking the validated inputs and the backward choice.
+def _reference(inputs: MaxSimInputs, deterministic: bool) -> torch.Tensor:
+    return maxsim_reference_canonical(inputs)
+
+
+def _autograd(inputs: MaxSimInputs, deterministic: bool) -> torch.Tensor:
+    return MaxSimFunction.apply(inputs.q, inputs.d, inputs.q_mask, inputs.d_mask, inputs.mask_mode,
+                                inputs.per_query_documents, deterministic)
+
+
+def _compiled_inference(inputs: MaxSimInputs, deterministic: bool) -> torch.Tensor:
+    return _forward.op(inputs.q, inputs.d, inputs.q_mask, inputs.d_mask, inputs.mask_mode,
+                       inputs.per_query_documents, False)[0]
+
+
+def _inference(inputs: MaxSimInputs, deterministic: bool) -> torch.Tensor:
+    # No autograd node, no argmax buffer.
+    return maxsim_forward(inputs, store_argmax=False)[0]
+
+
+_route = router(reference=_reference, autograd=_autograd, compiled=_compiled_inference, launch=_inference)
 
 
 def maxsim(
@@ -155,15 +159,5 @@ def maxsim(
     """
     deterministic = resolve_backward(backward)
     inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True)
-    if not uses_kernels(inputs.q):
-        return inputs.finish(maxsim_reference_canonical(inputs))
-    if not (torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)):
-        # Inference: no autograd node, no argmax buffer.
-        if torch.compiler.is_compiling():
-            return inputs.finish(_forward_op(inputs.q, inputs.d, inputs.q_mask, inputs.d_mask, mask_mode,
-                                             inputs.per_query_documents, False)[0])
-        return inputs.finish(maxsim_forward(inputs, store_argmax=False)[0])
-    scores = MaxSimFunction.apply(
-        inputs.q, inputs.d, inputs.q_mask, inputs.d_mask, mask_mode, inputs.per_query_documents, deterministic
-    )
-    return inputs.finish(scores)
+    needs_grad = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    return inputs.finish(_route(uses_kernels(inputs.q), needs_grad, inputs, deterministic))

@@ -1,6 +1,6 @@
 """Pure-PyTorch MaxSim: the specification every kernel is tested against, and the CPU path.
 
-``score[n, j] = sum_s max_t <Q[n, s], D[n or 0, j, t]>`` under the masking rules of DESIGN.md. The
+``score[n, j] = sum_s max_t <Q[n, s], D[n or 0, j, t]>`` under the masking rules of docs/design.md. The
 similarities are computed in chunks of documents so that no more than ``budget_bytes`` of them exist at once:
 a CPU user scoring 10 000 ColPali pages never allocates ``[Nq, B, Lq, Ld]``. Autograd flows through it (the
 gradient of ``torch.max`` goes to the first maximal index, the tie rule of the kernels), and masked or padded
@@ -82,7 +82,7 @@ def maxsim_reference(
         D: ``[B, Ld, d]`` (shared by all queries) or ``[Nq, B, Ld, d]`` (one candidate set per query).
         q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real tokens.
         d_mask: optional bool ``[B, Ld]`` / ``[Nq, B, Ld]``.
-        mask_mode: ``"exclude"`` or ``"zero"`` (see DESIGN.md).
+        mask_mode: ``"exclude"`` or ``"zero"`` (see docs/design.md).
         budget_bytes: most bytes of similarities held at once.
 
     Returns:

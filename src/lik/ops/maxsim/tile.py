@@ -225,8 +225,8 @@ def document_tile(
     else:
         # An unmasked document without load predicates: the ragged tail re-reads the last token (clamped rows)
         # and its extra columns are set to -inf. Predicate-free loads let the pipeliner issue plain cp.async
-        # (H200: ColPali 0.58 -> 0.50 ms, NOTES.md v7); no separate checked tail loop keeps the registers of a
-        # persistent launch down (NOTES.md v14).
+        # (H200: ColPali 0.58 -> 0.50 ms); no separate checked tail loop keeps the registers of a persistent launch
+        # down (benchmarks/NOTES.md, "Predicate-free full tiles", "One loop, no checked tail loop").
         col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
         if NUM_K == 1 and DIM == BLOCK_K:
             offs_k = tl.arange(0, BLOCK_K)

@@ -54,7 +54,7 @@ def msda_fwd_kernel(
     acc = tl.zeros((BLOCK_R, BLOCK_P, BLOCK_D), tl.float32)
     # BLOCK_P covers all points of a level (the launcher checks), so the only loop is over levels: a level's
     # shape is three scalar loads, and no inner loop costs registers (measured: a point loop inside, or one flat
-    # loop over (level, point block), made the forward 12-16% slower at encoder scale, NOTES-msda.md change 4).
+    # loop over (level, point block), made the forward 12-16% slower at encoder scale; benchmarks/NOTES.md).
     point = tl.arange(0, BLOCK_P)
     for level in range(n_levels):
         height, width, start = level_shape(level, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st)

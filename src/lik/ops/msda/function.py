@@ -2,8 +2,8 @@
 stateless module with the signature of HF transformers' ``MultiScaleDeformableAttention``.
 
 Under ``torch.compile`` the Function reaches the kernels through two custom operators (``lik::msda_forward``,
-``lik::msda_backward``) with shape-only fake implementations, so Dynamo traces the whole call without a graph break
-(it cannot trace the Triton launch path itself); eager calls launch directly and skip the dispatcher's overhead.
+``lik::msda_backward``) with shape-only fake implementations, so Dynamo traces the whole call without a graph break;
+eager calls launch directly. :mod:`lik._dispatch` does that choice and the route of each call (see docs/design.md).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..._config import interpreting
+from ..._dispatch import kernel_op, router
 from .backward import msda_backward
 from .forward import msda_forward
 from .reference import ms_deform_attn_reference
@@ -37,35 +38,32 @@ def _uses_kernels(*tensors: torch.Tensor) -> bool:
     return device.type == "cpu" and interpreting() and torch.bfloat16 not in dtypes
 
 
-@torch.library.custom_op("lik::msda_forward", mutates_args=())
-def _forward_op(value: torch.Tensor, shapes: torch.Tensor, starts: torch.Tensor, loc: torch.Tensor,
-                attn: torch.Tensor) -> torch.Tensor:
-    return msda_forward(value, shapes, starts, loc, attn)
-
-
-@_forward_op.register_fake
 def _forward_fake(value, shapes, starts, loc, attn):
     return value.new_empty((value.shape[0], loc.shape[1], value.shape[2] * value.shape[3]))
 
 
-@torch.library.custom_op("lik::msda_backward", mutates_args=())
-def _backward_op(grad_out: torch.Tensor, value: torch.Tensor, shapes: torch.Tensor, starts: torch.Tensor,
-                 loc: torch.Tensor, attn: torch.Tensor, deterministic: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return msda_backward(grad_out, value, shapes, starts, loc, attn, deterministic=deterministic)
+@kernel_op("lik::msda_forward", fake=_forward_fake)
+def _forward_kernels(value: torch.Tensor, shapes: torch.Tensor, starts: torch.Tensor, loc: torch.Tensor,
+                     attn: torch.Tensor) -> torch.Tensor:
+    return msda_forward(value, shapes, starts, loc, attn)
 
 
-@_backward_op.register_fake
 def _backward_fake(grad_out, value, shapes, starts, loc, attn, deterministic):
     return value.new_empty(value.shape), loc.new_empty(loc.shape), attn.new_empty(attn.shape)
+
+
+@kernel_op("lik::msda_backward", fake=_backward_fake)
+def _backward_kernels(grad_out: torch.Tensor, value: torch.Tensor, shapes: torch.Tensor, starts: torch.Tensor,
+                      loc: torch.Tensor, attn: torch.Tensor, deterministic: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return msda_backward(grad_out, value, shapes, starts, loc, attn, deterministic=deterministic)
 
 
 def _forward(ctx, value, shapes, starts, loc, attn):
     ctx.kernels = _uses_kernels(value, loc, attn)
     ctx.save_for_backward(value, shapes, starts, loc, attn)
     if ctx.kernels:
-        kernels = _forward_op if torch.compiler.is_compiling() else msda_forward
-        return kernels(value, shapes, starts, loc, attn)
+        return _forward_kernels(value, shapes, starts, loc, attn)
     return ms_deform_attn_reference(value, shapes, starts, loc, attn)
 
 
@@ -91,11 +89,8 @@ class MSDeformAttnFunction(torch.autograd.Function):
         value, shapes, starts, loc, attn = ctx.saved_tensors
         wanted = ctx.needs_input_grad
         if ctx.kernels:
-            deterministic = torch.are_deterministic_algorithms_enabled()
-            if torch.compiler.is_compiling():
-                grads = _backward_op(grad_output, value, shapes, starts, loc, attn, deterministic)
-            else:
-                grads = msda_backward(grad_output, value, shapes, starts, loc, attn, deterministic=deterministic)
+            grads = _backward_kernels(grad_output, value, shapes, starts, loc, attn,
+                                      torch.are_deterministic_algorithms_enabled())
         else:
             with torch.enable_grad():
                 inputs = [t.detach().requires_grad_(w) for t, w in ((value, wanted[0]), (loc, wanted[3]),
@@ -122,6 +117,16 @@ class _CheckedInputsFunction(MSDeformAttnFunction):
                 im2col_step=64):
         return _forward(ctx, value, value_spatial_shapes, value_level_start_index, sampling_locations,
                         attention_weights)
+
+
+# The four paths of a public call, each taking the five checked tensors. Inference skips the autograd Function's
+# bookkeeping (~25 us of host time per call, which a decoder-sized call, ~20 us on the GPU, would otherwise wait on).
+def _autograd(value, shapes, starts, loc, attn):
+    return _CheckedInputsFunction.apply(value, shapes, starts, loc, attn, 64)  # im2col_step: ignored
+
+
+_route = router(reference=ms_deform_attn_reference, autograd=_autograd, compiled=_forward_kernels.op,
+                launch=msda_forward)
 
 
 def ms_deform_attn(
@@ -165,19 +170,11 @@ def ms_deform_attn(
     """
     check_inputs(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
                  im2col_step)
-    if not _uses_kernels(value, sampling_locations, attention_weights):
-        return ms_deform_attn_reference(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                                        attention_weights, im2col_step)
     needs_grad = torch.is_grad_enabled() and (
         value.requires_grad or sampling_locations.requires_grad or attention_weights.requires_grad
     )
-    if not needs_grad and not torch.compiler.is_compiling():
-        # Inference: the same launch without the autograd Function's bookkeeping (~25 us of host time per call,
-        # which a decoder-sized call, ~20 us on the GPU, would otherwise wait on).
-        return msda_forward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                            attention_weights)
-    return _CheckedInputsFunction.apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                                        attention_weights, im2col_step)
+    return _route(_uses_kernels(value, sampling_locations, attention_weights), needs_grad,
+                  value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights)
 
 
 class MultiScaleDeformableAttention(nn.Module):

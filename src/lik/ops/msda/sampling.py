@@ -7,7 +7,7 @@ gather, so the three can never disagree on which corner a sample touches or with
 
 The kernels walk the levels in a runtime loop, so a level's (H, W, start) are scalars: the per-point geometry
 costs a handful of instructions, which matters because every channel slice of a point repeats it (the kernels
-are bound by instruction issue and L1 gathers, benchmarks/NOTES-msda.md change 4).
+are bound by instruction issue and L1 gathers, benchmarks/NOTES.md, "Tiles [rows, points, channels]").
 """
 
 from __future__ import annotations
