@@ -22,9 +22,8 @@ import torch
 from .forward import maxsim_fwd_kernel
 from .function import resolve_backward, uses_kernels
 from .packed_backward import maxsim_varlen_bwd_dd_owned_kernel, maxsim_varlen_bwd_tokens_kernel
-from .packed_function import MaxSimPackedFunction, packed_inference
+from .packed_function import MaxSimPackedFunction, packed_route
 from .packing import PackedInputs
-from .reference_varlen import packed_reference
 
 __all__ = [
     "maxsim_varlen",
@@ -40,7 +39,6 @@ maxsim_varlen_fwd_kernel = maxsim_fwd_kernel
 
 
 def _needs_grad(inputs: PackedInputs) -> bool:
-    # Inference skips the autograd node and the argmax buffer (host time: these calls are launch-bound).
     return torch.is_grad_enabled() and (inputs.q.requires_grad or inputs.d.requires_grad)
 
 
@@ -87,13 +85,7 @@ def maxsim_varlen(
     inputs = PackedInputs.build_pairs(
         q, d, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, read_values=not kernels, allow_float64=True
     )
-    if not kernels:
-        return packed_reference(inputs)
-    if not _needs_grad(inputs):
-        return packed_inference(inputs)
-    return MaxSimPackedFunction.apply(
-        inputs.q, inputs.d, inputs.cu_q, inputs.cu_d, None, inputs.max_seqlen_q, deterministic
-    )
+    return packed_route(kernels, _needs_grad(inputs), inputs, deterministic)
 
 
 def maxsim_packed(
@@ -134,11 +126,4 @@ def maxsim_packed(
     inputs = PackedInputs.build_corpus(
         Q, d, cu_seqlens_d, q_mask, max_seqlen_d, read_values=not kernels, allow_float64=True
     )
-    if not kernels:
-        return inputs.finish(packed_reference(inputs))
-    if not _needs_grad(inputs):
-        return inputs.finish(packed_inference(inputs))
-    scores = MaxSimPackedFunction.apply(
-        inputs.q, inputs.d, None, inputs.cu_d, inputs.q_mask, inputs.max_seqlen_q, deterministic
-    )
-    return inputs.finish(scores)
+    return inputs.finish(packed_route(kernels, _needs_grad(inputs), inputs, deterministic))
