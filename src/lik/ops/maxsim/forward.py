@@ -114,12 +114,13 @@ def finish_tile(
     row_in_range, query, token, row_block, partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn,
     stride_pb, stride_an, stride_ab, stride_al, row_offset,
     BLOCK_N: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_D_MASK: tl.constexpr,
-    EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr,
+    EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, REDUCTION: tl.constexpr,
 ):
     """A streamed tile's similarities are complete: fold them in and, on the document's last tile, write the
     document and start the next one afresh. Returns ``(best, key, n_valid, nan_rows)``."""
     best, key, n_valid = fold_tile(
         sim, start, length, doc_mask_ptr, stride_dml, best, key, n_valid, BLOCK_N, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
+        REDUCTION,
     )
     if last_tile:
         nan_rows |= write_document(
@@ -170,6 +171,7 @@ def maxsim_fwd_kernel(
     PERSISTENT: tl.constexpr,
     LAYOUT: tl.constexpr = 0,  # PADDED, PACKED or PAIRS (lik.core.segments)
     FLAT_K: tl.constexpr = 1,  # wide embeddings: one flat (tile, chunk) loop, or a chunk loop nested per tile
+    REDUCTION: tl.constexpr = 0,  # the running reduction (tile.py: REDUCE_MAX, MaxSim's max)
 ):
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0).to(tl.int64)
@@ -178,7 +180,7 @@ def maxsim_fwd_kernel(
         score_pairs(
             q_ptr, d_ptr, cu_q_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, pid // n_row_blocks, n_row_blocks,
             n_q_rows, n_d_rows, stride_ql, stride_qk, stride_dl, stride_dk, stride_pc, stride_pb, stride_al,
-            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION, REDUCTION,
         )
     else:
         score_documents(
@@ -187,7 +189,7 @@ def maxsim_fwd_kernel(
             stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
             stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
             DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_Q_MASK, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
-            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K,
+            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION,
         )
 
 
@@ -200,7 +202,7 @@ def score_documents(
     DIM: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_Q_MASK: tl.constexpr, HAS_D_MASK: tl.constexpr,
     EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
-    LAYOUT: tl.constexpr, FLAT_K: tl.constexpr,
+    LAYOUT: tl.constexpr, FLAT_K: tl.constexpr, REDUCTION: tl.constexpr,
 ):
     """A program's query rows (``row_block``) against its documents ``first_doc``, ``first_doc + doc_programs``,
     ...: the documents come from :func:`~lik.core.segments.document_span` (padded or packed), the rest is one
@@ -260,7 +262,7 @@ def score_documents(
                     sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb, stride_dml,
                     best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block, partial_ptr,
                     argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
-                    row_offset, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
+                    row_offset, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, REDUCTION,
                 )
                 doc = tl.where(last_tile, doc + doc_programs, doc)
                 start = tl.where(last_tile, 0, start + BLOCK_N)
@@ -283,7 +285,7 @@ def score_documents(
                         stride_dml, best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block,
                         partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an,
                         stride_ab, stride_al, row_offset, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE,
-                        STORE_ARGMAX,
+                        STORE_ARGMAX, REDUCTION,
                     )
                 sim = tl.where(last_chunk, 0.0, sim)
                 doc = tl.where(last_chunk & last_tile, doc + doc_programs, doc)
@@ -304,18 +306,19 @@ def score_documents(
             best = tl.where(first_tile, float("-inf"), best)
             key = tl.where(first_tile, NO_KEY, key)
             n_valid = tl.where(first_tile, 0, n_valid)
+            # (Padded only: packed launches are never persistent, so documents are strided, one length.)
             best, key, n_valid = document_tile(
-                q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + (doc - first_doc) * stride_db,
-                doc_mask_ptr + (doc - first_doc) * stride_dmb, start, length, stride_dl, stride_dk, stride_dml,
-                best, key, n_valid,
+                q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb,
+                start, doc_len, stride_dl, stride_dk, stride_dml, best, key, n_valid,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
+                REDUCTION,
             )
-            last_tile = start + BLOCK_N >= length
+            last_tile = start + BLOCK_N >= doc_len
             if last_tile:
                 nan_rows |= write_document(
                     best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
                     argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
-                    row_offset, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+                    0, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
                 )
             doc = tl.where(last_tile, doc + doc_programs, doc)
             start = tl.where(last_tile, 0, start + BLOCK_N)
@@ -323,6 +326,7 @@ def score_documents(
         best, key, n_valid = stream_document(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, length, stride_dl, stride_dk, stride_dml,
             best, key, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
+            REDUCTION,
         )
         nan_rows = write_document(
             best, key, n_valid, row_valid, row_in_range, query, token, row_block, first_doc, partial_ptr, argmax_ptr,

@@ -22,7 +22,7 @@ def score_pairs(
     q_ptr, d_ptr, cu_q_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, pair, n_row_blocks, n_q_rows, n_d_rows,
     stride_ql, stride_qk, stride_dl, stride_dk, stride_pc, stride_pb, stride_al,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
-    STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr,
 ):
     """Write ``partial[row_block, 0, pair]`` (the program's share of the pair's score) and each of its query
     rows' winner as an absolute row of the packed documents (-1: no gradient)."""
@@ -47,7 +47,7 @@ def score_pairs(
         # document has no valid token and scores 0).
         best, key, n_valid = maxsim_doc_rows(
             q_rows, q_row_ptrs, in_range, stride_qk, d_ptr + doc_start * stride_dl, d_ptr, doc_len, stride_dl,
-            stride_dk, 0, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, True, STORE_ARGMAX, DOT_PRECISION,
+            stride_dk, 0, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, True, STORE_ARGMAX, DOT_PRECISION, REDUCTION,
         )
         counted = counted_rows(in_range, n_valid, True)
         if STORE_ARGMAX:

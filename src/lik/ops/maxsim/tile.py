@@ -18,10 +18,14 @@ import triton.language as tl
 __all__ = [
     "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
     "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys", "nan_winner_keys",
-    "maxsim_doc_rows", "fresh_rows", "NO_KEY", "NAN_PASS_BLOCK_N",
+    "maxsim_doc_rows", "fresh_rows", "reduce_tile", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
+# The running reduction of the tile loop, a constexpr flag passed down from the kernel: MaxSim's NaN-propagating
+# max with the lowest winning token (absorb_tile). A new reduction (Chamfer's min of L2 distance) adds a value here
+# and its fold in reduce_tile, with the same winner-key convention; the loop and its callers pass the flag through.
+REDUCE_MAX = tl.constexpr(0)
 # Document tile of the (rare) NaN pass: narrow, so that pass needs few registers next to the main loop's.
 NAN_PASS_BLOCK_N = tl.constexpr(16)
 
@@ -147,6 +151,7 @@ def chunk_similarity(
 def fold_tile(
     sim, start, doc_len, doc_mask_ptr, stride_dml, best, key, n_valid,
     BLOCK_N: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
+    REDUCTION: tl.constexpr = REDUCE_MAX,
 ):
     """Mask a finished tile of similarities of the tokens ``start .. start + BLOCK_N`` (computed from clamped,
     unmasked rows) and fold it into ``(best, key)``; add its valid tokens to ``n_valid``.
@@ -168,8 +173,15 @@ def fold_tile(
         sim = tl.where(in_range[None, :], sim, float("-inf"))
         col_key = tl.where(in_range, cols * 2, NO_KEY).to(tl.int32)
         n_valid += tl.minimum(doc_len - start, BLOCK_N)
-    best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
+    best, key = reduce_tile(sim, col_key, best, key, TRACK_ARGMAX, REDUCTION)
     return best, key, n_valid
+
+
+@triton.jit
+def reduce_tile(sim, col_key, best, key, TRACK_ARGMAX: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX):
+    """Fold one masked tile of similarities into the running ``(best, key)`` with the kernel's reduction."""
+    tl.static_assert(REDUCTION == REDUCE_MAX, "unknown reduction")
+    return absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
 
 
 @triton.jit
@@ -201,7 +213,7 @@ def document_tile(
     best, key, n_valid,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX,
 ):
     """One step of every tile loop: the similarities of the document tokens ``start .. start + BLOCK_N``, masked,
     folded into ``(best, key)`` by :func:`absorb_tile` (or by :func:`absorb_nan_tile` in the NaN pass), and the
@@ -246,7 +258,7 @@ def document_tile(
     if NAN_PASS:
         key = absorb_nan_tile(sim, col_key, key)
     else:
-        best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
+        best, key = reduce_tile(sim, col_key, best, key, TRACK_ARGMAX, REDUCTION)
     return best, key, n_valid
 
 
@@ -256,7 +268,7 @@ def stream_document(
     best, key,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX,
 ):
     """The tile loop over one document (:func:`document_tile` per tile). Returns ``(best, key, n_valid)``."""
     n_valid = tl.zeros((), tl.int32)
@@ -267,6 +279,7 @@ def stream_document(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
             stride_dml, best, key, n_valid,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, NAN_PASS, DOT_PRECISION,
+            REDUCTION,
         )
     return best, key, n_valid
 
@@ -329,6 +342,7 @@ def maxsim_doc_rows(
     EXCLUDE: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    REDUCTION: tl.constexpr = REDUCE_MAX,
 ):
     """Stream one document through a block of query rows.
 
@@ -340,6 +354,7 @@ def maxsim_doc_rows(
     best, key, n_valid = stream_document(
         q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
         best, key, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, False, DOT_PRECISION,
+        REDUCTION,
     )
     if TRACK_ARGMAX:
         key = nan_winner_keys(
