@@ -62,7 +62,8 @@ def cells(gen):
         loss = torch.nn.functional.cross_entropy(scores, torch.arange(scores.shape[0], device="cuda"))
         loss.backward()
 
-    for family, (lq, ld), b in [("colbert", (32, 180), 128), ("colbert", (32, 180), 512), ("colpali", (1024, 1024), 32)]:
+    train_cells = [("colbert", (32, 180), 128), ("colbert", (32, 180), 512), ("colpali", (1024, 1024), 32)]
+    for family, (lq, ld), b in train_cells:
         out[f"train/{family}/B{b}"] = ((normalised(b, lq, 128, gen=gen), normalised(b, ld, 128, gen=gen)), train)
     lengths = torch.clamp(torch.empty(1000).log_normal_(4.6, 0.6), 8, 512).long().tolist()
     d = normalised(sum(lengths), 128, gen=gen)

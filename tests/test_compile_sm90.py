@@ -174,7 +174,8 @@ def test_every_launch_compiles_for_sm90(monkeypatch, name):
     jobs = {json.dumps(job, sort_keys=True) for job in (_describe(*launch) for launch in launches)}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILER, str(SHARED_MEMORY_BY_ARCH[(9, 0)])], input="[" + ",".join(sorted(jobs)) + "]", env=env,
+        [sys.executable, "-c", _COMPILER, str(SHARED_MEMORY_BY_ARCH[(9, 0)])],
+        input="[" + ",".join(sorted(jobs)) + "]", env=env,
         capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stderr[-4000:]

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..._config import cdiv, feature_chunks, maxsim_forward_config, maxsim_forward_doc_programs
 from ..._launch import launch
-from ...core.segments import PADDED, PAIRS, document_span
+from ...core.segments import PAIRS, document_span
 from .pairs import score_pairs
 from .tile import (
     NO_KEY, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, fresh_rows, query_rows,
