@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from lik import _config
+from lik.core import budget
+from lik.core.budget import SHARED_MEMORY_BY_ARCH
 
 heuristic = _config._maxsim_forward_heuristic
 
@@ -17,7 +19,9 @@ def test_hopper_gets_256_row_tiles_older_gpus_128():
     assert (fp32.block_m, fp32.num_stages, fp32.programs_per_sm) == (256, 3, 1)
     assert heuristic(32, 1, 128, torch.float32, False, (9, 0), False).num_stages == 2
     assert heuristic(1024, 1, 128, torch.float32, False, (8, 0), False).block_m == 64
-    assert heuristic(1024, 1, 512, torch.float16, False, (9, 0), False).block_m == 64
+    # wider than MAX_RESIDENT_DIM: the streamed-k tiles (a GEMM's 128 x 128 on Hopper, 64 rows before)
+    assert heuristic(1024, 1, 512, torch.float16, False, (9, 0), False).block_m == 128
+    assert heuristic(1024, 1, 512, torch.float16, False, (8, 0), False).block_m == 64
 
 
 def test_short_queries_are_stacked_only_for_shared_documents():
@@ -109,3 +113,37 @@ def test_msda_tile_holds_every_point_of_a_level(dim, points, expected):
     for cfg in (fwd, bwd):
         assert (cfg.block_rows, cfg.block_points, cfg.block_d, cfg.num_warps) == expected
         assert cfg.block_points >= points and not cfg.transpose
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED_MEMORY_BY_ARCH))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_streamed_tiles_fit_the_shared_memory_of_every_architecture(arch, dtype):
+    limit = SHARED_MEMORY_BY_ARCH[arch]
+    for dim in (257, 384, 768, 1000, 1024, 2048, 4096, 8192):
+        for q_len, n_queries, per_query in ((1024, 1, False), (32, 1, False), (32, 32, False), (32, 4, True)):
+            cfg = heuristic(q_len, n_queries, dim, dtype, per_query, arch, False)
+            block_k, num_k = _config.feature_chunks(dim, cfg.block_k)
+            element = 4 if dtype == torch.float32 else 2
+            stage = (cfg.block_m + cfg.block_n) * block_k * element
+            assert num_k == -(-dim // block_k) > 1
+            assert cfg.num_stages * stage + _config.STREAMED_FIXED_BYTES <= limit, (dim, q_len, cfg)
+            assert cfg.num_stages >= 2 and cfg.num_warps in (4, 8)
+
+
+def test_streamed_tiles_follow_the_device_limit_given():
+    # A smaller device gets fewer stages (or a narrower chunk), never a launch that cannot start.
+    big = heuristic(1024, 1, 768, torch.float16, False, (9, 0), False, False, False, 232_448)
+    small = heuristic(1024, 1, 768, torch.float16, False, (9, 0), False, False, False, 99_000)
+    assert big.num_stages == 4
+    assert small.num_stages * (small.block_m + small.block_n) * small.block_k * 2 <= 99_000
+    assert (small.num_stages, small.block_k) < (big.num_stages, big.block_k)
+
+
+def test_budget_helpers():
+    assert budget.pipeline_stages(32 << 10, limit=232_448, fixed_bytes=16 << 10) == 4
+    assert budget.pipeline_stages(32 << 10, limit=101_376, fixed_bytes=16 << 10) == 2
+    assert budget.pipeline_stages(32 << 10, limit=232_448, programs_per_sm=2, max_stages=8) == 3
+    assert budget.warps_for_tile(128, 128) == 8 and budget.warps_for_tile(32, 64) == 4
+    assert budget.shared_memory_limit(torch.device("cpu"), (9, 0)) == 232_448
+    assert budget.shared_memory_limit(torch.device("cpu"), (8, 8)) == 101_376  # unknown minor: smallest of sm_8x
+    assert budget.shared_memory_limit(torch.device("cpu"), (0, 0)) == budget.UNLIMITED_SHARED_MEMORY

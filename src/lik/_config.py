@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .core.budget import pipeline_stages, shared_memory_limit, warps_for_tile
+
 __all__ = [
     "MaxSimForwardConfig",
     "MaxSimBackwardConfig",
@@ -28,6 +30,9 @@ __all__ = [
     "maxsim_forward_doc_programs",
     "maxsim_backward_config",
     "maxsim_varlen_config",
+    "feature_chunks",
+    "shared_memory",
+    "MAX_RESIDENT_DIM",
     "MsdaForwardConfig",
     "MsdaBackwardConfig",
     "msda_forward_config",
@@ -80,6 +85,24 @@ def _arch(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def shared_memory(device: torch.device) -> int:
+    """Shared memory (bytes) one program may use on ``device``: the driver's limit on CUDA, else the table of
+    :mod:`lik.core.budget` for ``_arch(device)`` (unlimited without a GPU architecture)."""
+    return shared_memory_limit(device, _arch(device))
+
+
+def feature_chunks(dim: int, block_k: int) -> tuple[int, int]:
+    """``(BLOCK_K, NUM_K)`` of the forward kernels for a config's ``block_k``.
+
+    When ``block_k`` covers the padded width, one chunk holds every feature (the query block stays on chip:
+    ``BLOCK_K`` is the power-of-two bucket of ``dim``); otherwise the features stream in ``cdiv(dim, block_k)``
+    chunks of ``block_k`` (a ragged last chunk is masked; no power-of-two padding of ``dim``)."""
+    block_d = max(16, next_power_of_2(dim))
+    if block_k >= block_d:
+        return block_d, 1
+    return block_k, cdiv(dim, block_k)
+
+
 @dataclass(frozen=True)
 class MaxSimForwardConfig:
     """Tile shape of the forward kernel.
@@ -99,6 +122,8 @@ class MaxSimForwardConfig:
     num_stages: int = 2
     programs_per_sm: int = 0
     max_registers: int = 0
+    # Streamed-k loop (d > MAX_RESIDENT_DIM): one flat (document, tile, chunk) loop, or chunks nested per tile.
+    flat_k: bool = True
 
     @property
     def block_m(self) -> int:
@@ -133,6 +158,9 @@ class MaxSimBackwardConfig:
 
 
 LONG_DOCUMENT = 512  # tokens: from here one short query streams documents in 128-token tiles
+# Widest embedding whose query block stays on chip for the whole document loop; wider ones stream the query and
+# the document tile in feature chunks (the tuned d <= 128 tiles and the d <= 256 ones are left as they were).
+MAX_RESIDENT_DIM = 256
 
 
 def maxsim_forward_config(
@@ -146,14 +174,17 @@ def maxsim_forward_config(
     if forced is not None:
         return replace(forced, groups=1) if per_query else forced
     return _maxsim_forward_heuristic(
-        q_len, n_queries, dim, dtype, per_query, _arch(device), interpreting(), doc_len >= LONG_DOCUMENT, argmax
+        q_len, n_queries, dim, dtype, per_query, _arch(device), interpreting(), doc_len >= LONG_DOCUMENT, argmax,
+        shared_memory(device),
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _maxsim_forward_heuristic(
-    q_len, n_queries, dim, dtype, per_query, arch, interpreted, long_docs=False, argmax=False
+    q_len, n_queries, dim, dtype, per_query, arch, interpreted, long_docs=False, argmax=False, smem=0,
 ) -> MaxSimForwardConfig:
+    if dim > MAX_RESIDENT_DIM:
+        return _streamed_forward_tiles(q_len, n_queries, dim, dtype, per_query, arch, interpreted, smem)
     block_d = max(16, next_power_of_2(dim))
     if interpreted:
         max_rows, block_n, warps, stages = 32, 16, 4, 1
@@ -207,6 +238,54 @@ def _maxsim_forward_heuristic(
             groups = max(1, min(128 // group_rows, next_power_of_2(n_groups_total)))
             warps = 8
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm, max_registers)
+
+
+def _stacked_groups(q_len: int, n_queries: int, group_rows: int, max_rows: int, per_query: bool) -> int:
+    """Row groups per program: several short queries stacked against one document tile (shared documents)."""
+    if per_query:
+        return 1
+    n_groups_total = n_queries * -(-q_len // group_rows)
+    return max(1, min(max_rows // group_rows, next_power_of_2(n_groups_total)))
+
+
+# Shared memory the streamed loop uses outside its pipeline stages (the row-wise reductions' scratch and the
+# compiler's own), kept free when stages are counted.
+STREAMED_FIXED_BYTES = 16 << 10
+
+
+def _streamed_forward_tiles(q_len, n_queries, dim, dtype, per_query, arch, interpreted, smem):
+    """Tiles of the streamed-k loop (``dim > MAX_RESIDENT_DIM``): a GEMM's tiles, sized against the device.
+
+    Tall row blocks (long or stacked queries) take 128 x 128 tiles of 64-wide chunks (16-bit; 32 for fp32),
+    compute-bound like a GEMM; one short query takes 64-token tiles of 128-wide chunks (memory-bound: fewer,
+    longer copies) and leaves room for two programs per SM. Stages: as many as the device's shared memory
+    holds (at most 4, at least 2), and where even 2 do not fit the chunk is halved."""
+    element = 4 if dtype == torch.float32 else 2
+    if interpreted:
+        group_rows = min(max(16, next_power_of_2(q_len)), 32)
+        groups = _stacked_groups(q_len, n_queries, group_rows, 32, per_query)
+        return MaxSimForwardConfig(group_rows, groups, 16, 64, 4, 1)
+    hopper = arch >= (9, 0)
+    max_rows = 128 if hopper else 64
+    group_rows = min(max(16, next_power_of_2(q_len)), max_rows)
+    groups = _stacked_groups(q_len, n_queries, group_rows, max_rows, per_query)
+    block_m = group_rows * groups
+    tall = block_m >= 128
+    block_n = 128 if tall else 64
+    block_k = (64 if tall else 128) * 2 // element
+    programs = 1 if tall else 2
+    limit = smem or shared_memory_limit(torch.device("cpu"), arch)
+    while True:
+        stage_bytes = (block_m + block_n) * block_k * element
+        stages = pipeline_stages(stage_bytes, limit=limit, fixed_bytes=STREAMED_FIXED_BYTES, programs_per_sm=programs)
+        if programs * (stages * stage_bytes + STREAMED_FIXED_BYTES) <= limit or block_k <= 16:
+            break
+        if programs > 1:
+            programs = 1
+        else:
+            block_k //= 2
+    warps = warps_for_tile(block_m, block_n)
+    return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages)
 
 
 def maxsim_forward_doc_programs(

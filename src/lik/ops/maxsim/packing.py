@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validation import KERNEL_DTYPES, check_mask, check_matches
+from .validation import KERNEL_DTYPES, check_mask, check_matches, check_width
 
 __all__ = [
     "pack",
@@ -140,6 +140,7 @@ def _check_embeddings(name: str, x, ndims: tuple[int, ...], shape_text: str, all
         raise TypeError(f"{name} must have dtype in {[str(t) for t in allowed]}, got {x.dtype}")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"{name} has {x.shape[0]} rows; int32 cu_seqlens address at most {MAX_ROWS}")
+    check_width(name, x)
     return x
 
 

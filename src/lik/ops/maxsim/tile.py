@@ -17,13 +17,24 @@ import triton.language as tl
 
 __all__ = [
     "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
-    "document_tile", "stream_document", "first_nan_keys", "nan_winner_keys", "maxsim_doc_rows", "NO_KEY",
-    "NAN_PASS_BLOCK_N",
+    "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys", "nan_winner_keys",
+    "maxsim_doc_rows", "fresh_rows", "reduce_tile", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
+# The running reduction of the tile loop, a constexpr flag passed down from the kernel: MaxSim's NaN-propagating
+# max with the lowest winning token (absorb_tile). A new reduction (Chamfer's min of L2 distance) adds a value here
+# and its fold in reduce_tile, with the same winner-key convention; the loop and its callers pass the flag through.
+REDUCE_MAX = tl.constexpr(0)
 # Document tile of the (rare) NaN pass: narrow, so that pass needs few registers next to the main loop's.
 NAN_PASS_BLOCK_N = tl.constexpr(16)
+
+
+@triton.jit
+def fresh_rows(BLOCK_M: tl.constexpr):
+    """The running state of ``BLOCK_M`` rows before any document token: ``(best = -inf, key = NO_KEY,
+    n_valid = 0)``."""
+    return tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32), tl.zeros((), tl.int32)
 
 
 @triton.jit
@@ -96,8 +107,10 @@ def similarity_tile(
         )
         sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
     else:
+        # A runtime loop: its shared memory is one chunk per pipeline stage whatever d (an unrolled loop keeps
+        # every chunk of every stage in flight).
         sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for kc in tl.static_range(NUM_K):
+        for kc in range(NUM_K):
             kk = kc * BLOCK_K + offs_k
             q_chunk = tl.load(
                 q_row_ptrs[:, None] + kk[None, :] * stride_qk,
@@ -111,6 +124,64 @@ def similarity_tile(
             )
             sim = tl.dot(q_chunk, tl.trans(d_chunk), sim, input_precision=DOT_PRECISION)
     return sim
+
+
+@triton.jit
+def chunk_similarity(
+    sim, q_row_ptrs, stride_qk, col_ptrs, stride_dk, k_start,
+    DIM: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Add the product of feature chunk ``k_start .. k_start + BLOCK_K`` of the query rows and the document rows
+    at ``col_ptrs`` to ``sim`` (the streamed-k loop: neither side stays on chip between chunks).
+
+    Both pointer sets must address real rows (clamped by the caller): the loads carry no row predicate, only the
+    feature bound of a ragged last chunk, so the pipeliner issues plain asynchronous copies. What clamped rows
+    produce is discarded by :func:`fold_tile` and by the row bookkeeping."""
+    kk = k_start + tl.arange(0, BLOCK_K)
+    if DIM % BLOCK_K == 0:
+        q_chunk = tl.load(q_row_ptrs[:, None] + kk[None, :] * stride_qk)
+        d_chunk = tl.load(col_ptrs[:, None] + kk[None, :] * stride_dk)
+    else:
+        q_chunk = tl.load(q_row_ptrs[:, None] + kk[None, :] * stride_qk, mask=kk[None, :] < DIM, other=0.0)
+        d_chunk = tl.load(col_ptrs[:, None] + kk[None, :] * stride_dk, mask=kk[None, :] < DIM, other=0.0)
+    return tl.dot(q_chunk, tl.trans(d_chunk), sim, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def fold_tile(
+    sim, start, doc_len, doc_mask_ptr, stride_dml, best, key, n_valid,
+    BLOCK_N: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
+    REDUCTION: tl.constexpr = REDUCE_MAX,
+):
+    """Mask a finished tile of similarities of the tokens ``start .. start + BLOCK_N`` (computed from clamped,
+    unmasked rows) and fold it into ``(best, key)``; add its valid tokens to ``n_valid``.
+
+    Selecting (rather than zeroing the loads) keeps garbage in masked or clamped rows out: "exclude" drops a
+    masked token, "zero" gives it similarity exactly 0, and columns past the document never compete."""
+    cols = start + tl.arange(0, BLOCK_N)
+    in_range = cols < doc_len
+    if HAS_D_MASK:
+        flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
+        col_valid = in_range & (flags != 0)
+        if EXCLUDE:
+            sim = tl.where(col_valid[None, :], sim, float("-inf"))
+        else:
+            sim = tl.where(col_valid[None, :], sim, tl.where(in_range[None, :], 0.0, float("-inf")))
+        col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY).to(tl.int32)
+        n_valid += tl.sum(col_valid.to(tl.int32), axis=0)
+    else:
+        sim = tl.where(in_range[None, :], sim, float("-inf"))
+        col_key = tl.where(in_range, cols * 2, NO_KEY).to(tl.int32)
+        n_valid += tl.minimum(doc_len - start, BLOCK_N)
+    best, key = reduce_tile(sim, col_key, best, key, TRACK_ARGMAX, REDUCTION)
+    return best, key, n_valid
+
+
+@triton.jit
+def reduce_tile(sim, col_key, best, key, TRACK_ARGMAX: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX):
+    """Fold one masked tile of similarities into the running ``(best, key)`` with the kernel's reduction."""
+    tl.static_assert(REDUCTION == REDUCE_MAX, "unknown reduction")
+    return absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
 
 
 @triton.jit
@@ -142,7 +213,7 @@ def document_tile(
     best, key, n_valid,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX,
 ):
     """One step of every tile loop: the similarities of the document tokens ``start .. start + BLOCK_N``, masked,
     folded into ``(best, key)`` by :func:`absorb_tile` (or by :func:`absorb_nan_tile` in the NaN pass), and the
@@ -187,7 +258,7 @@ def document_tile(
     if NAN_PASS:
         key = absorb_nan_tile(sim, col_key, key)
     else:
-        best, key = absorb_tile(sim, col_key, best, key, TRACK_ARGMAX)
+        best, key = reduce_tile(sim, col_key, best, key, TRACK_ARGMAX, REDUCTION)
     return best, key, n_valid
 
 
@@ -197,7 +268,7 @@ def stream_document(
     best, key,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX,
 ):
     """The tile loop over one document (:func:`document_tile` per tile). Returns ``(best, key, n_valid)``."""
     n_valid = tl.zeros((), tl.int32)
@@ -208,6 +279,7 @@ def stream_document(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
             stride_dml, best, key, n_valid,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, NAN_PASS, DOT_PRECISION,
+            REDUCTION,
         )
     return best, key, n_valid
 
@@ -270,6 +342,7 @@ def maxsim_doc_rows(
     EXCLUDE: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    REDUCTION: tl.constexpr = REDUCE_MAX,
 ):
     """Stream one document through a block of query rows.
 
@@ -277,10 +350,11 @@ def maxsim_doc_rows(
     nothing valid was seen), the winner key (meaningful only with ``TRACK_ARGMAX``), and the number of valid
     document tokens (used by ``mask_mode="exclude"`` to score an all-masked document 0).
     """
+    best, key, _ = fresh_rows(BLOCK_M)
     best, key, n_valid = stream_document(
         q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
-        tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32),
-        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, False, DOT_PRECISION,
+        best, key, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, False, DOT_PRECISION,
+        REDUCTION,
     )
     if TRACK_ARGMAX:
         key = nan_winner_keys(

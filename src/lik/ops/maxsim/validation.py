@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MaxSimInputs", "KERNEL_DTYPES", "MASK_MODES", "check_mask", "check_matches"]
+__all__ = ["MaxSimInputs", "KERNEL_DTYPES", "MASK_MODES", "MAX_DIM", "check_mask", "check_matches", "check_width"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_MODES = ("exclude", "zero")
+MAX_DIM = 8192  # widest embedding d every path is compiled and tested for
 
 
 def _check_tensor(name: str, x) -> torch.Tensor:
@@ -52,6 +53,15 @@ def check_matches(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) 
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
     if x.shape[-1] != ref.shape[-1]:
         raise ValueError(f"{name} has embedding dim {x.shape[-1]} but {ref_name} has {ref.shape[-1]}")
+
+
+def check_width(name: str, x: torch.Tensor) -> None:
+    """The embedding width ``d`` (``x``'s last axis) must be at most :data:`MAX_DIM`."""
+    if x.shape[-1] > MAX_DIM:
+        raise ValueError(
+            f"embedding width d = {x.shape[-1]} of {name} (shape {list(x.shape)}) is above the supported "
+            f"maximum d = {MAX_DIM}"
+        )
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,7 @@ class MaxSimInputs:
         if Q.dtype not in allowed:
             raise TypeError(f"Q must have dtype in {[str(t) for t in allowed]}, got {Q.dtype}")
         check_matches("D", D, "Q", Q)
+        check_width("Q", Q)
 
         squeeze = Q.dim() == 2
         q = Q.unsqueeze(0) if squeeze else Q

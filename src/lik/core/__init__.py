@@ -1,0 +1,1 @@
+"""Pieces shared by the kernels of every op: launch budgets (``budget``), where sequences live (``segments``)."""

@@ -1,0 +1,94 @@
+"""Autograd and ``torch.compile`` plumbing of packed MaxSim, through :mod:`lik._dispatch`.
+
+Under ``torch.compile`` (with the ``max_seqlen`` hints) the kernels are the custom operators
+``lik::maxsim_packed_forward`` / ``lik::maxsim_packed_backward`` (shape-only fake implementations), as for
+:func:`lik.maxsim`; eager calls launch directly. :data:`packed_route` picks the path of one public call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._dispatch import kernel_op, router
+from .packed_backward import packed_backward
+from .packed_forward import packed_forward
+from .packing import PackedInputs
+from .reference_varlen import packed_reference
+
+__all__ = ["MaxSimPackedFunction", "packed_route"]
+
+
+def _packed_forward_fake(q, d, cu_q, cu_d, q_mask, max_seqlen_q, store_argmax):
+    n_docs = cu_d.shape[0] - 1
+    if cu_q is not None:
+        scores, argmax_shape = q.new_empty((n_docs,), dtype=torch.float32), (q.shape[0],)
+    else:
+        scores, argmax_shape = q.new_empty((q.shape[0], n_docs), dtype=torch.float32), (q.shape[0], n_docs, q.shape[1])
+    return scores, q.new_empty(argmax_shape if store_argmax else (0,), dtype=torch.int32)
+
+
+@kernel_op("lik::maxsim_packed_forward", fake=_packed_forward_fake)
+def _packed_forward(q: torch.Tensor, d: torch.Tensor, cu_q: torch.Tensor | None, cu_d: torch.Tensor,
+                    q_mask: torch.Tensor | None, max_seqlen_q: int, store_argmax: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    scores, argmax = packed_forward(PackedInputs(q, d, cu_q, cu_d, q_mask, max_seqlen_q, False, True), store_argmax)
+    return scores, argmax if argmax is not None else q.new_empty((0,), dtype=torch.int32)
+
+
+def _packed_backward_fake(grad_scores, q, d, cu_q, cu_d, argmax, max_seqlen_q, need_dq, need_dd, deterministic):
+    return q.new_empty(q.shape if need_dq else (0,)), d.new_empty(d.shape if need_dd else (0,))
+
+
+@kernel_op("lik::maxsim_packed_backward", fake=_packed_backward_fake)
+def _packed_backward(grad_scores: torch.Tensor, q: torch.Tensor, d: torch.Tensor, cu_q: torch.Tensor | None,
+                     cu_d: torch.Tensor, argmax: torch.Tensor, max_seqlen_q: int, need_dq: bool, need_dd: bool,
+                     deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dq, dd = packed_backward(grad_scores, q, d, cu_q, cu_d, argmax, max_seqlen_q, need_dq, need_dd, deterministic)
+    # A gradient that is not needed comes back as a 0-element placeholder (custom operators return tensors).
+    return (dq if dq is not None else q.new_empty((0,)), dd if dd is not None else d.new_empty((0,)))
+
+
+class MaxSimPackedFunction(torch.autograd.Function):
+    """Autograd over validated packed inputs (see :class:`~lik.ops.maxsim.packing.PackedInputs`): pairs ``[N]``
+    or corpus ``[Nq, B]`` fp32 scores; gradients to ``q`` and ``d`` in their dtype."""
+
+    @staticmethod
+    def forward(ctx, q, d, cu_q, cu_d, q_mask, max_seqlen_q, deterministic):
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        scores, argmax = _packed_forward(q, d, cu_q, cu_d, q_mask, max_seqlen_q, needs_grad)
+        if needs_grad:
+            ctx.save_for_backward(q, d, cu_q, cu_d, argmax)
+            ctx.max_seqlen_q = max_seqlen_q
+            ctx.deterministic = deterministic
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        q, d, cu_q, cu_d, argmax = ctx.saved_tensors
+        need_dq, need_dd = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dq, dd = _packed_backward(grad_scores, q, d, cu_q, cu_d, argmax, ctx.max_seqlen_q, need_dq, need_dd,
+                                  ctx.deterministic)
+        # Eager calls return None for a gradient not needed, the custom operator a 0-element placeholder.
+        return (dq if need_dq else None), (dd if need_dd else None), None, None, None, None, None
+
+
+def _launch(inputs: PackedInputs, deterministic: bool) -> torch.Tensor:
+    # Eager inference: no autograd node, no argmax buffer (these calls are launch-bound: host time counts).
+    return packed_forward(inputs, store_argmax=False)[0]
+
+
+def _compiled(inputs: PackedInputs, deterministic: bool) -> torch.Tensor:
+    return _packed_forward.op(inputs.q, inputs.d, inputs.cu_q, inputs.cu_d, inputs.q_mask, inputs.max_seqlen_q,
+                              False)[0]
+
+
+def _autograd(inputs: PackedInputs, deterministic: bool) -> torch.Tensor:
+    return MaxSimPackedFunction.apply(inputs.q, inputs.d, inputs.cu_q, inputs.cu_d, inputs.q_mask,
+                                      inputs.max_seqlen_q, deterministic)
+
+
+# route(kernels, needs_grad, inputs, deterministic): the reference, autograd, compiled or eager path.
+packed_route = router(
+    reference=lambda inputs, deterministic: packed_reference(inputs),
+    autograd=_autograd, compiled=_compiled, launch=_launch,
+)
