@@ -11,7 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["PADDED", "PACKED", "PAIRS", "segment", "find_segment", "search_steps", "document_span"]
+__all__ = [
+    "PADDED", "PACKED", "PAIRS", "segment", "find_segment", "search_steps", "document_span", "document_scales",
+]
 
 # How a forward kernel finds its documents (and, for PAIRS, its queries): a constexpr flag.
 PADDED = tl.constexpr(0)  # documents [n_sets, B, Ld, d], one length
@@ -62,3 +64,12 @@ def document_span(
         return doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb, doc_len, doc * 0
     start, length = segment(cu_d_ptr, doc, n_d_rows)
     return doc_base + start * stride_dl, doc_mask_base, length, start
+
+
+@triton.jit
+def document_scales(doc, scale_base, row_offset, stride_dsb, stride_dsl, LAYOUT: tl.constexpr):
+    """Pointer to the per-row scale of document ``doc``'s token 0 (8-bit documents): the scales follow the
+    document's rows, strided when padded, at the document's absolute row offset when packed."""
+    if LAYOUT == PADDED:
+        return scale_base + doc * stride_dsb
+    return scale_base + row_offset * stride_dsl

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from ..._config import cdiv, feature_chunks, maxsim_forward_config, maxsim_forward_doc_programs
 from ..._launch import launch
-from ...core.segments import PAIRS, document_span
+from ...core.quantized import loader_chunks, loader_of, reset_similarity, row_scales, scale_similarity, zero_similarity
+from ...core.segments import PAIRS, document_scales, document_span
 from .pairs import score_pairs
 from .tile import (
     NO_KEY, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, fresh_rows, query_rows,
@@ -28,7 +29,7 @@ from .validation import MaxSimInputs
 
 __all__ = [
     "maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "maxsim_forward", "dot_precision",
-    "set_strides",
+    "set_strides", "scale_args",
 ]
 
 # Lengths, counts and the strides that follow them are not specialised on (Triton would otherwise compile a new
@@ -39,6 +40,7 @@ __all__ = [
 _RUNTIME_INTS = [
     "n_queries", "q_len", "n_docs", "doc_len", "n_q_rows", "n_d_rows", "n_chunks", "n_row_blocks", "doc_programs",
     "stride_qmn", "stride_dmn", "stride_dmb", "stride_pc", "stride_pn", "stride_an", "stride_ab",
+    "stride_qsn", "stride_dsn", "stride_dsb",
 ]
 
 
@@ -82,9 +84,10 @@ def settle_nan_winners(
     q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, doc_end, doc_step,
     doc_base, doc_mask_base, cu_d_ptr, argmax_ptr, doc_len, n_d_rows, stride_qk,
     stride_db, stride_dl, stride_dk, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
+    q_scale, doc_scale_base, stride_dsb, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_K: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LAYOUT: tl.constexpr,
+    LAYOUT: tl.constexpr, LOADER: tl.constexpr,
 ):
     """Rewrite the stored winner of every row whose max over one of the program's documents is NaN with that
     row's first NaN token, as ``torch.max`` picks it (the tile loop tests equality with the max only).
@@ -96,9 +99,11 @@ def settle_nan_winners(
         doc_ptr, doc_mask_ptr, length, row_offset = document_span(
             doc, doc_base, doc_mask_base, cu_d_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb, LAYOUT,
         )
+        doc_scale_ptr = document_scales(doc, doc_scale_base, row_offset, stride_dsb, stride_dsl, LAYOUT)
         nan_key, n_valid = first_nan_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, length, stride_dl, stride_dk, stride_dml,
-            DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+            q_scale, doc_scale_ptr, stride_dsl, DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+            LOADER,
         )
         row_counts = counted_rows(row_valid, n_valid, EXCLUDE)
         # A NaN similarity makes the row's max NaN: exactly the rows with a NaN key are rewritten.
@@ -142,6 +147,8 @@ def maxsim_fwd_kernel(
     cu_d_ptr,  # int32 [B + 1] (PACKED, PAIRS) or unused
     partial_ptr,  # fp32 [n_chunks, Nq, B] ([n_row_blocks, 1, N] for PAIRS)
     argmax_ptr,  # int16 / int32 [Nq, B, Lq] (int32 absolute packed rows: PACKED [Nq, B, Lq], PAIRS [Tq])
+    q_scale_ptr,  # fp32 per-row scales of 8-bit queries ([Nq, Lq]; PAIRS [Tq]), unused for float rows
+    d_scale_ptr,  # fp32 per-row scales of 8-bit documents ([n_sets, B, Ld]; packed [Td]), unused for float rows
     n_queries,
     q_len,
     n_docs,
@@ -157,6 +164,8 @@ def maxsim_fwd_kernel(
     stride_dmn, stride_dmb, stride_dml,
     stride_pc, stride_pn, stride_pb,
     stride_an, stride_ab, stride_al,
+    stride_qsn, stride_qsl,
+    stride_dsn, stride_dsb, stride_dsl,
     DIM: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
     GROUPS: tl.constexpr,
@@ -172,6 +181,7 @@ def maxsim_fwd_kernel(
     LAYOUT: tl.constexpr = 0,  # PADDED, PACKED or PAIRS (lik.core.segments)
     FLAT_K: tl.constexpr = 1,  # wide embeddings: one flat (tile, chunk) loop, or a chunk loop nested per tile
     REDUCTION: tl.constexpr = 0,  # the running reduction (tile.py: REDUCE_MAX, MaxSim's max)
+    LOADER: tl.constexpr = 0,  # FLOAT, or INT8 / FP8 rows with per-row scales (lik.core.quantized)
 ):
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0).to(tl.int64)
@@ -180,7 +190,8 @@ def maxsim_fwd_kernel(
         score_pairs(
             q_ptr, d_ptr, cu_q_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, pid // n_row_blocks, n_row_blocks,
             n_q_rows, n_d_rows, stride_ql, stride_qk, stride_dl, stride_dk, stride_pc, stride_pb, stride_al,
-            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION, REDUCTION,
+            q_scale_ptr, d_scale_ptr, stride_qsl, stride_dsl,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION, REDUCTION, LOADER,
         )
     else:
         score_documents(
@@ -188,8 +199,9 @@ def maxsim_fwd_kernel(
             n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, n_row_blocks, doc_programs,
             stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
             stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+            q_scale_ptr, d_scale_ptr, stride_qsn, stride_qsl, stride_dsn, stride_dsb, stride_dsl,
             DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_Q_MASK, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
-            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION,
+            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER,
         )
 
 
@@ -199,10 +211,11 @@ def score_documents(
     n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, n_row_blocks, doc_programs,
     stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
     stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+    q_scale_ptr, d_scale_ptr, stride_qsn, stride_qsl, stride_dsn, stride_dsb, stride_dsl,
     DIM: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_Q_MASK: tl.constexpr, HAS_D_MASK: tl.constexpr,
     EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
-    LAYOUT: tl.constexpr, FLAT_K: tl.constexpr, REDUCTION: tl.constexpr,
+    LAYOUT: tl.constexpr, FLAT_K: tl.constexpr, REDUCTION: tl.constexpr, LOADER: tl.constexpr,
 ):
     """A program's query rows (``row_block``) against its documents ``first_doc``, ``first_doc + doc_programs``,
     ...: the documents come from :func:`~lik.core.segments.document_span` (padded or packed), the rest is one
@@ -213,6 +226,7 @@ def score_documents(
         row_block, n_queries, q_len, n_chunks, q_mask_ptr, stride_qmn, stride_qml, GROUP_ROWS, GROUPS, HAS_Q_MASK,
     )
     q_row_ptrs = q_ptr + query * stride_qn + token * stride_ql
+    q_scale = row_scales(q_scale_ptr + query * stride_qsn + token * stride_qsl, row_valid, LOADER)
     offs_k = tl.arange(0, BLOCK_K)
     if NUM_K == 1:
         q_rows = tl.load(
@@ -228,11 +242,13 @@ def score_documents(
     doc_set = (row_block * GROUPS) // n_chunks
     doc_base = d_ptr + doc_set * stride_dn
     doc_mask_base = d_mask_ptr + doc_set * stride_dmn
+    doc_scale_base = d_scale_ptr + doc_set * stride_dsn
     # A program's documents share one length when padded; a packed program has one document (doc_programs ==
     # n_docs), so the flat loops below see one length either way.
     doc_ptr, doc_mask_ptr, length, row_offset = document_span(
         first_doc, doc_base, doc_mask_base, cu_d_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb, LAYOUT,
     )
+    doc_scale_ptr = document_scales(first_doc, doc_scale_base, row_offset, stride_dsb, stride_dsl, LAYOUT)
     my_docs = tl.cdiv(n_docs - first_doc, doc_programs).to(tl.int32)
     tiles = tl.cdiv(length, BLOCK_N)
     best, key, n_valid = fresh_rows(BLOCK_M)
@@ -252,11 +268,16 @@ def score_documents(
                 col_ptrs = (
                     doc_ptr + (doc - first_doc) * stride_db + tl.minimum(cols, length - 1).to(tl.int64) * stride_dl
                 )
-                sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                sim = zero_similarity(BLOCK_M, BLOCK_N, LOADER)
                 for kc in tl.range(0, NUM_K):
                     sim = chunk_similarity(
                         sim, q_load_ptrs, stride_qk, col_ptrs, stride_dk, kc * BLOCK_K, DIM, BLOCK_K, DOT_PRECISION,
+                        LOADER,
                     )
+                sim = scale_similarity(
+                    sim, q_scale, doc_scale_ptr + (doc - first_doc) * stride_dsb + cols.to(tl.int64) * stride_dsl,
+                    cols < length, LOADER,
+                )
                 last_tile = start + BLOCK_N >= length
                 best, key, n_valid, nan_rows = finish_tile(
                     sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb, stride_dml,
@@ -267,7 +288,7 @@ def score_documents(
                 doc = tl.where(last_tile, doc + doc_programs, doc)
                 start = tl.where(last_tile, 0, start + BLOCK_N)
         else:
-            sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            sim = zero_similarity(BLOCK_M, BLOCK_N, LOADER)
             chunk = 0
             for _ in tl.range(0, my_docs * tiles * NUM_K):
                 cols = start + tl.arange(0, BLOCK_N)
@@ -276,18 +297,24 @@ def score_documents(
                 )
                 sim = chunk_similarity(
                     sim, q_load_ptrs, stride_qk, col_ptrs, stride_dk, chunk * BLOCK_K, DIM, BLOCK_K, DOT_PRECISION,
+                    LOADER,
                 )
                 last_chunk = chunk == NUM_K - 1
                 last_tile = start + BLOCK_N >= length
                 if last_chunk:
+                    tile_sim = scale_similarity(
+                        sim, q_scale,
+                        doc_scale_ptr + (doc - first_doc) * stride_dsb + cols.to(tl.int64) * stride_dsl,
+                        cols < length, LOADER,
+                    )
                     best, key, n_valid, nan_rows = finish_tile(
-                        sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb,
+                        tile_sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb,
                         stride_dml, best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block,
                         partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an,
                         stride_ab, stride_al, row_offset, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE,
                         STORE_ARGMAX, REDUCTION,
                     )
-                sim = tl.where(last_chunk, 0.0, sim)
+                sim = reset_similarity(sim, last_chunk, LOADER)
                 doc = tl.where(last_chunk & last_tile, doc + doc_programs, doc)
                 start = tl.where(last_chunk, tl.where(last_tile, 0, start + BLOCK_N), start)
                 chunk = tl.where(last_chunk, 0, chunk + 1)
@@ -310,8 +337,9 @@ def score_documents(
             best, key, n_valid = document_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb,
                 start, doc_len, stride_dl, stride_dk, stride_dml, best, key, n_valid,
+                q_scale, doc_scale_base + doc * stride_dsb, stride_dsl,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
-                REDUCTION,
+                REDUCTION, LOADER,
             )
             last_tile = start + BLOCK_N >= doc_len
             if last_tile:
@@ -325,8 +353,9 @@ def score_documents(
     else:
         best, key, n_valid = stream_document(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, length, stride_dl, stride_dk, stride_dml,
-            best, key, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
-            REDUCTION,
+            best, key, q_scale, doc_scale_ptr, stride_dsl,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
+            REDUCTION, LOADER,
         )
         nan_rows = write_document(
             best, key, n_valid, row_valid, row_in_range, query, token, row_block, first_doc, partial_ptr, argmax_ptr,
@@ -339,7 +368,8 @@ def score_documents(
                 q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, n_docs, doc_programs,
                 doc_base, doc_mask_base, cu_d_ptr, argmax_ptr, doc_len, n_d_rows, stride_qk,
                 stride_db, stride_dl, stride_dk, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
-                DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LAYOUT,
+                q_scale, doc_scale_base, stride_dsb, stride_dsl,
+                DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LAYOUT, LOADER,
             )
 
 
@@ -359,6 +389,16 @@ def _mask_arg(mask: torch.Tensor | None, fallback: torch.Tensor, ndim: int):
     if mask is None:
         return fallback, (0,) * ndim
     return mask.view(torch.uint8), mask.stride()
+
+
+def scale_args(q_scale: torch.Tensor | None, d_scale: torch.Tensor | None, fallback: torch.Tensor, d_scale_strides):
+    """The kernel's scale arguments: ``(q_scale, d_scale, *q_scale strides, *d_scale strides)``; float rows pass
+    ``fallback`` and zero strides (never read). ``d_scale_strides``: ``d_scale``'s strides as the kernel wants
+    them ((set, document, token) padded; (0, 0, row) packed)."""
+    if d_scale is None:
+        return (fallback, fallback, 0, 0, 0, 0, 0)
+    q_strides = q_scale.stride() if q_scale.dim() == 2 else (0, q_scale.stride(0))
+    return (q_scale, d_scale, *q_strides, *d_scale_strides)
 
 
 def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -392,7 +432,8 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     n_chunks = cdiv(l_q, cfg.group_rows)
     n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
     partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device)
-    block_k, num_k = feature_chunks(dim, cfg.block_k)
+    loader = loader_of(d.dtype)
+    block_k, num_k = loader_chunks(*feature_chunks(dim, cfg.block_k), loader)
     q_mask, q_mask_strides = _mask_arg(inputs.q_mask, q, 2)
     d_mask, d_mask_strides = _mask_arg(inputs.d_mask, d, 3)
     d_strides = set_strides(d)
@@ -401,11 +442,13 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
     doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
     grid = (n_row_blocks * doc_programs,)
+    d_scale = inputs.d_scale
+    scales = scale_args(inputs.q_scale, d_scale, partial, None if d_scale is None else set_strides(d_scale))
     launch(
         maxsim_fwd_kernel, grid,
-        q, d, q_mask, d_mask, partial, partial, partial, argmax_arg,
+        q, d, q_mask, d_mask, partial, partial, partial, argmax_arg, *scales[:2],
         n_q, l_q, n_docs, l_d, 0, 0, n_chunks, n_row_blocks, doc_programs,
-        *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides,
+        *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides, *scales[2:],
         DIM=dim,
         GROUP_ROWS=cfg.group_rows,
         GROUPS=cfg.groups,
@@ -419,6 +462,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         DOT_PRECISION=dot_precision(q.dtype),
         PERSISTENT=cfg.programs_per_sm > 0,
         FLAT_K=int(cfg.flat_k),
+        LOADER=loader,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers or None,

@@ -19,14 +19,16 @@ from .validation import MaxSimInputs
 __all__ = ["maxsim", "MaxSimFunction", "uses_kernels", "resolve_backward"]
 
 
-_REFERENCE_ONLY_ON_CPU = (torch.float64, torch.bfloat16)
+# float8: the interpreter's conversion flushes small values, so CPU float8 runs the reference (GPU tests cover it).
+_REFERENCE_ONLY_ON_CPU = (torch.float64, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def uses_kernels(x: torch.Tensor) -> bool:
     """Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
 
-    float64 is reference-only. Triton's interpreter has no bfloat16 arithmetic, so CPU bfloat16 runs the
-    reference even under the interpreter (bfloat16 kernels are covered by the GPU tests)."""
+    float64 is reference-only. Triton's interpreter has no bfloat16 arithmetic and flushes small float8 values,
+    so CPU bfloat16 and float8 run the reference even under the interpreter (their kernels are covered by the
+    GPU tests); CPU int8 runs the real kernels there."""
     if x.is_cuda:  # first and cheapest: this predicate is on every call's host path
         return x.dtype != torch.float64
     return x.device.type == "cpu" and x.dtype not in _REFERENCE_ONLY_ON_CPU and interpreting()
@@ -41,7 +43,7 @@ def resolve_backward(backward: str) -> bool:
     return backward == "deterministic"
 
 
-def _forward_fake(q, d, q_mask, d_mask, mask_mode, per_query, store_argmax):
+def _forward_fake(q, d, q_mask, d_mask, mask_mode, per_query, store_argmax, q_scale=None, d_scale=None):
     n_q, l_q, _ = q.shape
     n_docs, l_d = d.shape[1], d.shape[2]
     scores = q.new_empty((n_q, n_docs), dtype=torch.float32)
@@ -52,8 +54,10 @@ def _forward_fake(q, d, q_mask, d_mask, mask_mode, per_query, store_argmax):
 
 @kernel_op("lik::maxsim_forward", fake=_forward_fake)
 def _forward(q: torch.Tensor, d: torch.Tensor, q_mask: torch.Tensor | None, d_mask: torch.Tensor | None,
-             mask_mode: str, per_query: bool, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    scores, argmax = maxsim_forward(MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query), store_argmax)
+             mask_mode: str, per_query: bool, store_argmax: bool, q_scale: torch.Tensor | None = None,
+             d_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query, q_scale, d_scale)
+    scores, argmax = maxsim_forward(inputs, store_argmax)
     # A custom operator returns tensors only: a 0-element placeholder where no argmax was stored.
     return scores, argmax if argmax is not None else q.new_empty((0,), dtype=torch.int16)
 
@@ -111,7 +115,7 @@ def _autograd(inputs: MaxSimInputs, deterministic: bool) -> torch.Tensor:
 
 def _compiled_inference(inputs: MaxSimInputs, deterministic: bool) -> torch.Tensor:
     return _forward.op(inputs.q, inputs.d, inputs.q_mask, inputs.d_mask, inputs.mask_mode,
-                       inputs.per_query_documents, False)[0]
+                       inputs.per_query_documents, False, inputs.q_scale, inputs.d_scale)[0]
 
 
 def _inference(inputs: MaxSimInputs, deterministic: bool) -> torch.Tensor:
@@ -130,6 +134,8 @@ def maxsim(
     *,
     mask_mode: str = "exclude",
     backward: str = "auto",
+    q_scale: torch.Tensor | None = None,
+    d_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Late-interaction (ColBERT / ColPali) scores: ``score[i, j] = sum_s max_t <Q[i, s], D[j, t]>``.
 
@@ -144,6 +150,13 @@ def maxsim(
             position's similarity is 0 and does take part in the max.
         backward: ``"auto"`` (deterministic when ``torch.are_deterministic_algorithms_enabled()``), ``"fast"``
             (fp32 atomics for dD) or ``"deterministic"`` (no atomics; bitwise repeatable).
+        q_scale, d_scale: 8-bit inputs (inference only). ``D`` int8 or float8_e4m3fn from :func:`lik.quantize`
+            needs its fp32 per-token ``d_scale`` (``D.shape[:-1]``); ``Q`` of the same dtype needs ``q_scale``
+            (``Q.shape[:-1]``), a float ``Q`` is quantized per token to ``D``'s dtype first. The scores equal
+            MaxSim of the dequantized operands: the 8-bit products are summed exactly in int32 (int8) or in
+            fp32 (float8), then scaled, ``(dot * q_scale[s]) * d_scale[t]`` in fp32, on every path (CPU int8
+            scores equal the kernels' bit for bit up to the fp32 order of the sum over query tokens). float8
+            needs a GPU with FP8 (compute capability >= 8.9; use int8 elsewhere).
 
     Returns:
         float32 scores, ``[B]`` for 2-D ``Q`` and ``[Nq, B]`` for 3-D ``Q`` (float64 for float64 inputs).
@@ -156,8 +169,10 @@ def maxsim(
         >>> Q = torch.nn.functional.normalize(torch.randn(32, 128), dim=-1).half().cuda()
         >>> D = torch.nn.functional.normalize(torch.randn(1000, 300, 128), dim=-1).half().cuda()
         >>> lik.maxsim(Q, D).shape          # torch.Size([1000]), float32
+        >>> D_q, d_scale = lik.quantize(D, torch.int8)   # 8-bit corpus: half the memory of fp16
+        >>> lik.maxsim(Q, D_q, d_scale=d_scale).shape    # Q is quantized per token to int8
     """
     deterministic = resolve_backward(backward)
-    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True)
-    needs_grad = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True, q_scale=q_scale, d_scale=d_scale)
+    needs_grad = inputs.d_scale is None and torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     return inputs.finish(_route(uses_kernels(inputs.q), needs_grad, inputs, deterministic))

@@ -7,8 +7,9 @@ import torch
 
 from ..._config import cdiv, feature_chunks, maxsim_varlen_config
 from ..._launch import launch
+from ...core.quantized import loader_chunks, loader_of
 from ...core.segments import PACKED, PAIRS
-from .forward import dot_precision, maxsim_fwd_kernel
+from .forward import dot_precision, maxsim_fwd_kernel, scale_args
 from .packing import PackedInputs
 
 __all__ = ["packed_forward"]
@@ -42,7 +43,8 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
     cfg = maxsim_varlen_config(
         q_len=max(1, l_q), n_queries=n_q, dim=dim, dtype=q.dtype, pairs=inputs.pairs, device=device
     )
-    block_k, num_k = feature_chunks(dim, cfg.block_k)
+    loader = loader_of(d.dtype)
+    block_k, num_k = loader_chunks(*feature_chunks(dim, cfg.block_k), loader)
     if inputs.pairs:
         # At least one program per pair: the hint only sizes the grid (see the kernel).
         n_chunks = n_row_blocks = max(1, cdiv(l_q, cfg.group_rows))
@@ -57,12 +59,14 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
     q_mask = inputs.q_mask
     q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
+    d_scale = inputs.d_scale
+    scales = scale_args(inputs.q_scale, d_scale, partial, None if d_scale is None else (0, 0, d_scale.stride(0)))
     launch(
         maxsim_fwd_kernel, (n_row_blocks * n_docs,),
         q, d, q_mask_arg, d, inputs.cu_q if inputs.pairs else inputs.cu_d, inputs.cu_d, partial,
-        argmax if argmax is not None else partial,
+        argmax if argmax is not None else partial, *scales[:2],
         n_q, l_q, n_docs, 0, q.shape[0] if inputs.pairs else 0, d.shape[0], n_chunks, n_row_blocks, n_docs,
-        *q_strides, 0, 0, *d.stride(), *q_mask_strides, 0, 0, 0, *partial.stride(), *argmax_strides,
+        *q_strides, 0, 0, *d.stride(), *q_mask_strides, 0, 0, 0, *partial.stride(), *argmax_strides, *scales[2:],
         DIM=dim,
         GROUP_ROWS=cfg.group_rows,
         GROUPS=1 if inputs.pairs else cfg.groups,
@@ -76,6 +80,7 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         DOT_PRECISION=dot_precision(q.dtype),
         PERSISTENT=False,
         LAYOUT=(PAIRS if inputs.pairs else PACKED).value,
+        LOADER=loader,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -5,6 +5,11 @@ similarities are computed in chunks of documents so that no more than ``budget_b
 a CPU user scoring 10 000 ColPali pages never allocates ``[Nq, B, Lq, Ld]``. Autograd flows through it (the
 gradient of ``torch.max`` goes to the first maximal index, the tie rule of the kernels), and masked or padded
 positions get exactly zero gradient because they are replaced by zeros before any product is taken.
+
+8-bit operands (with ``q_scale`` / ``d_scale``) follow the kernels' arithmetic step for step: the integer (or
+float8) products summed exactly (in float64: ``|dot| <= 127^2 * 8192 < 2^53``), rounded once to float32, then
+``(dot * q_scale[i]) * d_scale[t]`` in float32. int8 scores therefore equal the kernel's bit for bit; float8
+ones differ only by the kernel's fp32 rounding of the running sum (``lik.core.quantized``).
 """
 
 from __future__ import annotations
@@ -31,13 +36,23 @@ def maxsim_reference_canonical(
     n_sets, n_docs, l_d, _ = d.shape
     acc = _accumulation_dtype(q.dtype)
     if n_q == 0 or n_docs == 0 or l_q == 0 or l_d == 0:
+        if inputs.d_scale is not None:  # inference only: nothing to keep connected
+            return torch.zeros(n_q, n_docs, dtype=torch.float32, device=q.device)
         # An empty sum is 0; multiplying by the inputs keeps autograd connected (zero gradients).
         return q.sum() * 0 + d.sum() * 0 + torch.zeros(n_q, n_docs, dtype=acc, device=q.device)
 
     q_valid = inputs.q_mask  # [Nq, Lq] bool or None
     d_valid = inputs.d_mask  # [n_sets, B, Ld] bool or None
     # Zeros in place of masked tokens: garbage (inf, NaN) there can reach neither the scores nor the gradients.
-    q_clean = q.to(acc) if q_valid is None else torch.where(q_valid[..., None], q, 0).to(acc)
+    quantized = inputs.d_scale is not None
+    if quantized:
+        # Exact sums of the 8-bit products in float64, rounded to float32 once (the kernels' int32 / fp32 sum).
+        acc = torch.float64
+        q_scale = inputs.q_scale if q_valid is None else torch.where(q_valid, inputs.q_scale, 0)
+        # (float8 has no torch.where on the CPU: widen first)
+        q_clean = q.to(acc) if q_valid is None else torch.where(q_valid[..., None], q.to(acc), 0)
+    else:
+        q_clean = q.to(acc) if q_valid is None else torch.where(q_valid[..., None], q, 0).to(acc)
     exclude = inputs.mask_mode == "exclude"
 
     per_doc_bytes = max(1, n_q * l_q * l_d * torch.finfo(acc).bits // 8)
@@ -46,6 +61,8 @@ def maxsim_reference_canonical(
     for start in range(0, n_docs, chunk):
         stop = min(n_docs, start + chunk)
         d_chunk = d[:, start:stop]  # [n_sets, b, Ld, dim]
+        if quantized:
+            d_chunk = d_chunk.to(acc)  # (float8 has no torch.where on the CPU)
         if d_valid is not None:
             d_chunk = torch.where(d_valid[:, start:stop, :, None], d_chunk, 0)
         d_chunk = d_chunk.to(acc)
@@ -53,6 +70,11 @@ def maxsim_reference_canonical(
             sim = torch.einsum("nsk,btk->nbst", q_clean, d_chunk[0])
         else:
             sim = torch.einsum("nsk,nbtk->nbst", q_clean, d_chunk)
+        if quantized:
+            d_scale = inputs.d_scale[:, start:stop]  # [n_sets, b, Ld]
+            if d_valid is not None:  # a masked token's products are 0 and so is its scale (garbage stays out)
+                d_scale = torch.where(d_valid[:, start:stop], d_scale, 0)
+            sim = (sim.float() * q_scale[:, None, :, None]) * d_scale[:, :, None, :]
         if exclude and d_valid is not None:
             valid = d_valid[:, start:stop, None, :]  # [n_sets, b, 1, Ld]
             sim = torch.where(valid, sim, float("-inf"))
@@ -63,7 +85,7 @@ def maxsim_reference_canonical(
         if q_valid is not None:
             best = torch.where(q_valid[:, None, :], best, 0)
         out.append(best.sum(dim=-1))
-    return torch.cat(out, dim=1)
+    return torch.cat(out, dim=1).float() if quantized else torch.cat(out, dim=1)
 
 
 def maxsim_reference(

@@ -15,10 +15,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...core.quantized import FLOAT, FP8, scale_similarity, zero_similarity
+
 __all__ = [
     "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
     "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys", "nan_winner_keys",
-    "maxsim_doc_rows", "fresh_rows", "reduce_tile", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
+    "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
@@ -90,12 +92,22 @@ def store_group_sums(
 
 
 @triton.jit
+def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOAT):
+    """``a @ b (+ acc)`` on the tensor cores. float8 asks for every partial product to be added in fp32 (Hopper's
+    default lets the fp8 accumulator run at reduced precision over the whole ``k``); int8 accumulates in int32."""
+    if LOADER == FP8:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=0)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def similarity_tile(
     q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, col_valid,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
-    stride_dk, DOT_PRECISION: tl.constexpr,
+    stride_dk, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOAT,
 ):
-    """``[BLOCK_M, BLOCK_N]`` fp32 similarities of the query rows with the document rows at ``col_ptrs``.
+    """``[BLOCK_M, BLOCK_N]`` similarities of the query rows with the document rows at ``col_ptrs``: fp32, or the
+    exact int32 products of int8 rows (scaled afterwards by :func:`~lik.core.quantized.scale_similarity`).
 
     Rows with ``col_valid`` False are read as zeros (never read at all), so garbage there cannot leak in."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -105,11 +117,11 @@ def similarity_tile(
             mask=col_valid[:, None] & (offs_k[None, :] < DIM),
             other=0.0,
         )
-        sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
+        sim = tile_dot(q_rows, tl.trans(d_tile), None, DOT_PRECISION, LOADER)
     else:
         # A runtime loop: its shared memory is one chunk per pipeline stage whatever d (an unrolled loop keeps
         # every chunk of every stage in flight).
-        sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        sim = zero_similarity(BLOCK_M, BLOCK_N, LOADER)
         for kc in range(NUM_K):
             kk = kc * BLOCK_K + offs_k
             q_chunk = tl.load(
@@ -122,14 +134,14 @@ def similarity_tile(
                 mask=col_valid[:, None] & (kk[None, :] < DIM),
                 other=0.0,
             )
-            sim = tl.dot(q_chunk, tl.trans(d_chunk), sim, input_precision=DOT_PRECISION)
+            sim = tile_dot(q_chunk, tl.trans(d_chunk), sim, DOT_PRECISION, LOADER)
     return sim
 
 
 @triton.jit
 def chunk_similarity(
     sim, q_row_ptrs, stride_qk, col_ptrs, stride_dk, k_start,
-    DIM: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIM: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOAT,
 ):
     """Add the product of feature chunk ``k_start .. k_start + BLOCK_K`` of the query rows and the document rows
     at ``col_ptrs`` to ``sim`` (the streamed-k loop: neither side stays on chip between chunks).
@@ -144,7 +156,7 @@ def chunk_similarity(
     else:
         q_chunk = tl.load(q_row_ptrs[:, None] + kk[None, :] * stride_qk, mask=kk[None, :] < DIM, other=0.0)
         d_chunk = tl.load(col_ptrs[:, None] + kk[None, :] * stride_dk, mask=kk[None, :] < DIM, other=0.0)
-    return tl.dot(q_chunk, tl.trans(d_chunk), sim, input_precision=DOT_PRECISION)
+    return tile_dot(q_chunk, tl.trans(d_chunk), sim, DOT_PRECISION, LOADER)
 
 
 @triton.jit
@@ -210,14 +222,17 @@ def absorb_nan_tile(sim, col_key, key):
 @triton.jit
 def document_tile(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk, stride_dml,
-    best, key, n_valid,
+    best, key, n_valid, q_scale, doc_scale_ptr, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX,
+    DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX, LOADER: tl.constexpr = FLOAT,
 ):
     """One step of every tile loop: the similarities of the document tokens ``start .. start + BLOCK_N``, masked,
     folded into ``(best, key)`` by :func:`absorb_tile` (or by :func:`absorb_nan_tile` in the NaN pass), and the
-    tile's valid tokens added to ``n_valid``. Returns ``(best, key, n_valid)``."""
+    tile's valid tokens added to ``n_valid``. Returns ``(best, key, n_valid)``.
+
+    With an 8-bit ``LOADER``, ``q_scale`` holds the query rows' scales and ``doc_scale_ptr`` (row stride
+    ``stride_dsl``) the document's; both are unused for float rows."""
     cols = start + tl.arange(0, BLOCK_N)
     in_range = cols < doc_len
     if HAS_D_MASK:
@@ -225,8 +240,9 @@ def document_tile(
         col_valid = in_range & (flags != 0)
         sim = similarity_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, col_valid,
-            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION, LOADER,
         )
+        sim = scale_similarity(sim, q_scale, doc_scale_ptr + cols.to(tl.int64) * stride_dsl, col_valid, LOADER)
         # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
         if EXCLUDE:
             sim = tl.where(col_valid[None, :], sim, float("-inf"))
@@ -243,12 +259,13 @@ def document_tile(
         if NUM_K == 1 and DIM == BLOCK_K:
             offs_k = tl.arange(0, BLOCK_K)
             d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
-            sim = tl.dot(q_rows, tl.trans(d_tile), input_precision=DOT_PRECISION)
+            sim = tile_dot(q_rows, tl.trans(d_tile), None, DOT_PRECISION, LOADER)
         else:
             sim = similarity_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, in_range,
-                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION,
+                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION, LOADER,
             )
+        sim = scale_similarity(sim, q_scale, doc_scale_ptr + cols.to(tl.int64) * stride_dsl, in_range, LOADER)
         col_key = (cols * 2).to(tl.int32)
         if start + BLOCK_N > doc_len:  # only the last tile pays for the select
             if not NAN_PASS:  # (that pass ignores the clamped columns by their key alone)
@@ -265,10 +282,10 @@ def document_tile(
 @triton.jit
 def stream_document(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
-    best, key,
+    best, key, q_scale, doc_scale_ptr, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX,
+    DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX, LOADER: tl.constexpr = FLOAT,
 ):
     """The tile loop over one document (:func:`document_tile` per tile). Returns ``(best, key, n_valid)``."""
     n_valid = tl.zeros((), tl.int32)
@@ -277,9 +294,9 @@ def stream_document(
     for start in tl.range(0, doc_len, BLOCK_N, num_stages=STAGES):
         best, key, n_valid = document_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
-            stride_dml, best, key, n_valid,
+            stride_dml, best, key, n_valid, q_scale, doc_scale_ptr, stride_dsl,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, NAN_PASS, DOT_PRECISION,
-            REDUCTION,
+            REDUCTION, LOADER,
         )
     return best, key, n_valid
 
@@ -287,15 +304,18 @@ def stream_document(
 @triton.jit
 def first_nan_keys(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
+    q_scale, doc_scale_ptr, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
-    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOAT,
 ):
     """The NaN pass: each row's key of its first NaN similarity in the document (``NO_KEY`` where it has none, i.e.
     where its max is not NaN), and the document's valid token count. Returns ``(key, n_valid)``."""
     _, nan_key, n_valid = stream_document(
         q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
         tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32),
+        q_scale, doc_scale_ptr, stride_dsl,
         DIM, BLOCK_M, NAN_PASS_BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, True, True, DOT_PRECISION,
+        REDUCE_MAX, LOADER,
     )
     return nan_key, n_valid
 
@@ -303,9 +323,9 @@ def first_nan_keys(
 @triton.jit
 def nan_winner_keys(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
-    best, key,
+    best, key, q_scale, doc_scale_ptr, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
-    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOAT,
 ):
     """Give every row whose max is NaN the key of its first NaN similarity, as ``torch.max`` picks it.
 
@@ -315,7 +335,8 @@ def nan_winner_keys(
     if tl.max(is_nan.to(tl.int32), axis=0) != 0:
         nan_key, _ = first_nan_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk,
-            stride_dml, DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+            stride_dml, q_scale, doc_scale_ptr, stride_dsl, DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE,
+            DOT_PRECISION, LOADER,
         )
         key = tl.where(is_nan, nan_key, key)
     return key
@@ -333,6 +354,9 @@ def maxsim_doc_rows(
     stride_dl,
     stride_dk,
     stride_dml,
+    q_scale,  # [BLOCK_M] fp32 scales of the query rows (8-bit LOADER only)
+    doc_scale_ptr,  # pointer to the document's first row scale (8-bit LOADER only)
+    stride_dsl,
     DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -343,6 +367,7 @@ def maxsim_doc_rows(
     TRACK_ARGMAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     REDUCTION: tl.constexpr = REDUCE_MAX,
+    LOADER: tl.constexpr = FLOAT,
 ):
     """Stream one document through a block of query rows.
 
@@ -353,13 +378,14 @@ def maxsim_doc_rows(
     best, key, _ = fresh_rows(BLOCK_M)
     best, key, n_valid = stream_document(
         q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
-        best, key, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, False, DOT_PRECISION,
-        REDUCTION,
+        best, key, q_scale, doc_scale_ptr, stride_dsl,
+        DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, False, DOT_PRECISION,
+        REDUCTION, LOADER,
     )
     if TRACK_ARGMAX:
         key = nan_winner_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk,
-            stride_dml, best, key,
-            DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+            stride_dml, best, key, q_scale, doc_scale_ptr, stride_dsl,
+            DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LOADER,
         )
     return best, key, n_valid

@@ -16,9 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MaxSimInputs", "KERNEL_DTYPES", "MASK_MODES", "MAX_DIM", "check_mask", "check_matches", "check_width"]
+__all__ = [
+    "MaxSimInputs", "KERNEL_DTYPES", "QUANTIZED_DTYPES", "MASK_MODES", "MAX_DIM", "check_mask", "check_matches",
+    "check_width", "check_quantized",
+]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 MASK_MODES = ("exclude", "zero")
 MAX_DIM = 8192  # widest embedding d every path is compiled and tested for
 
@@ -64,6 +68,91 @@ def check_width(name: str, x: torch.Tensor) -> None:
         )
 
 
+def _check_scale(name: str, scale, rows_name: str, rows: torch.Tensor) -> torch.Tensor:
+    if scale is None:
+        raise ValueError(
+            f"{name} is required: {rows_name} is {rows.dtype}, pass its per-row scale from lik.quantize "
+            f"({rows_name}_q, {name} = lik.quantize(x, {rows.dtype}))"
+        )
+    scale = _check_tensor(name, scale)
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32 (as lik.quantize returns it), got {scale.dtype}")
+    if tuple(scale.shape) != tuple(rows.shape[:-1]):
+        raise ValueError(
+            f"{name} must have shape {rows_name}.shape[:-1] = {list(rows.shape[:-1])}, got {list(scale.shape)}"
+        )
+    if scale.device != rows.device:
+        raise ValueError(f"{name} is on {scale.device} but {rows_name} is on {rows.device}")
+    if scale.requires_grad:
+        raise ValueError(f"{name} requires grad: 8-bit scoring is inference only (no gradient flows to the scales)")
+    return scale
+
+
+def check_quantized(Q, D, q_scale, d_scale, *, q_name: str = "Q", d_name: str = "D"):
+    """Check the 8-bit side of a scorer's arguments; return ``(q_scale, d_scale, quantize_q)``.
+
+    ``D`` int8 / float8_e4m3fn needs ``d_scale`` (fp32, ``D.shape[:-1]``); a ``Q`` of the same dtype needs
+    ``q_scale``; a float ``Q`` gets ``quantize_q`` True: the caller quantizes it per token to ``D``'s dtype
+    (:func:`quantize_query`) once every other check has passed, so the scores are MaxSim of the dequantized
+    operands. Float ``D`` takes no scales and no 8-bit ``Q``. Everything 8-bit is inference only. Errors name
+    the argument; nothing runs here.
+    """
+    Q = _check_tensor(q_name, Q)
+    D = _check_tensor(d_name, D)
+    if D.dtype not in QUANTIZED_DTYPES:
+        if Q.dtype in QUANTIZED_DTYPES:
+            raise TypeError(
+                f"{q_name} is {Q.dtype} but {d_name} is {D.dtype}: 8-bit queries score 8-bit documents of the same "
+                f"dtype (quantize {d_name} with lik.quantize, or pass a float {q_name})"
+            )
+        for name, scale in (("q_scale", q_scale), ("d_scale", d_scale)):
+            if scale is not None:
+                rows = q_name if name == "q_scale" else d_name
+                raise ValueError(f"{name} is only for an 8-bit {rows} (int8 or float8_e4m3fn), got {rows} {D.dtype}"
+                                 if rows == d_name else
+                                 f"{name} is only for an 8-bit {rows} (int8 or float8_e4m3fn), got {rows} {Q.dtype}")
+        return None, None, False
+    if Q.dtype in QUANTIZED_DTYPES and Q.dtype != D.dtype:
+        raise TypeError(
+            f"{q_name} is {Q.dtype} but {d_name} is {D.dtype}: mixed 8-bit operands are not supported, "
+            f"quantize both to one dtype"
+        )
+    if Q.dtype not in QUANTIZED_DTYPES and Q.dtype not in KERNEL_DTYPES + (torch.float64,):
+        raise TypeError(f"{q_name} must be float or {D.dtype} to score an {D.dtype} {d_name}, got {Q.dtype}")
+    if D.requires_grad:
+        raise ValueError(f"{d_name} ({D.dtype}) requires grad: 8-bit scoring is inference only")
+    d_scale = _check_scale("d_scale", d_scale, d_name, D)
+    if Q.dtype == D.dtype:
+        if Q.requires_grad:
+            raise ValueError(f"{q_name} ({Q.dtype}) requires grad: 8-bit scoring is inference only")
+        q_scale = _check_scale("q_scale", q_scale, q_name, Q)
+    else:
+        if q_scale is not None:
+            raise ValueError(
+                f"q_scale is only for an 8-bit {q_name}; a float {q_name} ({Q.dtype}) is quantized per token to "
+                f"{D.dtype} by the scorer"
+            )
+        if Q.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{q_name} requires grad but {d_name} is {D.dtype}: 8-bit scoring is inference only (no gradient "
+                f"flows through the quantization); detach {q_name} or run under torch.no_grad()"
+            )
+    if Q.device != D.device:
+        raise ValueError(f"{d_name} is on {D.device} but {q_name} is on {Q.device}")
+    if D.dtype == torch.float8_e4m3fn:
+        from ..quantization.function import check_fp8_supported
+
+        check_fp8_supported(D.device, d_name)
+    return q_scale, d_scale, Q.dtype != D.dtype
+
+
+def quantize_query(Q: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float query quantized per token to the documents' 8-bit ``dtype`` (:func:`lik.quantize`)."""
+    from ..quantization.function import quantize
+
+    return quantize(Q.detach(), dtype)
+
+
 @dataclass(frozen=True)
 class MaxSimInputs:
     q: torch.Tensor
@@ -73,6 +162,8 @@ class MaxSimInputs:
     mask_mode: str
     squeeze_query: bool  # 2-D Q: the result is [B] instead of [1, B]
     per_query_documents: bool  # D was [Nq, B, Ld, d]
+    q_scale: torch.Tensor | None = None  # 8-bit rows: fp32 [Nq, Lq]
+    d_scale: torch.Tensor | None = None  # 8-bit rows: fp32 [n_sets, B, Ld]
 
     @classmethod
     def build(
@@ -84,19 +175,29 @@ class MaxSimInputs:
         mask_mode: str = "exclude",
         *,
         allow_float64: bool = False,
+        q_scale=None,
+        d_scale=None,
     ) -> "MaxSimInputs":
         Q = _check_tensor("Q", Q)
         D = _check_tensor("D", D)
+        quantized = D.dtype in QUANTIZED_DTYPES or Q.dtype in QUANTIZED_DTYPES
+        quantize_q = False
+        if quantized or q_scale is not None or d_scale is not None:
+            # Shapes first (an error then names the shape, not a scale), then the 8-bit checks.
+            cls._check_ranks(Q, D)
+            q_scale, d_scale, quantize_q = check_quantized(Q, D, q_scale, d_scale)
         if mask_mode not in MASK_MODES:
             raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {mask_mode!r}")
-        if Q.dim() not in (2, 3):
-            raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {list(Q.shape)}")
-        if D.dim() not in (3, 4):
-            raise ValueError(f"D must be [B, Ld, d] or [Nq, B, Ld, d], got shape {list(D.shape)}")
-        allowed = KERNEL_DTYPES + ((torch.float64,) if allow_float64 else ())
+        cls._check_ranks(Q, D)
+        allowed = KERNEL_DTYPES + ((torch.float64,) if allow_float64 or quantize_q else ())
+        allowed += (D.dtype,) if quantized else ()
         if Q.dtype not in allowed:
             raise TypeError(f"Q must have dtype in {[str(t) for t in allowed]}, got {Q.dtype}")
-        check_matches("D", D, "Q", Q)
+        if quantize_q:  # the dtypes differ by design (Q is quantized below); the devices were checked
+            if D.shape[-1] != Q.shape[-1]:
+                raise ValueError(f"D has embedding dim {D.shape[-1]} but Q has {Q.shape[-1]}")
+        else:
+            check_matches("D", D, "Q", Q)
         check_width("Q", Q)
 
         squeeze = Q.dim() == 2
@@ -118,7 +219,20 @@ class MaxSimInputs:
             q_mask = q_mask.unsqueeze(0)
         if d_mask is not None and not per_query:
             d_mask = d_mask.unsqueeze(0)
-        return cls(q, d, q_mask, d_mask, mask_mode, squeeze, per_query)
+        if quantize_q:  # last: every check has passed
+            q, q_scale = quantize_query(q, d.dtype)
+        elif q_scale is not None and squeeze:
+            q_scale = q_scale.unsqueeze(0)
+        if d_scale is not None and not per_query:
+            d_scale = d_scale.unsqueeze(0)
+        return cls(q, d, q_mask, d_mask, mask_mode, squeeze, per_query, q_scale, d_scale)
+
+    @staticmethod
+    def _check_ranks(Q: torch.Tensor, D: torch.Tensor) -> None:
+        if Q.dim() not in (2, 3):
+            raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {list(Q.shape)}")
+        if D.dim() not in (3, 4):
+            raise ValueError(f"D must be [B, Ld, d] or [Nq, B, Ld, d], got shape {list(D.shape)}")
 
     def finish(self, scores: torch.Tensor) -> torch.Tensor:
         """Shape the canonical ``[Nq, B]`` result the way the caller passed ``Q``."""

@@ -1,0 +1,77 @@
+"""The 8-bit loader of the tile loop: int8 / float8 operands with per-row fp32 scales applied to the product.
+
+Quantized rows enter the tensor cores as they are stored (no dequantized copy anywhere); the similarity of query
+row ``i`` and document row ``t`` is ``(float32(dot(q_q[i], d_q[t])) * q_scale[i]) * d_scale[t]``, in that order,
+which the PyTorch reference repeats. int8 products accumulate exactly in int32 (``|dot| <= 127^2 * 8192 < 2^31``)
+and are converted once per tile; float8 products accumulate in fp32. The flag ``LOADER`` chooses, and is
+``FLOAT`` (0) for fp16 / bf16 / fp32 operands, whose code is then exactly the float loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "FLOAT", "INT8", "FP8", "loader_of", "loader_chunks", "zero_similarity", "scale_similarity", "row_scales", "reset_similarity",
+]
+
+FLOAT = tl.constexpr(0)  # fp16 / bf16 / fp32 rows, no scales
+INT8 = tl.constexpr(1)  # int8 rows, int32 accumulation, per-row fp32 scales
+FP8 = tl.constexpr(2)  # float8_e4m3fn rows, fp32 accumulation, per-row fp32 scales
+
+_LOADERS = {torch.int8: 1, torch.float8_e4m3fn: 2}
+
+
+def loader_of(dtype: torch.dtype) -> int:
+    """The ``LOADER`` flag of embeddings stored as ``dtype``."""
+    return _LOADERS.get(dtype, 0)
+
+
+# 8-bit tensor-core products take k in steps of 32 (16-bit ones in steps of 16).
+MIN_8BIT_BLOCK_K = 32
+
+
+def loader_chunks(block_k: int, num_k: int, loader: int) -> tuple[int, int]:
+    """``(BLOCK_K, NUM_K)`` of a launch whose rows use ``loader``: a resident 8-bit block is at least 32 wide
+    (the padding is masked to 0)."""
+    if loader and num_k == 1:
+        return max(block_k, MIN_8BIT_BLOCK_K), 1
+    return block_k, num_k
+
+
+@triton.jit
+def zero_similarity(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOADER: tl.constexpr):
+    """An empty accumulator of a streamed tile: int32 for int8 rows (exact), fp32 otherwise."""
+    if LOADER == INT8:
+        return tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+    return tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+
+
+@triton.jit
+def reset_similarity(sim, reset, LOADER: tl.constexpr):
+    """``sim`` zeroed where ``reset`` (the streamed-k loop starting its next tile), in its own dtype."""
+    if LOADER == INT8:
+        return tl.where(reset, 0, sim)
+    return tl.where(reset, 0.0, sim)
+
+
+@triton.jit
+def row_scales(scale_ptrs, valid, LOADER: tl.constexpr):
+    """The fp32 scales of a block of rows (0 for rows not ``valid``, so garbage there stays out of the product).
+
+    Unused (and never loaded) for float rows."""
+    if LOADER == FLOAT:
+        return tl.zeros(valid.shape, tl.float32)
+    return tl.load(scale_ptrs, mask=valid, other=0.0)
+
+
+@triton.jit
+def scale_similarity(sim, q_scale, col_scale_ptrs, col_valid, LOADER: tl.constexpr):
+    """The 8-bit loader's step after the product: ``(float32(sim) * q_scale[i]) * d_scale[t]``. A column that is
+    not ``col_valid`` gets scale 0 (a masked column's products are 0 already). Float tiles pass through."""
+    if LOADER == FLOAT:
+        return sim
+    col_scale = tl.load(col_scale_ptrs, mask=col_valid, other=0.0)
+    return (sim.to(tl.float32) * q_scale[:, None]) * col_scale[None, :]
