@@ -19,10 +19,15 @@ import torch
 
 from ._config import LONG_DOCUMENT, maxsim_forward_config
 from .ops.maxsim import maxsim
+from .ops.quantization import quantize
 
 __all__ = ["warmup", "main"]
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPES = {
+    "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+}
+_8BIT = (torch.int8, torch.float8_e4m3fn)
 
 
 def warmup(
@@ -37,7 +42,9 @@ def warmup(
 
     Args:
         shapes: ``(Nq, Lq, d)`` triples: ``Nq`` queries of ``Lq`` tokens (use ``Nq = 1`` for 2-D queries).
-        dtype: embedding dtype (float16, bfloat16 or float32).
+        dtype: embedding dtype (float16, bfloat16 or float32), or the corpus dtype of 8-bit scoring (int8,
+            float8_e4m3fn): the variants :func:`lik.maxsim` runs for a float query against a
+            :func:`lik.quantize`-d corpus (the query quantization included); inference only.
         device: a CUDA device (default: the current one).
         masks: also compile the variants with query and document masks.
         training: also compile the argmax forward and both backward kernels.
@@ -48,14 +55,23 @@ def warmup(
     Example:
         >>> lik.warmup([(1, 32, 128), (32, 32, 128)], dtype=torch.float16)
     """
+    if dtype in _8BIT and training:
+        raise ValueError(f"training=True: 8-bit scoring ({dtype}) is inference only")
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     calls = 0
     for n_queries, q_len, dim in shapes:
         if min(n_queries, q_len, dim) <= 0:
             raise ValueError(f"shapes must be positive (Nq, Lq, d) triples, got {(n_queries, q_len, dim)}")
-        Q = torch.randn(n_queries, q_len, dim, device=device).to(dtype)
+        Q = torch.randn(n_queries, q_len, dim, device=device)
+        Q = Q if dtype in _8BIT else Q.to(dtype)
         for doc_len in _document_length_buckets(n_queries, q_len, dim, dtype, device):
-            calls += _warm_one(Q, torch.randn(1, doc_len, dim, device=device).to(dtype), masks, training)
+            D = torch.randn(1, doc_len, dim, device=device)
+            d_scale = None
+            if dtype in _8BIT:
+                D, d_scale = quantize(D, dtype)
+            else:
+                D = D.to(dtype)
+            calls += _warm_one(Q, D, masks, training, d_scale)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return calls
@@ -69,7 +85,7 @@ def _document_length_buckets(n_queries, q_len, dim, dtype, device) -> list[int]:
     return [8] if config(doc_len=8) == config(doc_len=LONG_DOCUMENT) else [8, LONG_DOCUMENT]
 
 
-def _warm_one(Q: torch.Tensor, D: torch.Tensor, masks: bool, training: bool) -> int:
+def _warm_one(Q: torch.Tensor, D: torch.Tensor, masks: bool, training: bool, d_scale: torch.Tensor | None) -> int:
     calls = 0
     mask_options = [(None, None)]
     if masks:
@@ -78,7 +94,7 @@ def _warm_one(Q: torch.Tensor, D: torch.Tensor, masks: bool, training: bool) -> 
     for q_mask, d_mask in mask_options:
         for mask_mode in ("exclude", "zero") if q_mask is not None else ("exclude",):
             with torch.no_grad():
-                maxsim(Q, D, q_mask, d_mask, mask_mode=mask_mode)
+                maxsim(Q, D, q_mask, d_mask, mask_mode=mask_mode, d_scale=d_scale)
             calls += 1
             if training:
                 for backward in ("fast", "deterministic"):

@@ -73,6 +73,8 @@ def search(
     *,
     mask_mode: str = "exclude",
     chunk_size: int | None = None,
+    q_scale: torch.Tensor | None = None,
+    d_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k MaxSim search: the ``k`` documents of ``D`` with the highest :func:`lik.maxsim` score.
 
@@ -85,6 +87,9 @@ def search(
         mask_mode: ``"exclude"`` (default) or ``"zero"``, as in :func:`lik.maxsim`.
         chunk_size: documents scored per :func:`lik.maxsim` call; by default as many as keep the chunk's
             scores and merge buffers within 256 MB.
+        q_scale, d_scale: an 8-bit corpus, as in :func:`lik.maxsim`: ``D`` int8 / float8_e4m3fn from
+            :func:`lik.quantize` with its fp32 ``d_scale [B, Ld]``; ``Q`` of the same dtype with ``q_scale``, or
+            float (quantized per token once, before the first chunk).
 
     Returns:
         ``(scores, indices)``: float32 scores (float64 for float64 inputs) and int64 document indices into ``D``,
@@ -100,8 +105,10 @@ def search(
         >>> Q = torch.nn.functional.normalize(torch.randn(4, 32, 128), dim=-1).half().cuda()
         >>> D = torch.nn.functional.normalize(torch.randn(10_000, 300, 128), dim=-1).half().cuda()
         >>> scores, indices = lik.search(Q, D, k=10)     # [4, 10] float32, [4, 10] int64
+        >>> D_q, d_scale = lik.quantize(D, torch.int8)
+        >>> scores, indices = lik.search(Q, D_q, k=10, d_scale=d_scale)
     """
-    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True)
+    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True, q_scale=q_scale, d_scale=d_scale)
     if inputs.per_query_documents:
         raise ValueError(
             f"D must be a shared corpus [B, Ld, d] for search, got shape {list(D.shape)}; "
@@ -109,6 +116,7 @@ def search(
         )
     corpus = inputs.d[0]
     corpus_mask = None if inputs.d_mask is None else inputs.d_mask[0]
+    corpus_scale = None if inputs.d_scale is None else inputs.d_scale[0]
     n_queries, n_docs = inputs.q.shape[0], corpus.shape[0]
     k = _check_k(k, n_docs)
     chunk_size = _check_chunk_size(chunk_size, n_queries)
@@ -129,6 +137,8 @@ def search(
             inputs.q_mask,
             None if corpus_mask is None else corpus_mask[start:stop],
             mask_mode=mask_mode,
+            q_scale=inputs.q_scale,
+            d_scale=None if corpus_scale is None else corpus_scale[start:stop],
         )
         chunk_indices = torch.arange(start, stop, device=corpus.device).expand(n_queries, -1)
         # The running best come first, already in rank order and with indices below every index of this

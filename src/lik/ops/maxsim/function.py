@@ -16,7 +16,7 @@ from .forward import maxsim_forward
 from .reference import maxsim_reference_canonical
 from .validation import MaxSimInputs
 
-__all__ = ["maxsim", "MaxSimFunction", "uses_kernels", "resolve_backward"]
+__all__ = ["maxsim", "MaxSimFunction", "uses_kernels", "scorer_uses_kernels", "resolve_backward"]
 
 
 # float8: the interpreter's conversion flushes small values, so CPU float8 runs the reference (GPU tests cover it).
@@ -32,6 +32,14 @@ def uses_kernels(x: torch.Tensor) -> bool:
     if x.is_cuda:  # first and cheapest: this predicate is on every call's host path
         return x.dtype != torch.float64
     return x.device.type == "cpu" and x.dtype not in _REFERENCE_ONLY_ON_CPU and interpreting()
+
+
+def scorer_uses_kernels(Q, D) -> bool:
+    """:func:`uses_kernels` before validation: 8-bit documents decide (a float query is quantized to their
+    dtype); otherwise the query does."""
+    if isinstance(D, torch.Tensor) and D.dtype in (torch.int8, torch.float8_e4m3fn):
+        return uses_kernels(D)
+    return isinstance(Q, torch.Tensor) and uses_kernels(Q)
 
 
 def resolve_backward(backward: str) -> bool:

@@ -18,7 +18,7 @@ from .reference_varlen import packed_reference
 __all__ = ["MaxSimPackedFunction", "packed_route"]
 
 
-def _packed_forward_fake(q, d, cu_q, cu_d, q_mask, max_seqlen_q, store_argmax):
+def _packed_forward_fake(q, d, cu_q, cu_d, q_mask, max_seqlen_q, store_argmax, q_scale=None, d_scale=None):
     n_docs = cu_d.shape[0] - 1
     if cu_q is not None:
         scores, argmax_shape = q.new_empty((n_docs,), dtype=torch.float32), (q.shape[0],)
@@ -29,9 +29,11 @@ def _packed_forward_fake(q, d, cu_q, cu_d, q_mask, max_seqlen_q, store_argmax):
 
 @kernel_op("lik::maxsim_packed_forward", fake=_packed_forward_fake)
 def _packed_forward(q: torch.Tensor, d: torch.Tensor, cu_q: torch.Tensor | None, cu_d: torch.Tensor,
-                    q_mask: torch.Tensor | None, max_seqlen_q: int, store_argmax: bool
+                    q_mask: torch.Tensor | None, max_seqlen_q: int, store_argmax: bool,
+                    q_scale: torch.Tensor | None = None, d_scale: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores, argmax = packed_forward(PackedInputs(q, d, cu_q, cu_d, q_mask, max_seqlen_q, False, True), store_argmax)
+    inputs = PackedInputs(q, d, cu_q, cu_d, q_mask, max_seqlen_q, False, True, q_scale, d_scale)
+    scores, argmax = packed_forward(inputs, store_argmax)
     return scores, argmax if argmax is not None else q.new_empty((0,), dtype=torch.int32)
 
 
@@ -79,7 +81,7 @@ def _launch(inputs: PackedInputs, deterministic: bool) -> torch.Tensor:
 
 def _compiled(inputs: PackedInputs, deterministic: bool) -> torch.Tensor:
     return _packed_forward.op(inputs.q, inputs.d, inputs.cu_q, inputs.cu_d, inputs.q_mask, inputs.max_seqlen_q,
-                              False)[0]
+                              False, inputs.q_scale, inputs.d_scale)[0]
 
 
 def _autograd(inputs: PackedInputs, deterministic: bool) -> torch.Tensor:

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .validation import KERNEL_DTYPES, check_mask, check_matches, check_width
+from .validation import (
+    KERNEL_DTYPES, QUANTIZED_DTYPES, check_mask, check_matches, check_quantized, check_width, quantize_query,
+)
 
 __all__ = [
     "pack",
@@ -130,18 +132,35 @@ def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]
     return [packed[start:stop] for start, stop in zip(bounds[:-1], bounds[1:])]
 
 
-def _check_embeddings(name: str, x, ndims: tuple[int, ...], shape_text: str, allow_float64: bool) -> torch.Tensor:
+def _check_embeddings(name: str, x, ndims: tuple[int, ...], shape_text: str, allow_float64: bool,
+                      quantized: bool = False) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in ndims:
         raise ValueError(f"{name} must be {shape_text}, got shape {list(x.shape)}")
-    allowed = KERNEL_DTYPES + ((torch.float64,) if allow_float64 else ())
+    allowed = KERNEL_DTYPES + ((torch.float64,) if allow_float64 or quantized else ())
+    allowed += QUANTIZED_DTYPES if quantized else ()
     if x.dtype not in allowed:
         raise TypeError(f"{name} must have dtype in {[str(t) for t in allowed]}, got {x.dtype}")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"{name} has {x.shape[0]} rows; int32 cu_seqlens address at most {MAX_ROWS}")
     check_width(name, x)
     return x
+
+
+def _is_quantized(q, d, q_scale, d_scale) -> bool:
+    """Whether the 8-bit checks apply (an 8-bit operand, or a scale passed)."""
+    dtypes = {x.dtype for x in (q, d) if isinstance(x, torch.Tensor)}
+    return bool(dtypes & set(QUANTIZED_DTYPES)) or q_scale is not None or d_scale is not None
+
+
+def _check_matching(d: torch.Tensor, d_name: str, q: torch.Tensor, q_name: str, quantize_q: bool) -> None:
+    """``d`` matches ``q`` (dtype, device, width); a float ``q`` about to be quantized to ``d``'s dtype is
+    compared by width only (its device was checked with the scales)."""
+    if not quantize_q:
+        check_matches(d_name, d, q_name, q)
+    elif d.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{d_name} has embedding dim {d.shape[-1]} but {q_name} has {q.shape[-1]}")
 
 
 def _check_hint(name: str, value) -> int | None:
@@ -174,6 +193,8 @@ class PackedInputs:
     max_seqlen_q: int
     squeeze_query: bool
     values_checked: bool
+    q_scale: torch.Tensor | None = None  # 8-bit rows: fp32, q.shape[:-1]
+    d_scale: torch.Tensor | None = None  # 8-bit rows: fp32 [Td]
 
     @property
     def pairs(self) -> bool:
@@ -181,15 +202,19 @@ class PackedInputs:
 
     @classmethod
     def build_pairs(cls, q, d, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, *, read_values: bool,
-                    allow_float64: bool) -> "PackedInputs":
+                    allow_float64: bool, q_scale=None, d_scale=None) -> "PackedInputs":
         """Validate :func:`lik.maxsim_varlen`'s arguments.
 
         The ``cu_seqlens`` values are read and checked (one synchronisation for both) unless both hints are
         given; ``read_values`` reads them anyway (the CPU reference path, where reading costs nothing).
         """
-        q = _check_embeddings("q", q, (2,), "[total_q_tokens, dim]", allow_float64)
-        d = _check_embeddings("d", d, (2,), "[total_d_tokens, dim]", allow_float64)
-        check_matches("d", d, "q", q)
+        quantized = _is_quantized(q, d, q_scale, d_scale)
+        q = _check_embeddings("q", q, (2,), "[total_q_tokens, dim]", allow_float64, quantized)
+        d = _check_embeddings("d", d, (2,), "[total_d_tokens, dim]", allow_float64, quantized)
+        quantize_q = False
+        if quantized:
+            q_scale, d_scale, quantize_q = check_quantized(q, d, q_scale, d_scale, q_name="q", d_name="d")
+        _check_matching(d, "d", q, "q", quantize_q)
         cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
         cu_d = check_cu_seqlens("cu_seqlens_d", cu_seqlens_d, q.device)
         if cu_q.numel() != cu_d.numel():
@@ -205,16 +230,22 @@ class PackedInputs:
             stats = torch.cat([cu_seqlens_stats(cu_seqlens_q), cu_seqlens_stats(cu_seqlens_d)]).tolist()
             max_seqlen_q = check_cu_seqlens_values("cu_seqlens_q", stats[:4], q.shape[0])
             check_cu_seqlens_values("cu_seqlens_d", stats[4:], d.shape[0])
-        return cls(q, d, cu_q, cu_d, None, max_seqlen_q, False, check_values)
+        if quantize_q:  # last: every check has passed
+            q, q_scale = quantize_query(q, d.dtype)
+        return cls(q, d, cu_q, cu_d, None, max_seqlen_q, False, check_values, q_scale, d_scale)
 
     @classmethod
     def build_corpus(cls, Q, d, cu_seqlens_d, q_mask, max_seqlen_d, *, read_values: bool,
-                     allow_float64: bool) -> "PackedInputs":
+                     allow_float64: bool, q_scale=None, d_scale=None) -> "PackedInputs":
         """Validate :func:`lik.maxsim_packed`'s arguments; ``cu_seqlens_d``'s values are read and checked (one
         synchronisation) unless ``max_seqlen_d`` is given and ``read_values`` is False."""
-        Q = _check_embeddings("Q", Q, (2, 3), "[Lq, dim] or [Nq, Lq, dim]", allow_float64)
-        d = _check_embeddings("d", d, (2,), "[total_d_tokens, dim]", allow_float64)
-        check_matches("d", d, "Q", Q)
+        quantized = _is_quantized(Q, d, q_scale, d_scale)
+        Q = _check_embeddings("Q", Q, (2, 3), "[Lq, dim] or [Nq, Lq, dim]", allow_float64, quantized)
+        d = _check_embeddings("d", d, (2,), "[total_d_tokens, dim]", allow_float64, quantized)
+        quantize_q = False
+        if quantized:
+            q_scale, d_scale, quantize_q = check_quantized(Q, d, q_scale, d_scale, q_name="Q", d_name="d")
+        _check_matching(d, "d", Q, "Q", quantize_q)
         cu_d = check_cu_seqlens("cu_seqlens_d", cu_seqlens_d, Q.device)
         check_values = _check_hint("max_seqlen_d", max_seqlen_d) is None or read_values
         q_mask = check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), Q.device)
@@ -224,7 +255,11 @@ class PackedInputs:
             q_mask = q_mask.unsqueeze(0)
         if check_values:
             check_cu_seqlens_values("cu_seqlens_d", cu_seqlens_stats(cu_seqlens_d).tolist(), d.shape[0])
-        return cls(q, d, None, cu_d, q_mask, q.shape[1], squeeze, check_values)
+        if quantize_q:  # last: every check has passed
+            q, q_scale = quantize_query(q, d.dtype)
+        elif q_scale is not None and squeeze:
+            q_scale = q_scale.unsqueeze(0)
+        return cls(q, d, None, cu_d, q_mask, q.shape[1], squeeze, check_values, q_scale, d_scale)
 
     def finish(self, scores: torch.Tensor) -> torch.Tensor:
         """Corpus scores ``[Nq, B]`` shaped the way ``Q`` was passed (pairs: ``[N]`` unchanged)."""

@@ -96,6 +96,8 @@ def maxsim_reference(
     *,
     mask_mode: str = "exclude",
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    q_scale: torch.Tensor | None = None,
+    d_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MaxSim in plain PyTorch, with the semantics and shapes of :func:`lik.maxsim`.
 
@@ -106,6 +108,8 @@ def maxsim_reference(
         d_mask: optional bool ``[B, Ld]`` / ``[Nq, B, Ld]``.
         mask_mode: ``"exclude"`` or ``"zero"`` (see docs/design.md).
         budget_bytes: most bytes of similarities held at once.
+        q_scale, d_scale: 8-bit inputs, as in :func:`lik.maxsim` (the same arithmetic: int8 scores equal the
+            kernels' up to the fp32 order of the sum over query tokens).
 
     Returns:
         ``[B]`` for 2-D ``Q`` else ``[Nq, B]``; float32, or float64 for float64 inputs.
@@ -115,5 +119,5 @@ def maxsim_reference(
         >>> maxsim_reference(Q, D).shape
         torch.Size([10])
     """
-    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True)
+    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True, q_scale=q_scale, d_scale=d_scale)
     return inputs.finish(maxsim_reference_canonical(inputs, budget_bytes))

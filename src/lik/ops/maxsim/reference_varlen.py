@@ -21,21 +21,31 @@ def packed_reference(inputs: PackedInputs) -> torch.Tensor:
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     d_bounds = inputs.cu_d.tolist()
     docs = [d[start:stop] for start, stop in zip(d_bounds[:-1], d_bounds[1:])]
+    quantized = inputs.d_scale is not None
+    # 8-bit rows carry their scales along (sliced like the rows); float rows pass None.
+    d_scales = [inputs.d_scale[start:stop].unsqueeze(0) if quantized else None
+                for start, stop in zip(d_bounds[:-1], d_bounds[1:])]
     if inputs.pairs:
         q_bounds = inputs.cu_q.tolist()
         queries = [q[start:stop] for start, stop in zip(q_bounds[:-1], q_bounds[1:])]
-        scores = [maxsim_reference(qi, di.unsqueeze(0)) for qi, di in zip(queries, docs)]
+        q_scales = [inputs.q_scale[start:stop] if quantized else None for start, stop in zip(q_bounds[:-1], q_bounds[1:])]
+        scores = [maxsim_reference(qi, di.unsqueeze(0), q_scale=qs, d_scale=ds)
+                  for qi, di, qs, ds in zip(queries, docs, q_scales, d_scales)]
         out_shape = (len(docs),)
     else:
-        scores = [maxsim_reference(q, di.unsqueeze(0), inputs.q_mask) for di in docs]  # each [Nq, 1]
+        scores = [maxsim_reference(q, di.unsqueeze(0), inputs.q_mask, q_scale=inputs.q_scale, d_scale=ds)
+                  for di, ds in zip(docs, d_scales)]  # each [Nq, 1]
         out_shape = (q.shape[0], len(docs))
     if not docs:  # no sequence at all: an empty result still connected to autograd (zero gradients)
+        if quantized:  # inference only
+            return torch.zeros(out_shape, dtype=torch.float32, device=q.device)
         return (q.sum() * 0 + d.sum() * 0) + torch.zeros(out_shape, dtype=acc, device=q.device)
     return torch.cat(scores, dim=-1)
 
 
 def maxsim_varlen_reference(
-    q: torch.Tensor, d: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_d: torch.Tensor
+    q: torch.Tensor, d: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_d: torch.Tensor,
+    *, q_scale: torch.Tensor | None = None, d_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores of packed ``(query i, document i)`` pairs, looped through :func:`maxsim_reference`.
 
@@ -55,13 +65,15 @@ def maxsim_varlen_reference(
         torch.Size([2])
     """
     inputs = PackedInputs.build_pairs(
-        q, d, cu_seqlens_q, cu_seqlens_d, None, None, read_values=True, allow_float64=True
+        q, d, cu_seqlens_q, cu_seqlens_d, None, None, read_values=True, allow_float64=True,
+        q_scale=q_scale, d_scale=d_scale,
     )
     return packed_reference(inputs)
 
 
 def maxsim_packed_reference(
-    Q: torch.Tensor, d: torch.Tensor, cu_seqlens_d: torch.Tensor, q_mask: torch.Tensor | None = None
+    Q: torch.Tensor, d: torch.Tensor, cu_seqlens_d: torch.Tensor, q_mask: torch.Tensor | None = None,
+    *, q_scale: torch.Tensor | None = None, d_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Queries against a packed corpus, looped over documents through :func:`maxsim_reference`.
 
@@ -78,5 +90,6 @@ def maxsim_packed_reference(
         >>> maxsim_packed_reference(torch.randn(4, 16), d, cu_d).shape
         torch.Size([2])
     """
-    inputs = PackedInputs.build_corpus(Q, d, cu_seqlens_d, q_mask, None, read_values=True, allow_float64=True)
+    inputs = PackedInputs.build_corpus(Q, d, cu_seqlens_d, q_mask, None, read_values=True, allow_float64=True,
+                                       q_scale=q_scale, d_scale=d_scale)
     return inputs.finish(packed_reference(inputs))

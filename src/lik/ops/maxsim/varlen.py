@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .forward import maxsim_fwd_kernel
-from .function import resolve_backward, uses_kernels
+from .function import resolve_backward, scorer_uses_kernels
 from .packed_backward import maxsim_varlen_bwd_dd_owned_kernel, maxsim_varlen_bwd_tokens_kernel
 from .packed_function import MaxSimPackedFunction, packed_route
 from .packing import PackedInputs
@@ -39,6 +39,8 @@ maxsim_varlen_fwd_kernel = maxsim_fwd_kernel
 
 
 def _needs_grad(inputs: PackedInputs) -> bool:
+    if inputs.d_scale is not None:  # 8-bit: inference only (validated)
+        return False
     return torch.is_grad_enabled() and (inputs.q.requires_grad or inputs.d.requires_grad)
 
 
@@ -51,6 +53,8 @@ def maxsim_varlen(
     max_seqlen_d: int | None = None,
     *,
     backward: str = "auto",
+    q_scale: torch.Tensor | None = None,
+    d_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MaxSim of ``N`` packed ``(query i, document i)`` pairs (FlashAttention varlen layout), no padding.
 
@@ -68,6 +72,9 @@ def maxsim_varlen(
             A ``max_seqlen_q`` below the truth is still exact, only slower (it sizes the launch grid).
         backward: ``"auto"`` (deterministic when ``torch.are_deterministic_algorithms_enabled()``), ``"fast"``
             (fp32 atomics for the document gradient) or ``"deterministic"`` (bitwise repeatable).
+        q_scale, d_scale: 8-bit inputs (inference only), as in :func:`lik.maxsim`: ``d`` int8 / float8_e4m3fn
+            with fp32 ``d_scale [total_d_tokens]``; ``q`` of the same dtype with ``q_scale [total_q_tokens]``, or
+            float (quantized per token to ``d``'s dtype).
 
     Returns:
         float32 ``[N]`` (float64 for float64 inputs). Gradients flow to ``q`` and ``d`` in their dtype.
@@ -81,9 +88,10 @@ def maxsim_varlen(
         torch.Size([2])
     """
     deterministic = resolve_backward(backward)
-    kernels = isinstance(q, torch.Tensor) and uses_kernels(q)
+    kernels = scorer_uses_kernels(q, d)
     inputs = PackedInputs.build_pairs(
-        q, d, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, read_values=not kernels, allow_float64=True
+        q, d, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, read_values=not kernels, allow_float64=True,
+        q_scale=q_scale, d_scale=d_scale,
     )
     return packed_route(kernels, _needs_grad(inputs), inputs, deterministic)
 
@@ -96,6 +104,8 @@ def maxsim_packed(
     max_seqlen_d: int | None = None,
     *,
     backward: str = "auto",
+    q_scale: torch.Tensor | None = None,
+    d_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MaxSim of dense queries against every document of a packed (ragged, unpadded) corpus.
 
@@ -109,6 +119,9 @@ def maxsim_packed(
             the ``cu_seqlens_d`` values are not checked (bad values give wrong scores, never an out-of-bounds
             access); omitted, they are read once and checked.
         backward: ``"auto"``, ``"fast"`` or ``"deterministic"``, as in :func:`lik.maxsim`.
+        q_scale, d_scale: 8-bit inputs (inference only), as in :func:`lik.maxsim`: ``d`` int8 / float8_e4m3fn
+            with fp32 ``d_scale [total_d_tokens]``; ``Q`` of the same dtype with ``q_scale`` (``Q.shape[:-1]``),
+            or float (quantized per token to ``d``'s dtype).
 
     Returns:
         float32 ``[B]`` for 2-D ``Q``, ``[Nq, B]`` for 3-D (float64 for float64 inputs); an empty document
@@ -122,8 +135,9 @@ def maxsim_packed(
         torch.Size([3])
     """
     deterministic = resolve_backward(backward)
-    kernels = isinstance(Q, torch.Tensor) and uses_kernels(Q)
+    kernels = scorer_uses_kernels(Q, d)
     inputs = PackedInputs.build_corpus(
-        Q, d, cu_seqlens_d, q_mask, max_seqlen_d, read_values=not kernels, allow_float64=True
+        Q, d, cu_seqlens_d, q_mask, max_seqlen_d, read_values=not kernels, allow_float64=True,
+        q_scale=q_scale, d_scale=d_scale,
     )
     return inputs.finish(packed_route(kernels, _needs_grad(inputs), inputs, deterministic))
