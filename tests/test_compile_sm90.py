@@ -28,7 +28,7 @@ triton_interpreter = pytest.importorskip("triton.runtime.interpreter")
 _DTYPES = {
     torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
     torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
-    torch.bool: "i1",
+    torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
 }
 _OPTIONS = ("num_warps", "num_stages")
 
@@ -177,9 +177,45 @@ def _quantize_workload():
         lik.quantize(torch.randn(5, dim, generator=gen), torch.int8)
 
 
+def _quantized_workload():
+    """8-bit corpora. The launchers are called directly: CPU float8 scoring runs the reference (the interpreter's
+    float8 conversion is unreliable), and here launches are only recorded, never run."""
+    from lik.ops.maxsim.forward import maxsim_forward
+    from lik.ops.maxsim.packed_forward import packed_forward
+    from lik.ops.maxsim.packing import PackedInputs
+    from lik.ops.maxsim.validation import MaxSimInputs
+
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        for n_q, l_q, n_docs, l_d, dim, per_query in [(2, 32, 3, 70, 128, False), (32, 32, 3, 70, 128, False),
+                                                     (1, 32, 2, 600, 128, False), (1, 300, 2, 65, 128, False),
+                                                     (2, 20, 2, 40, 96, True), (1, 8, 2, 30, 16, False),
+                                                     (1, 300, 2, 65, 1000, False), (4, 32, 2, 40, 4096, False)]:
+            Q = torch.randn(n_q, l_q, dim, generator=gen)
+            D, d_scale = lik.quantize(torch.randn(((n_q,) if per_query else ()) + (n_docs, l_d, dim), generator=gen),
+                                      dtype)
+            q_mask = torch.rand(n_q, l_q, generator=gen) > 0.2
+            d_mask = torch.rand(D.shape[:-1], generator=gen) > 0.2
+            maxsim_forward(MaxSimInputs.build(Q, D, d_scale=d_scale), store_argmax=False)
+            inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, "zero", d_scale=d_scale)
+            maxsim_forward(inputs, store_argmax=False)
+        lengths_q, cu_q = [5, 33, 1], torch.tensor([0, 5, 38, 39], dtype=torch.int32)
+        cu_d = torch.tensor([0, 40, 40, 110], dtype=torch.int32)
+        for dim in (128, 768):
+            q = torch.randn(sum(lengths_q), dim, generator=gen)
+            d, d_scale = lik.quantize(torch.randn(110, dim, generator=gen), dtype)
+            Q = torch.randn(2, 32, dim, generator=gen)
+            pairs = PackedInputs.build_pairs(q, d, cu_q, cu_d, 33, 70, read_values=False, allow_float64=False,
+                                             d_scale=d_scale)
+            packed_forward(pairs, store_argmax=False)
+            corpus = PackedInputs.build_corpus(Q, d, cu_d, None, 70, read_values=False, allow_float64=False,
+                                               d_scale=d_scale)
+            packed_forward(corpus, store_argmax=False)
+
+
 WORKLOADS = {
     "maxsim": _maxsim_workload, "varlen": _varlen_workload, "msda": _msda_workload, "chamfer": _chamfer_workload,
-    "quantize": _quantize_workload,
+    "quantize": _quantize_workload, "quantized": _quantized_workload,
 }
 
 

@@ -44,17 +44,22 @@ def loader_chunks(block_k: int, num_k: int, loader: int) -> tuple[int, int]:
 @triton.jit
 def zero_similarity(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOADER: tl.constexpr):
     """An empty accumulator of a streamed tile: int32 for int8 rows (exact), fp32 otherwise."""
+    # (if / else, not an early return: the compiler types every return statement it reaches)
     if LOADER == INT8:
-        return tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
-    return tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        sim = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+    else:
+        sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    return sim
 
 
 @triton.jit
 def reset_similarity(sim, reset, LOADER: tl.constexpr):
     """``sim`` zeroed where ``reset`` (the streamed-k loop starting its next tile), in its own dtype."""
     if LOADER == INT8:
-        return tl.where(reset, 0, sim)
-    return tl.where(reset, 0.0, sim)
+        sim = tl.where(reset, 0, sim)
+    else:
+        sim = tl.where(reset, 0.0, sim)
+    return sim
 
 
 @triton.jit
@@ -63,15 +68,17 @@ def row_scales(scale_ptrs, valid, LOADER: tl.constexpr):
 
     Unused (and never loaded) for float rows."""
     if LOADER == FLOAT:
-        return tl.zeros(valid.shape, tl.float32)
-    return tl.load(scale_ptrs, mask=valid, other=0.0)
+        scales = tl.zeros(valid.shape, tl.float32)
+    else:
+        scales = tl.load(scale_ptrs, mask=valid, other=0.0)
+    return scales
 
 
 @triton.jit
 def scale_similarity(sim, q_scale, col_scale_ptrs, col_valid, LOADER: tl.constexpr):
     """The 8-bit loader's step after the product: ``(float32(sim) * q_scale[i]) * d_scale[t]``. A column that is
     not ``col_valid`` gets scale 0 (a masked column's products are 0 already). Float tiles pass through."""
-    if LOADER == FLOAT:
-        return sim
-    col_scale = tl.load(col_scale_ptrs, mask=col_valid, other=0.0)
-    return (sim.to(tl.float32) * q_scale[:, None]) * col_scale[None, :]
+    if LOADER != FLOAT:
+        col_scale = tl.load(col_scale_ptrs, mask=col_valid, other=0.0)
+        sim = (sim.to(tl.float32) * q_scale[:, None]) * col_scale[None, :]
+    return sim

@@ -96,8 +96,10 @@ def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOA
     """``a @ b (+ acc)`` on the tensor cores. float8 asks for every partial product to be added in fp32 (Hopper's
     default lets the fp8 accumulator run at reduced precision over the whole ``k``); int8 accumulates in int32."""
     if LOADER == FP8:
-        return tl.dot(a, b, acc, max_num_imprecise_acc=0)
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        product = tl.dot(a, b, acc, max_num_imprecise_acc=0)
+    else:
+        product = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return product
 
 
 @triton.jit
