@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "FLOAT", "INT8", "FP8", "loader_of", "loader_chunks", "zero_similarity", "scale_similarity", "row_scales", "reset_similarity",
+    "FLOAT", "INT8", "FP8", "MIN_8BIT_BLOCK_K", "loader_of", "loader_chunks", "zero_similarity", "scale_similarity",
+    "row_scales", "reset_similarity",
 ]
 
 FLOAT = tl.constexpr(0)  # fp16 / bf16 / fp32 rows, no scales

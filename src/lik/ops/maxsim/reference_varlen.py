@@ -28,7 +28,8 @@ def packed_reference(inputs: PackedInputs) -> torch.Tensor:
     if inputs.pairs:
         q_bounds = inputs.cu_q.tolist()
         queries = [q[start:stop] for start, stop in zip(q_bounds[:-1], q_bounds[1:])]
-        q_scales = [inputs.q_scale[start:stop] if quantized else None for start, stop in zip(q_bounds[:-1], q_bounds[1:])]
+        q_scales = [inputs.q_scale[start:stop] if quantized else None
+                    for start, stop in zip(q_bounds[:-1], q_bounds[1:])]
         scores = [maxsim_reference(qi, di.unsqueeze(0), q_scale=qs, d_scale=ds)
                   for qi, di, qs, ds in zip(queries, docs, q_scales, d_scales)]
         out_shape = (len(docs),)

@@ -105,12 +105,11 @@ def check_quantized(Q, D, q_scale, d_scale, *, q_name: str = "Q", d_name: str = 
                 f"{q_name} is {Q.dtype} but {d_name} is {D.dtype}: 8-bit queries score 8-bit documents of the same "
                 f"dtype (quantize {d_name} with lik.quantize, or pass a float {q_name})"
             )
-        for name, scale in (("q_scale", q_scale), ("d_scale", d_scale)):
+        for name, scale, rows_name, rows in (("q_scale", q_scale, q_name, Q), ("d_scale", d_scale, d_name, D)):
             if scale is not None:
-                rows = q_name if name == "q_scale" else d_name
-                raise ValueError(f"{name} is only for an 8-bit {rows} (int8 or float8_e4m3fn), got {rows} {D.dtype}"
-                                 if rows == d_name else
-                                 f"{name} is only for an 8-bit {rows} (int8 or float8_e4m3fn), got {rows} {Q.dtype}")
+                raise ValueError(
+                    f"{name} is only for an 8-bit {rows_name} (int8 or float8_e4m3fn), got {rows_name} {rows.dtype}"
+                )
         return None, None, False
     if Q.dtype in QUANTIZED_DTYPES and Q.dtype != D.dtype:
         raise TypeError(
