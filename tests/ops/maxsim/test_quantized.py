@@ -371,3 +371,16 @@ def test_fp8_on_a_gpu_without_fp8_names_the_argument_and_the_alternative(monkeyp
         check_fp8_supported(torch.device("cuda", 0), "D")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_fp8_supported(torch.device("cuda", 0), "D")
+
+
+def test_torch_compile_traces_8bit_scoring_as_one_graph(rng):
+    """Under ``torch.compile`` the 8-bit launch is the same custom operator (scales as optional tensors)."""
+    Q_q, q_scale = lik.quantize(torch.randn(2, 5, 32, generator=rng), INT8)
+    D_q, d_scale = lik.quantize(torch.randn(3, 7, 32, generator=rng), INT8)
+    d_mask = torch.rand(3, 7, generator=rng) > 0.3
+    compiled = torch.compile(
+        lambda q, d, qs, ds: lik.maxsim(q, d, None, d_mask, q_scale=qs, d_scale=ds), backend="aot_eager",
+        fullgraph=True,
+    )
+    assert torch.equal(compiled(Q_q, D_q, q_scale, d_scale), lik.maxsim(Q_q, D_q, None, d_mask, q_scale=q_scale,
+                                                                         d_scale=d_scale))
