@@ -21,9 +21,14 @@ __all__ = [
     "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
     "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys", "nan_winner_keys",
     "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
+    "FP8_PROMOTION_K",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
+# float8 products: partial sums promoted to fp32 after every 32-deep tensor-core instruction (wgmma k = 32). Hopper's
+# default keeps the fp8 accumulator at reduced precision over the whole k; 0 would fall back to fp16 mma.sync
+# (offline sm_90 PTX: wgmma + add.f32 per instruction with 32, no wgmma with 0).
+FP8_PROMOTION_K = tl.constexpr(32)
 # The running reduction of the tile loop, a constexpr flag passed down from the kernel: MaxSim's NaN-propagating
 # max with the lowest winning token (absorb_tile). A new reduction (Chamfer's min of L2 distance) adds a value here
 # and its fold in reduce_tile, with the same winner-key convention; the loop and its callers pass the flag through.
@@ -93,10 +98,10 @@ def store_group_sums(
 
 @triton.jit
 def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOAT):
-    """``a @ b (+ acc)`` on the tensor cores. float8 asks for every partial product to be added in fp32 (Hopper's
-    default lets the fp8 accumulator run at reduced precision over the whole ``k``); int8 accumulates in int32."""
+    """``a @ b (+ acc)`` on the tensor cores. float8 promotes each instruction's partial sums to fp32
+    (:data:`FP8_PROMOTION_K`); int8 accumulates in int32 (exact)."""
     if LOADER == FP8:
-        product = tl.dot(a, b, acc, max_num_imprecise_acc=0)
+        product = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTION_K)
     else:
         product = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return product
