@@ -29,7 +29,7 @@ from .validation import MaxSimInputs
 
 __all__ = [
     "maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "maxsim_forward", "dot_precision",
-    "set_strides", "scale_args",
+    "set_strides", "scale_pointers",
 ]
 
 # Lengths, counts and the strides that follow them are not specialised on (Triton would otherwise compile a new
@@ -40,7 +40,6 @@ __all__ = [
 _RUNTIME_INTS = [
     "n_queries", "q_len", "n_docs", "doc_len", "n_q_rows", "n_d_rows", "n_chunks", "n_row_blocks", "doc_programs",
     "stride_qmn", "stride_dmn", "stride_dmb", "stride_pc", "stride_pn", "stride_an", "stride_ab",
-    "stride_qsn", "stride_dsn", "stride_dsb",
 ]
 
 
@@ -147,8 +146,8 @@ def maxsim_fwd_kernel(
     cu_d_ptr,  # int32 [B + 1] (PACKED, PAIRS) or unused
     partial_ptr,  # fp32 [n_chunks, Nq, B] ([n_row_blocks, 1, N] for PAIRS)
     argmax_ptr,  # int16 / int32 [Nq, B, Lq] (int32 absolute packed rows: PACKED [Nq, B, Lq], PAIRS [Tq])
-    q_scale_ptr,  # fp32 per-row scales of 8-bit queries ([Nq, Lq]; PAIRS [Tq]), unused for float rows
-    d_scale_ptr,  # fp32 per-row scales of 8-bit documents ([n_sets, B, Ld]; packed [Td]), unused for float rows
+    q_scale_ptr,  # fp32 contiguous per-row scales of 8-bit queries ([Nq, Lq]; PAIRS [Tq]); unused for float rows
+    d_scale_ptr,  # fp32 contiguous scales of 8-bit documents ([n_sets, B, Ld]; packed [Td]); unused for float rows
     n_queries,
     q_len,
     n_docs,
@@ -164,8 +163,6 @@ def maxsim_fwd_kernel(
     stride_dmn, stride_dmb, stride_dml,
     stride_pc, stride_pn, stride_pb,
     stride_an, stride_ab, stride_al,
-    stride_qsn, stride_qsl,
-    stride_dsn, stride_dsb, stride_dsl,
     DIM: tl.constexpr,
     GROUP_ROWS: tl.constexpr,
     GROUPS: tl.constexpr,
@@ -190,7 +187,7 @@ def maxsim_fwd_kernel(
         score_pairs(
             q_ptr, d_ptr, cu_q_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, pid // n_row_blocks, n_row_blocks,
             n_q_rows, n_d_rows, stride_ql, stride_qk, stride_dl, stride_dk, stride_pc, stride_pb, stride_al,
-            q_scale_ptr, d_scale_ptr, stride_qsl, stride_dsl,
+            q_scale_ptr, d_scale_ptr,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION, REDUCTION, LOADER,
         )
     else:
@@ -199,7 +196,7 @@ def maxsim_fwd_kernel(
             n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, n_row_blocks, doc_programs,
             stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
             stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
-            q_scale_ptr, d_scale_ptr, stride_qsn, stride_qsl, stride_dsn, stride_dsb, stride_dsl,
+            q_scale_ptr, d_scale_ptr,
             DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_Q_MASK, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
             DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER,
         )
@@ -211,7 +208,7 @@ def score_documents(
     n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, n_row_blocks, doc_programs,
     stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
     stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
-    q_scale_ptr, d_scale_ptr, stride_qsn, stride_qsl, stride_dsn, stride_dsb, stride_dsl,
+    q_scale_ptr, d_scale_ptr,
     DIM: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_Q_MASK: tl.constexpr, HAS_D_MASK: tl.constexpr,
     EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
@@ -226,7 +223,11 @@ def score_documents(
         row_block, n_queries, q_len, n_chunks, q_mask_ptr, stride_qmn, stride_qml, GROUP_ROWS, GROUPS, HAS_Q_MASK,
     )
     q_row_ptrs = q_ptr + query * stride_qn + token * stride_ql
-    q_scale = row_scales(q_scale_ptr + query * stride_qsn + token * stride_qsl, row_valid, LOADER)
+    # 8-bit scales are contiguous (the launchers make them so), so their strides follow the shapes: the query's
+    # [Nq, Lq], the documents' [n_sets, B, Ld] (one set when shared: stride_dn == 0) or packed rows.
+    stride_dsb = doc_len
+    stride_dsl = 1
+    q_scale = row_scales(q_scale_ptr + query * q_len + token, row_valid, LOADER)
     offs_k = tl.arange(0, BLOCK_K)
     if NUM_K == 1:
         q_rows = tl.load(
@@ -242,7 +243,7 @@ def score_documents(
     doc_set = (row_block * GROUPS) // n_chunks
     doc_base = d_ptr + doc_set * stride_dn
     doc_mask_base = d_mask_ptr + doc_set * stride_dmn
-    doc_scale_base = d_scale_ptr + doc_set * stride_dsn
+    doc_scale_base = d_scale_ptr + tl.where(stride_dn == 0, 0, doc_set * n_docs * doc_len)
     # A program's documents share one length when padded; a packed program has one document (doc_programs ==
     # n_docs), so the flat loops below see one length either way.
     doc_ptr, doc_mask_ptr, length, row_offset = document_span(
@@ -391,14 +392,10 @@ def _mask_arg(mask: torch.Tensor | None, fallback: torch.Tensor, ndim: int):
     return mask.view(torch.uint8), mask.stride()
 
 
-def scale_args(q_scale: torch.Tensor | None, d_scale: torch.Tensor | None, fallback: torch.Tensor, d_scale_strides):
-    """The kernel's scale arguments: ``(q_scale, d_scale, *q_scale strides, *d_scale strides)``; float rows pass
-    ``fallback`` and zero strides (never read). ``d_scale_strides``: ``d_scale``'s strides as the kernel wants
-    them ((set, document, token) padded; (0, 0, row) packed)."""
-    if d_scale is None:
-        return (fallback, fallback, 0, 0, 0, 0, 0)
-    q_strides = q_scale.stride() if q_scale.dim() == 2 else (0, q_scale.stride(0))
-    return (q_scale, d_scale, *q_strides, *d_scale_strides)
+def scale_pointers(q_scale: torch.Tensor, d_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's two scale arguments of 8-bit rows, contiguous (the kernel derives their strides from the
+    shapes; a scale is 1/d of its rows' bytes, so a strided one is copied)."""
+    return q_scale.contiguous(), d_scale.contiguous()
 
 
 def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -432,8 +429,13 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     n_chunks = cdiv(l_q, cfg.group_rows)
     n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
     partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device)
-    loader = loader_of(d.dtype)
-    block_k, num_k = loader_chunks(*feature_chunks(dim, cfg.block_k), loader)
+    block_k, num_k = feature_chunks(dim, cfg.block_k)
+    d_scale, loader = inputs.d_scale, 0
+    scale_ptrs = (partial, partial)  # float rows: never read
+    if d_scale is not None:
+        loader = loader_of(d.dtype)
+        block_k, num_k = loader_chunks(block_k, num_k, loader)
+        scale_ptrs = scale_pointers(inputs.q_scale, d_scale)
     q_mask, q_mask_strides = _mask_arg(inputs.q_mask, q, 2)
     d_mask, d_mask_strides = _mask_arg(inputs.d_mask, d, 3)
     d_strides = set_strides(d)
@@ -442,13 +444,11 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
     doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
     grid = (n_row_blocks * doc_programs,)
-    d_scale = inputs.d_scale
-    scales = scale_args(inputs.q_scale, d_scale, partial, None if d_scale is None else set_strides(d_scale))
     launch(
         maxsim_fwd_kernel, grid,
-        q, d, q_mask, d_mask, partial, partial, partial, argmax_arg, *scales[:2],
+        q, d, q_mask, d_mask, partial, partial, partial, argmax_arg, *scale_ptrs,
         n_q, l_q, n_docs, l_d, 0, 0, n_chunks, n_row_blocks, doc_programs,
-        *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides, *scales[2:],
+        *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides,
         DIM=dim,
         GROUP_ROWS=cfg.group_rows,
         GROUPS=cfg.groups,

@@ -9,7 +9,7 @@ from ..._config import cdiv, feature_chunks, maxsim_varlen_config
 from ..._launch import launch
 from ...core.quantized import loader_chunks, loader_of
 from ...core.segments import PACKED, PAIRS
-from .forward import dot_precision, maxsim_fwd_kernel, scale_args
+from .forward import dot_precision, maxsim_fwd_kernel, scale_pointers
 from .packing import PackedInputs
 
 __all__ = ["packed_forward"]
@@ -59,14 +59,13 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
     q_mask = inputs.q_mask
     q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
-    d_scale = inputs.d_scale
-    scales = scale_args(inputs.q_scale, d_scale, partial, None if d_scale is None else (0, 0, d_scale.stride(0)))
+    scales = (partial, partial) if inputs.d_scale is None else scale_pointers(inputs.q_scale, inputs.d_scale)
     launch(
         maxsim_fwd_kernel, (n_row_blocks * n_docs,),
         q, d, q_mask_arg, d, inputs.cu_q if inputs.pairs else inputs.cu_d, inputs.cu_d, partial,
-        argmax if argmax is not None else partial, *scales[:2],
+        argmax if argmax is not None else partial, *scales,
         n_q, l_q, n_docs, 0, q.shape[0] if inputs.pairs else 0, d.shape[0], n_chunks, n_row_blocks, n_docs,
-        *q_strides, 0, 0, *d.stride(), *q_mask_strides, 0, 0, 0, *partial.stride(), *argmax_strides, *scales[2:],
+        *q_strides, 0, 0, *d.stride(), *q_mask_strides, 0, 0, 0, *partial.stride(), *argmax_strides,
         DIM=dim,
         GROUP_ROWS=cfg.group_rows,
         GROUPS=1 if inputs.pairs else cfg.groups,

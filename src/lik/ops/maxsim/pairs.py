@@ -22,7 +22,7 @@ __all__ = ["score_pairs"]
 def score_pairs(
     q_ptr, d_ptr, cu_q_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, pair, n_row_blocks, n_q_rows, n_d_rows,
     stride_ql, stride_qk, stride_dl, stride_dk, stride_pc, stride_pb, stride_al,
-    q_scale_ptr, d_scale_ptr, stride_qsl, stride_dsl,
+    q_scale_ptr, d_scale_ptr,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr, LOADER: tl.constexpr,
 ):
@@ -37,7 +37,7 @@ def score_pairs(
         in_range = first + rows < pair_len
         token = q_start + first + rows
         q_row_ptrs = q_ptr + token * stride_ql
-        q_scale = row_scales(q_scale_ptr + token * stride_qsl, in_range, LOADER)
+        q_scale = row_scales(q_scale_ptr + token, in_range, LOADER)  # contiguous [Tq]
         if NUM_K == 1:
             q_rows = tl.load(
                 q_row_ptrs[:, None] + offs_k[None, :] * stride_qk,
@@ -50,7 +50,7 @@ def score_pairs(
         # document has no valid token and scores 0).
         best, key, n_valid = maxsim_doc_rows(
             q_rows, q_row_ptrs, in_range, stride_qk, d_ptr + doc_start * stride_dl, d_ptr, doc_len, stride_dl,
-            stride_dk, 0, q_scale, d_scale_ptr + doc_start * stride_dsl, stride_dsl,
+            stride_dk, 0, q_scale, d_scale_ptr + doc_start, 1,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, True, STORE_ARGMAX, DOT_PRECISION, REDUCTION, LOADER,
         )
         counted = counted_rows(in_range, n_valid, True)

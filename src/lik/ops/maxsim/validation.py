@@ -179,23 +179,27 @@ class MaxSimInputs:
     ) -> "MaxSimInputs":
         Q = _check_tensor("Q", Q)
         D = _check_tensor("D", D)
-        quantized = D.dtype in QUANTIZED_DTYPES or Q.dtype in QUANTIZED_DTYPES
-        quantize_q = False
-        if quantized or q_scale is not None or d_scale is not None:
-            # Shapes first (an error then names the shape, not a scale), then the 8-bit checks.
-            cls._check_ranks(Q, D)
-            q_scale, d_scale, quantize_q = check_quantized(Q, D, q_scale, d_scale)
+        # One test on the float path's host time; the 8-bit checks live in check_quantized.
+        eight_bit = q_scale is not None or d_scale is not None or D.dtype in QUANTIZED_DTYPES or (
+            Q.dtype in QUANTIZED_DTYPES
+        )
         if mask_mode not in MASK_MODES:
             raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {mask_mode!r}")
-        cls._check_ranks(Q, D)
-        allowed = KERNEL_DTYPES + ((torch.float64,) if allow_float64 or quantize_q else ())
-        allowed += (D.dtype,) if quantized else ()
-        if Q.dtype not in allowed:
-            raise TypeError(f"Q must have dtype in {[str(t) for t in allowed]}, got {Q.dtype}")
-        if quantize_q:  # the dtypes differ by design (Q is quantized below); the devices were checked
-            if D.shape[-1] != Q.shape[-1]:
+        if Q.dim() not in (2, 3):
+            raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {list(Q.shape)}")
+        if D.dim() not in (3, 4):
+            raise ValueError(f"D must be [B, Ld, d] or [Nq, B, Ld, d], got shape {list(D.shape)}")
+        quantize_q = False
+        if eight_bit:
+            q_scale, d_scale, quantize_q = check_quantized(Q, D, q_scale, d_scale)
+            if not quantize_q:
+                check_matches("D", D, "Q", Q)
+            elif D.shape[-1] != Q.shape[-1]:  # Q is quantized to D's dtype below; the devices were checked
                 raise ValueError(f"D has embedding dim {D.shape[-1]} but Q has {Q.shape[-1]}")
         else:
+            allowed = KERNEL_DTYPES + ((torch.float64,) if allow_float64 else ())
+            if Q.dtype not in allowed:
+                raise TypeError(f"Q must have dtype in {[str(t) for t in allowed]}, got {Q.dtype}")
             check_matches("D", D, "Q", Q)
         check_width("Q", Q)
 
@@ -218,20 +222,15 @@ class MaxSimInputs:
             q_mask = q_mask.unsqueeze(0)
         if d_mask is not None and not per_query:
             d_mask = d_mask.unsqueeze(0)
+        if not eight_bit:
+            return cls(q, d, q_mask, d_mask, mask_mode, squeeze, per_query)
         if quantize_q:  # last: every check has passed
             q, q_scale = quantize_query(q, d.dtype)
-        elif q_scale is not None and squeeze:
+        elif squeeze:
             q_scale = q_scale.unsqueeze(0)
-        if d_scale is not None and not per_query:
+        if not per_query:
             d_scale = d_scale.unsqueeze(0)
         return cls(q, d, q_mask, d_mask, mask_mode, squeeze, per_query, q_scale, d_scale)
-
-    @staticmethod
-    def _check_ranks(Q: torch.Tensor, D: torch.Tensor) -> None:
-        if Q.dim() not in (2, 3):
-            raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d], got shape {list(Q.shape)}")
-        if D.dim() not in (3, 4):
-            raise ValueError(f"D must be [B, Ld, d] or [Nq, B, Ld, d], got shape {list(D.shape)}")
 
     def finish(self, scores: torch.Tensor) -> torch.Tensor:
         """Shape the canonical ``[Nq, B]`` result the way the caller passed ``Q``."""
