@@ -7,6 +7,7 @@ Public functions (see README.md for shapes and semantics):
 * :func:`lik.maxsim_varlen` / :func:`lik.maxsim_packed` -- packed variable-length MaxSim (ragged pairs, ragged
   corpora, no padding); :func:`lik.pack` / :func:`lik.unpack` build and split the packed layout.
 * :func:`lik.search` -- exact top-k MaxSim search over a corpus, in memory-bounded chunks.
+* :class:`lik.Index` -- a saved, sharded corpus searched exactly on the GPU, in host RAM, on disk or across GPUs.
 * :func:`lik.quantize` / :func:`lik.dequantize` -- per-row symmetric int8 / float8 storage of embeddings.
 * :func:`lik.warmup` -- compile the kernel variants given query shapes need, before serving.
 * :func:`lik.chamfer_distance` / :func:`lik.nearest_neighbors` -- Chamfer distance (PyTorch3D's contract) and
@@ -17,7 +18,7 @@ Public functions (see README.md for shapes and semantics):
 * :mod:`lik.integrations` -- lik inside PyLate, colpali-engine, sentence-transformers and transformers (one-line
   ``enable()`` switches) and the peer libraries' APIs; host libraries are imported only when used.
 
-Subpackages are named after what they hold (``lik.ops.maxsim``, ``lik.ops.msda``, ``lik.retrieval``), never
+Subpackages are named after what they hold (``lik.ops.maxsim``, ``lik.ops.msda``, ``lik.retrieval``, ``lik.index``), never
 after a public function, so ``lik.search`` is always the function.
 """
 
@@ -42,6 +43,7 @@ from .ops.msda import (
 from .ops.quantization import dequantize, quantize
 from .precompile import warmup
 from .retrieval import search
+from .index import Index
 
 __version__ = "0.1.0"
 
@@ -55,6 +57,7 @@ __all__ = [
     "pack",
     "unpack",
     "search",
+    "Index",
     "quantize",
     "dequantize",
     "warmup",

@@ -15,7 +15,7 @@ import torch
 from ..ops.maxsim import maxsim
 from ..ops.maxsim.validation import MaxSimInputs
 
-__all__ = ["search", "DEFAULT_BUDGET_BYTES"]
+__all__ = ["search", "merge_top_k", "DEFAULT_BUDGET_BYTES"]
 
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 
@@ -61,6 +61,26 @@ def _rank(scores: torch.Tensor, k: int) -> torch.Tensor:
     by_score = torch.where(is_nan, float("-inf"), scores).sort(dim=-1, descending=True, stable=True).indices
     nan_last = is_nan.gather(-1, by_score).to(torch.uint8).sort(dim=-1, stable=True).indices
     return by_score.gather(-1, nan_last)[:, :k]
+
+
+def merge_top_k(
+    best_scores: torch.Tensor,
+    best_ids: torch.Tensor,
+    new_scores: torch.Tensor,
+    new_ids: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold candidates ``[Nq, n]`` into a running top-k ``[Nq, m]``: the ``k`` best of both, in rank order.
+
+    The running best must be in rank order already and every id in it must be lower than every id of the new
+    candidates (true when a corpus is walked in id order, or per-rank results are concatenated in rank order):
+    then the stable :func:`_rank` of the concatenation breaks ties by lower id. Runs on the tensors' device,
+    with no host synchronisation.
+    """
+    candidates = torch.cat([best_scores, new_scores], dim=1)
+    candidate_ids = torch.cat([best_ids, new_ids], dim=1)
+    keep = _rank(candidates, k)
+    return candidates.gather(1, keep), candidate_ids.gather(1, keep)
 
 
 @torch.no_grad()
@@ -141,11 +161,5 @@ def search(
             d_scale=None if corpus_scale is None else corpus_scale[start:stop],
         )
         chunk_indices = torch.arange(start, stop, device=corpus.device).expand(n_queries, -1)
-        # The running best come first, already in rank order and with indices below every index of this
-        # chunk, so a stable rank of the concatenation breaks ties by document index.
-        candidates = torch.cat([best_scores, chunk_scores], dim=1)
-        candidate_indices = torch.cat([best_indices, chunk_indices], dim=1)
-        keep = _rank(candidates, k)
-        best_scores = candidates.gather(1, keep)
-        best_indices = candidate_indices.gather(1, keep)
+        best_scores, best_indices = merge_top_k(best_scores, best_indices, chunk_scores, chunk_indices, k)
     return inputs.finish(best_scores), inputs.finish(best_indices)

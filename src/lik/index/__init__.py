@@ -1,0 +1,10 @@
+"""``lik.Index``: exact MaxSim search over packed corpora on the GPU, in host RAM, on disk and across GPUs.
+
+Files by role: ``format`` (manifest, shards, checksums, atomic writes), ``placement`` (where chunks come from and
+how they reach the device), ``search`` (chunked top-k), ``distributed`` (merging ranks' top-k), ``index`` (the
+class).
+"""
+
+from .index import Index
+
+__all__ = ["Index"]

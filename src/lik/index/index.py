@@ -1,0 +1,351 @@
+"""``lik.Index``: a ragged packed corpus, saved as safetensors shards, searched exactly where it lives."""
+
+from __future__ import annotations
+
+import operator
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ..ops.quantization import quantize
+from .distributed import gather_top_k
+from .format import (
+    EIGHT_BIT,
+    MANIFEST_NAME,
+    Manifest,
+    Shard,
+    atomic_directory,
+    dtype_name,
+    open_shard,
+    read_manifest,
+    write_shard,
+)
+from .placement import PLACEMENTS, ResidentSource, StreamedSource, plan_chunks
+from .search import search_chunks, select_chunks
+
+__all__ = ["Index", "DEFAULT_SHARD_TOKENS", "DEFAULT_CHUNK_TOKENS"]
+
+DEFAULT_SHARD_TOKENS = 1 << 22  # tokens per shard file (1 GiB of fp16 at d = 128)
+DEFAULT_CHUNK_TOKENS = 1 << 20  # tokens scored per maxsim_packed call
+
+
+def _quiet(progress: bool | None) -> bool | None:
+    """tqdm's ``disable``: ``None`` (the default) shows bars on a terminal only."""
+    return None if progress is None else not progress
+
+
+def _prepare(doc, d: int | None, dtype: torch.dtype, number: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not isinstance(doc, torch.Tensor):
+        raise TypeError(f"docs[{number}] must be a torch.Tensor [L, d], got {type(doc).__name__}")
+    if doc.dim() != 2:
+        raise ValueError(f"docs[{number}] must be 2-D [L, d], got shape {list(doc.shape)}")
+    if d is not None and doc.shape[1] != d:
+        raise ValueError(f"docs[{number}] has d={doc.shape[1]}, the index has d={d}")
+    if not doc.is_floating_point() or doc.dtype in EIGHT_BIT:
+        raise TypeError(f"docs[{number}] must be a float tensor (fp16/bf16/fp32/fp64), got {doc.dtype}")
+    doc = doc.detach().cpu()
+    if dtype in EIGHT_BIT:
+        return quantize(doc, dtype)
+    return doc.to(dtype), None
+
+
+def _shards_from(docs: Iterable[torch.Tensor], d, dtype, shard_tokens: int, progress):
+    """Yield :class:`Shard` s of about ``shard_tokens`` tokens; never holds more than one shard's documents."""
+    pending, scales, lengths, count = [], [], [], 0
+    for number, doc in enumerate(tqdm(docs, desc="index documents", unit="doc", disable=_quiet(progress))):
+        tokens, scale = _prepare(doc, d, dtype, number)
+        d = tokens.shape[1]
+        pending.append(tokens)
+        scales.append(scale)
+        lengths.append(tokens.shape[0])
+        count += tokens.shape[0]
+        if count >= shard_tokens:
+            yield _pack(pending, scales, lengths, d, dtype)
+            pending, scales, lengths, count = [], [], [], 0
+    if pending:
+        yield _pack(pending, scales, lengths, d, dtype)
+
+
+def _pack(tokens, scales, lengths, d, dtype) -> Shard:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    packed = torch.cat(tokens) if tokens else torch.empty(0, d, dtype=dtype)
+    scale = torch.cat(scales) if dtype in EIGHT_BIT else None
+    return Shard(packed, cu, scale)
+
+
+def _as_int(value, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+
+
+def _free_host_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class Index:
+    """An exact MaxSim search index over ragged documents (ids ``0..len-1`` in insertion order).
+
+    Example:
+        >>> docs = [torch.randn(n, 128) for n in (300, 57, 0, 512)]
+        >>> index = lik.Index.build(docs, dtype=torch.int8)
+        >>> index.save("my-index")
+        >>> index = lik.Index.load("my-index", placement="auto")
+        >>> scores, ids = index.search(torch.randn(32, 128), k=2)      # fp32 [2], int64 [2]
+        >>> scores, ids = index.search(torch.randn(4, 32, 128), k=2, doc_ids=[0, 3])   # [4, 2] each
+
+    Several GPUs: in each process of a ``torch.distributed`` group, ``Index.load(path, shard=rank,
+    num_shards=world_size)``; ``search`` then merges the ranks' top-k with collectives and returns the same
+    global result on every rank.
+    """
+
+    def __init__(self, d: int, dtype: torch.dtype, segments=(), *, placement="host", device="cpu",
+                 first_id=0, total_docs=None, shard=0, num_shards=1, chunk_tokens=DEFAULT_CHUNK_TOKENS):
+        dtype_name(dtype)
+        self.d, self.dtype = int(d), dtype
+        self.segments = list(segments)
+        self.placement, self.device = placement, torch.device(device)
+        self.first_id, self.shard, self.num_shards = first_id, shard, num_shards
+        self.chunk_tokens = _as_int(chunk_tokens, "chunk_tokens")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
+        self._total_docs = total_docs
+        self._source = None
+
+    # ------------------------------------------------------------------ building and saving
+    @classmethod
+    def build(cls, docs: Iterable[torch.Tensor], *, dtype: torch.dtype = torch.float16, out=None,
+              shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool | None = None,
+              **load_options) -> "Index":
+        """An index of ``docs`` (a list or any iterable of ``[L_i, d]`` float tensors, ``L_i`` may be 0).
+
+        ``dtype``: float16 / bfloat16 / float32 (stored as is) or int8 / float8_e4m3fn (quantized per token
+        with :func:`lik.quantize`). With ``out``, shards are written to that directory as they fill (never
+        more than one shard in memory) and the saved index is loaded with ``load_options``; without, the index
+        is held in host memory.
+        """
+        dtype_name(dtype)
+        shard_tokens = _as_int(shard_tokens, "shard_tokens")
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+        if out is not None:
+            _write(Path(out), _shards_from(docs, None, dtype, shard_tokens, progress), dtype, overwrite, None)
+            return cls.load(out, **load_options)
+        segments = list(_shards_from(docs, None, dtype, shard_tokens, progress))
+        if not segments:
+            raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
+        return cls(segments[0].tokens.shape[1], dtype, segments, **load_options)
+
+    def add(self, docs: Iterable[torch.Tensor], *, progress: bool | None = None) -> "Index":
+        """Append ``docs`` (ids continue from ``len(self)``); returns ``self``."""
+        if self.num_shards > 1:
+            raise ValueError("add: this index is one shard of a distributed index; add to the full index and save")
+        for segment in _shards_from(docs, self.d, self.dtype, DEFAULT_SHARD_TOKENS, progress):
+            self.segments.append(self._place(segment, "host" if self.placement == "disk" else self.placement))
+        self._total_docs, self._source = None, None
+        return self
+
+    def save(self, path, *, overwrite: bool = False, progress: bool | None = None) -> None:
+        """Write the index to directory ``path`` (atomically: a temporary directory renamed when complete)."""
+        if self.num_shards > 1:
+            raise ValueError("save: this index is one shard of a distributed index")
+        cpu = (Shard(s.tokens.cpu(), s.cu_seqlens, None if s.scale is None else s.scale.cpu()) for s in self.segments)
+        _write(Path(path), cpu, self.dtype, overwrite, self.d, progress=progress)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path, *, placement: str = "auto", shard: int | None = None, num_shards: int | None = None,
+             device=None, verify: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> "Index":
+        """Open a saved index.
+
+        Args:
+            placement: ``"gpu"`` (resident on the device), ``"host"`` (pinned RAM, streamed to the GPU),
+                ``"disk"`` (memory-mapped, streamed through pinned buffers) or ``"auto"`` (the fastest that fits).
+            shard, num_shards: load only documents ``[N * shard // num_shards, N * (shard + 1) // num_shards)``
+                (one process per GPU: ``shard=rank, num_shards=world_size``).
+            device: where queries are scored (default: the current CUDA device, else CPU).
+            verify: check each shard's sha256 against the manifest.
+        """
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        shard, num_shards = _check_shard(shard, num_shards)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if placement == "gpu" and device.type != "cuda":
+            raise ValueError(f"placement='gpu' needs a CUDA device, got device={str(device)!r}")
+        directory = Path(path)
+        manifest = read_manifest(directory)
+        total = manifest.num_docs
+        lo, hi = total * shard // num_shards, total * (shard + 1) // num_shards
+        pieces, first = [], 0
+        for info in manifest.shards:
+            start, stop = max(lo, first), min(hi, first + info.num_docs)
+            if start < stop or (info.num_docs == 0 and verify):
+                piece = open_shard(directory, info, manifest, mmap=True, verify=verify)
+                if start < stop:
+                    pieces.append(piece.slice_docs(start - first, stop - first))
+            first += info.num_docs
+        if placement == "auto":
+            placement = _auto_placement(pieces, device)
+        index = cls(manifest.d, manifest.dtype, placement=placement, device=device, first_id=lo,
+                    total_docs=total, shard=shard, num_shards=num_shards, chunk_tokens=chunk_tokens)
+        index.segments = [index._place(p, placement) for p in pieces]
+        index.path = directory
+        return index
+
+    def _place(self, segment: Shard, placement: str) -> Shard:
+        if placement == "disk":
+            return segment
+        if placement == "gpu" or self.device.type != "cuda":
+            target = self.device if placement == "gpu" else "cpu"
+            move = lambda t: None if t is None else t.to(target).clone()  # noqa: E731 (clone: not a file map)
+        else:
+            move = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return Shard(move(segment.tokens), segment.cu_seqlens.clone(), move(segment.scale))
+
+    # ------------------------------------------------------------------ searching
+    def __len__(self) -> int:
+        """Documents in the whole index (all shards, also on a rank that holds one shard)."""
+        if self._total_docs is None:
+            self._total_docs = sum(s.num_docs for s in self.segments)
+        return self._total_docs
+
+    @property
+    def local_range(self) -> tuple[int, int]:
+        """Global ids ``[first, stop)`` this process holds."""
+        return self.first_id, self.first_id + sum(s.num_docs for s in self.segments)
+
+    def _chunk_source(self):
+        if self._source is None:
+            first_ids, first = [], self.first_id
+            for segment in self.segments:
+                first_ids.append(first)
+                first += segment.num_docs
+            plans = plan_chunks(self.segments, first_ids, self.chunk_tokens)
+            if self.device.type == "cuda" and self.placement in ("host", "disk"):
+                self._source = StreamedSource(self.segments, plans, self.device, staged=self.placement == "disk")
+            else:
+                self._source = ResidentSource(self.segments, plans, self.device)
+        return self._source
+
+    @torch.no_grad()
+    def search(self, Q: torch.Tensor, k: int, q_mask: torch.Tensor | None = None, *, doc_ids=None):
+        """Exact top-``k`` MaxSim search.
+
+        Args:
+            Q: ``[Lq, d]`` or ``[Nq, Lq, d]`` float queries (cast to a float index's dtype; quantized per token
+                for an 8-bit index).
+            k: results per query, ``0 <= k <= len(self)`` (or the number of ``doc_ids``).
+            q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real query tokens.
+            doc_ids: optional ids to restrict the search to (any order, duplicates ignored).
+
+        Returns:
+            ``(scores, ids)``: fp32 and int64, ``[k]`` for 2-D ``Q``, ``[Nq, k]`` for 3-D, on ``Q``'s device;
+            descending score, ties to the lower id, NaN last (as :func:`lik.search`).
+        """
+        if not isinstance(Q, torch.Tensor):
+            raise TypeError(f"Q must be a torch.Tensor, got {type(Q).__name__}")
+        if Q.dim() not in (2, 3) or Q.shape[-1] != self.d:
+            raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d] with d={self.d}, got shape {list(Q.shape)}")
+        if not Q.is_floating_point() or Q.dtype in EIGHT_BIT:
+            raise TypeError(f"Q must be a float tensor, got {Q.dtype}")
+        squeeze = Q.dim() == 2
+        Q3 = Q.unsqueeze(0) if squeeze else Q
+        if q_mask is not None:
+            if not isinstance(q_mask, torch.Tensor) or q_mask.dtype != torch.bool:
+                raise TypeError("q_mask must be a bool tensor")
+            if q_mask.shape != Q.shape[:-1]:
+                raise ValueError(f"q_mask must have shape {list(Q.shape[:-1])}, got {list(q_mask.shape)}")
+            q_mask = q_mask.unsqueeze(0) if squeeze else q_mask
+        if self.dtype not in EIGHT_BIT:
+            Q3 = Q3.to(self.dtype)
+        doc_ids = self._check_doc_ids(doc_ids)
+        available = len(self) if doc_ids is None else doc_ids.numel()
+        k = _as_int(k, "k")
+        if not 0 <= k <= available:
+            what = "documents in the index" if doc_ids is None else "distinct doc_ids"
+            raise ValueError(f"k must be in [0, {available}] ({available} {what}), got k={k}")
+        source = self._chunk_source()
+        selection = select_chunks(source.plans, doc_ids)
+        local_docs = sum(p.num_docs for p in source.plans) if doc_ids is None else sum(
+            int(local.numel()) for _, local in selection)
+        scores, ids = search_chunks(Q3, q_mask, source, selection, min(k, local_docs))
+        if self.num_shards > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("this index is one shard of several: initialise torch.distributed to search it")
+            scores, ids = gather_top_k(scores, ids, k, self._rank_counts(doc_ids, k))
+        scores, ids = scores.to(Q.device), ids.to(Q.device)
+        return (scores[0], ids[0]) if squeeze else (scores, ids)
+
+    def _rank_counts(self, doc_ids, k: int) -> list[int]:
+        total, world = len(self), dist.get_world_size()
+        if world != self.num_shards:
+            raise RuntimeError(f"the index was loaded with num_shards={self.num_shards}, the world has {world} ranks")
+        counts = []
+        for rank in range(world):
+            lo, hi = total * rank // world, total * (rank + 1) // world
+            n = hi - lo if doc_ids is None else int(((doc_ids >= lo) & (doc_ids < hi)).sum())
+            counts.append(min(k, n))
+        return counts
+
+    def _check_doc_ids(self, doc_ids):
+        if doc_ids is None:
+            return None
+        ids = torch.as_tensor(doc_ids).cpu()
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex() or ids.dim() != 1:
+            raise TypeError(f"doc_ids must be a 1-D integer sequence, got {ids.dtype} {list(ids.shape)}")
+        ids = torch.unique(ids.to(torch.int64))
+        if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= len(self)):
+            raise ValueError(f"doc_ids must be in [0, {len(self)}), got values {int(ids[0])}..{int(ids[-1])}")
+        return ids
+
+    def __repr__(self) -> str:
+        where = f"shard {self.shard}/{self.num_shards}, " if self.num_shards > 1 else ""
+        tokens = sum(s.num_tokens for s in self.segments)
+        return (f"lik.Index({len(self)} documents, {where}{tokens} tokens held, d={self.d}, "
+                f"dtype={dtype_name(self.dtype)}, placement={self.placement!r}, device={str(self.device)!r})")
+
+
+def _check_shard(shard, num_shards) -> tuple[int, int]:
+    if (shard is None) != (num_shards is None):
+        raise ValueError("shard and num_shards go together: pass both or neither")
+    if shard is None:
+        return 0, 1
+    shard, num_shards = _as_int(shard, "shard"), _as_int(num_shards, "num_shards")
+    if num_shards < 1 or not 0 <= shard < num_shards:
+        raise ValueError(f"need 0 <= shard < num_shards, got shard={shard}, num_shards={num_shards}")
+    return shard, num_shards
+
+
+def _auto_placement(pieces, device) -> str:
+    nbytes = sum(p.tokens.nbytes + (0 if p.scale is None else p.scale.nbytes) for p in pieces)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if nbytes < 0.7 * free:
+            return "gpu"
+    return "host" if nbytes < 0.5 * _free_host_bytes() else "disk"
+
+
+def _write(path: Path, shards, dtype, overwrite: bool, d: int | None, progress=None) -> None:
+    with atomic_directory(path, overwrite=overwrite) as temporary:
+        infos = []
+        for number, shard in enumerate(tqdm(shards, desc="write shards", unit="shard", disable=_quiet(progress))):
+            if d is not None and shard.tokens.shape[1] != d:
+                raise ValueError(f"docs: shard {number} has d={shard.tokens.shape[1]}, expected d={d}")
+            d = shard.tokens.shape[1]
+            infos.append(write_shard(temporary, number, shard))
+        if d is None:
+            raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
+        (temporary / MANIFEST_NAME).write_text(Manifest(d, dtype, tuple(infos)).to_json(), encoding="utf-8")

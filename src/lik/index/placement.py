@@ -1,0 +1,198 @@
+"""Where an index lives while it is searched, and how its chunks reach the device that scores them.
+
+* ``"gpu"``: resident in device memory; chunks are views.
+* ``"host"``: in pinned host RAM; each chunk is copied to one of two device buffers on a side stream, the copy of
+  chunk ``i + 1`` overlapping the scoring of chunk ``i``.
+* ``"disk"``: memory-mapped shard files; each chunk is gathered into one of two pinned staging buffers and copied
+  on as for ``"host"``.
+
+Device memory for ``"host"`` and ``"disk"`` is two chunk buffers whatever the corpus size. On a CPU-only machine
+(or with ``device="cpu"``) every placement yields plain CPU views and the CPU reference scores them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from .format import Shard
+
+__all__ = ["PLACEMENTS", "Chunk", "ChunkPlan", "plan_chunks", "ChunkSource", "ResidentSource", "StreamedSource"]
+
+PLACEMENTS = ("auto", "gpu", "host", "disk")
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Documents ``[doc_start, doc_stop)`` of segment ``segment``: tokens ``[token_start, token_stop)``."""
+
+    segment: int
+    doc_start: int
+    doc_stop: int
+    token_start: int
+    token_stop: int
+    max_seqlen: int
+    first_id: int
+
+    @property
+    def num_docs(self) -> int:
+        return self.doc_stop - self.doc_start
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_stop - self.token_start
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A chunk ready to score on its device: packed ``tokens``, int32 ``cu_seqlens`` from 0, optional ``scale``."""
+
+    tokens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    scale: torch.Tensor | None
+    max_seqlen: int
+    first_id: int
+    num_docs: int
+
+
+def plan_chunks(segments: Sequence[Shard], first_ids: Sequence[int], chunk_tokens: int) -> list[ChunkPlan]:
+    """Split each segment into runs of whole documents of at most ``chunk_tokens`` tokens (one longer document
+    makes a chunk of its own). Host-side only: the plan needs no device synchronisation."""
+    plans = []
+    for number, (segment, first_id) in enumerate(zip(segments, first_ids)):
+        offsets = segment.cu_seqlens.tolist()
+        start = 0
+        while start < segment.num_docs:
+            stop = start + 1
+            while stop < segment.num_docs and offsets[stop + 1] - offsets[start] <= chunk_tokens:
+                stop += 1
+            lengths = [offsets[i + 1] - offsets[i] for i in range(start, stop)]
+            plans.append(
+                ChunkPlan(number, start, stop, offsets[start], offsets[stop], max(lengths), first_id + start)
+            )
+            start = stop
+    return plans
+
+
+def _chunk_offsets(segment: Shard, plan: ChunkPlan) -> torch.Tensor:
+    return (segment.cu_seqlens[plan.doc_start : plan.doc_stop + 1] - plan.token_start).to(torch.int32)
+
+
+class ChunkSource:
+    """Yields :class:`Chunk` s of chosen plans, in order, on ``device``."""
+
+    def __init__(self, segments: Sequence[Shard], plans: Sequence[ChunkPlan], device: torch.device):
+        self.segments = list(segments)
+        self.plans = list(plans)
+        self.device = torch.device(device)
+
+    def chunks(self, plan_numbers: Sequence[int]) -> Iterator[Chunk]:
+        raise NotImplementedError
+
+
+class ResidentSource(ChunkSource):
+    """Segments already on ``device`` (``"gpu"`` placement, or any placement on CPU): chunks are views."""
+
+    def __init__(self, segments, plans, device):
+        super().__init__(segments, plans, device)
+        # Offsets of every chunk, on the device once, so a search copies nothing per chunk.
+        self.offsets = [_chunk_offsets(self.segments[p.segment], p).to(self.device) for p in self.plans]
+
+    def chunks(self, plan_numbers):
+        for number in plan_numbers:
+            plan = self.plans[number]
+            segment = self.segments[plan.segment]
+            scale = segment.scale
+            yield Chunk(
+                segment.tokens[plan.token_start : plan.token_stop],
+                self.offsets[number],
+                None if scale is None else scale[plan.token_start : plan.token_stop],
+                plan.max_seqlen,
+                plan.first_id,
+                plan.num_docs,
+            )
+
+
+class StreamedSource(ChunkSource):
+    """Host-resident (pinned) or memory-mapped segments streamed to a CUDA device through two buffers.
+
+    The copy of the next chunk runs on a side stream while the current one is scored on the current stream;
+    events order "copy into buffer b" after "scoring of the chunk that last used b" and "score" after "copy".
+    The only host waits are on the staging buffers of memory-mapped segments (the CPU must not overwrite a
+    pinned buffer whose copy is still running).
+    """
+
+    def __init__(self, segments, plans, device, *, staged: bool):
+        super().__init__(segments, plans, device)
+        self.staged = staged
+        capacity = max((p.num_tokens for p in self.plans), default=0)
+        dim = self.segments[0].tokens.shape[1] if self.segments else 0
+        dtype = self.segments[0].tokens.dtype if self.segments else torch.float16
+        has_scale = bool(self.segments) and self.segments[0].scale is not None
+        self.buffers = [torch.empty(capacity, dim, dtype=dtype, device=self.device) for _ in range(2)]
+        self.scale_buffers = [
+            torch.empty(capacity if has_scale else 0, dtype=torch.float32, device=self.device) for _ in range(2)
+        ]
+        self.offsets_host = [_chunk_offsets(self.segments[p.segment], p).pin_memory() for p in self.plans]
+        if staged:
+            self.staging = [torch.empty(capacity, dim, dtype=dtype).pin_memory() for _ in range(2)]
+            self.scale_staging = [
+                torch.empty(capacity if has_scale else 0, dtype=torch.float32).pin_memory() for _ in range(2)
+            ]
+        self.copy_stream = torch.cuda.Stream(device=self.device)
+
+    def _copy(self, number: int, slot: int, free: torch.cuda.Event | None) -> tuple[torch.cuda.Event, torch.Tensor]:
+        plan = self.plans[number]
+        segment = self.segments[plan.segment]
+        n = plan.num_tokens
+        tokens = segment.tokens[plan.token_start : plan.token_stop]
+        scale = None if segment.scale is None else segment.scale[plan.token_start : plan.token_stop]
+        if self.staged:
+            # The staging buffer's previous copy must be done before the CPU refills it.
+            if free is not None:
+                free.synchronize()
+            self.staging[slot][:n].copy_(tokens)
+            tokens = self.staging[slot][:n]
+            if scale is not None:
+                self.scale_staging[slot][:n].copy_(scale)
+                scale = self.scale_staging[slot][:n]
+        with torch.cuda.stream(self.copy_stream):
+            if free is not None:
+                self.copy_stream.wait_event(free)
+            self.buffers[slot][:n].copy_(tokens, non_blocking=True)
+            if scale is not None:
+                self.scale_buffers[slot][:n].copy_(scale, non_blocking=True)
+            offsets = self.offsets_host[number].to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        return done, offsets
+
+    def chunks(self, plan_numbers):
+        plan_numbers = list(plan_numbers)
+        compute = torch.cuda.current_stream(self.device)
+        freed: list[torch.cuda.Event | None] = [None, None]
+        pending = self._copy(plan_numbers[0], 0, None) if plan_numbers else None
+        for position, number in enumerate(plan_numbers):
+            slot = position % 2
+            copied, offsets = pending
+            if position + 1 < len(plan_numbers):
+                pending = self._copy(plan_numbers[position + 1], 1 - slot, freed[1 - slot])
+            compute.wait_event(copied)
+            offsets.record_stream(compute)
+            plan = self.plans[number]
+            n = plan.num_tokens
+            has_scale = self.scale_buffers[slot].numel() > 0
+            yield Chunk(
+                self.buffers[slot][:n],
+                offsets,
+                self.scale_buffers[slot][:n] if has_scale else None,
+                plan.max_seqlen,
+                plan.first_id,
+                plan.num_docs,
+            )
+            # Recorded after the caller scored the chunk (the generator resumes only then).
+            event = torch.cuda.Event()
+            event.record(compute)
+            freed[slot] = event

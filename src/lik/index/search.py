@@ -1,0 +1,70 @@
+"""Exact top-k over a :class:`~lik.index.placement.ChunkSource`: score a chunk, merge, move on.
+
+The working set is one chunk's ``[Nq, n_chunk]`` scores plus the running ``[Nq, k]``; the merge is
+:func:`lik.retrieval.exact.merge_top_k`, the one :func:`lik.search` uses, so the order is the same: descending
+score, ties to the lower document id, NaN last.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import torch
+
+from ..ops.maxsim import maxsim_packed
+from ..retrieval.exact import merge_top_k
+from .placement import ChunkPlan, ChunkSource
+
+__all__ = ["select_chunks", "search_chunks"]
+
+
+def select_chunks(plans: Sequence[ChunkPlan], doc_ids: torch.Tensor | None) -> list[tuple[int, torch.Tensor | None]]:
+    """Plans to score and, with a filter, the chunk-local positions of the selected documents (CPU int64).
+
+    ``doc_ids`` is sorted, unique, CPU int64 (global ids). Chunks with no selected document are skipped, so they
+    are never copied either.
+    """
+    if doc_ids is None:
+        return [(number, None) for number in range(len(plans))]
+    ids = doc_ids.tolist()
+    selected = []
+    for number, plan in enumerate(plans):
+        lo = bisect.bisect_left(ids, plan.first_id)
+        hi = bisect.bisect_left(ids, plan.first_id + plan.num_docs)
+        if hi > lo:
+            selected.append((number, doc_ids[lo:hi] - plan.first_id))
+    return selected
+
+
+@torch.no_grad()
+def search_chunks(
+    Q: torch.Tensor,
+    q_mask: torch.Tensor | None,
+    source: ChunkSource,
+    selection: Sequence[tuple[int, torch.Tensor | None]],
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` of 3-D ``Q [Nq, Lq, d]`` over the selected chunks: ``(scores fp32 [Nq, k'], ids int64 [Nq, k'])``
+    on ``source.device``, with ``k' = min(k, selected documents)``."""
+    device = source.device
+    n_queries = Q.shape[0]
+    Q = Q.to(device, non_blocking=True)
+    q_mask = None if q_mask is None else q_mask.to(device, non_blocking=True)
+    score_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
+    best_scores = torch.empty(n_queries, 0, dtype=score_dtype, device=device)
+    best_ids = torch.empty(n_queries, 0, dtype=torch.int64, device=device)
+    if k == 0 or n_queries == 0:
+        return best_scores, best_ids
+    positions = {number: local for number, local in selection}
+    for chunk, (number, _) in zip(source.chunks([n for n, _ in selection]), selection):
+        scores = maxsim_packed(
+            Q, chunk.tokens, chunk.cu_seqlens, q_mask, max_seqlen_d=chunk.max_seqlen, d_scale=chunk.scale
+        ).to(score_dtype)
+        ids = torch.arange(chunk.first_id, chunk.first_id + chunk.num_docs, device=device)
+        local = positions[number]
+        if local is not None:
+            local = local.to(device, non_blocking=True)
+            scores, ids = scores[:, local], ids[local]
+        best_scores, best_ids = merge_top_k(best_scores, best_ids, scores, ids.expand(n_queries, -1), k)
+    return best_scores, best_ids
