@@ -303,7 +303,9 @@ class Index:
     def _check_doc_ids(self, doc_ids):
         if doc_ids is None:
             return None
-        ids = torch.as_tensor(doc_ids).cpu()
+        ids = doc_ids.cpu() if isinstance(doc_ids, torch.Tensor) else torch.as_tensor(doc_ids)
+        if ids.numel() == 0 and not isinstance(doc_ids, torch.Tensor):
+            ids = ids.to(torch.int64)  # an empty list has no integer type to infer
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex() or ids.dim() != 1:
             raise TypeError(f"doc_ids must be a 1-D integer sequence, got {ids.dtype} {list(ids.shape)}")
         ids = torch.unique(ids.to(torch.int64))
