@@ -1,4 +1,4 @@
-"""The ``lik`` command: ``lik demo | bench | warmup`` (also ``python -m lik.cli``)."""
+"""The ``lik`` command: ``lik demo | index | search | bench | warmup`` (also ``python -m lik.cli``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import torch
 
 from .demo import run_demo
+from .index.commands import add_index_parser, add_search_parser, run_index, run_search
 
 __all__ = ["main", "build_parser"]
 
@@ -25,7 +26,7 @@ DELEGATED_HELP = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lik", description="Fused Triton kernels for late-interaction retrieval.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,warmup}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,index,search,bench,warmup}")
 
     demo = commands.add_parser(
         "demo",
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--synthetic", action="store_true", help="use deterministic synthetic embeddings instead of the encoder"
     )
+
+    add_index_parser(commands)
+    add_search_parser(commands)
 
     for name, help_text in DELEGATED_HELP.items():
         # Parsed by the delegate itself: listed here for `lik --help` only.
@@ -66,13 +70,26 @@ def _delegate(command: str, argv: list[str]) -> int:
     return int(entry(argv) or 0)
 
 
+def _run_reporting_errors(command, args, parser) -> int:
+    """Run an index command; a bad file or argument ends it with one clear line, not a traceback."""
+    try:
+        return command(args, parser)
+    except (FileNotFoundError, FileExistsError, ValueError, TypeError) as error:
+        print(f"lik {args.command}: {error}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    # The only command argparse dispatches is "demo": the delegated ones returned above.
+    # argparse dispatches "demo", "index" and "search": the delegated ones returned above.
+    if args.command == "index":
+        return _run_reporting_errors(run_index, args, parser)
+    if args.command == "search":
+        return _run_reporting_errors(run_search, args, parser)
     if args.top_k < 1:
         parser.error(f"--top-k must be at least 1, got {args.top_k}")
     if args.device == "cuda" and not torch.cuda.is_available():
