@@ -142,10 +142,23 @@ class Index:
         if out is not None:
             _write(Path(out), _shards_from(docs, None, dtype, shard_tokens, progress), dtype, overwrite, None)
             return cls.load(out, **load_options)
+        unknown = set(load_options) - {"placement", "device", "chunk_tokens", "verify"}
+        if unknown:
+            raise TypeError(f"Index.build got unexpected keyword arguments {sorted(unknown)}")
+        placement = load_options.get("placement", "auto")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        device = _resolve_device(load_options.get("device"), placement)
         segments = list(_shards_from(docs, None, dtype, shard_tokens, progress))
         if not segments:
             raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
-        return cls(segments[0].tokens.shape[1], dtype, segments, **load_options)
+        if placement in ("auto", "disk"):  # nothing is on disk yet: "disk" means host memory until saved
+            placement = "host" if placement == "disk" else _auto_placement(segments, device)
+        index = cls(segments[0].tokens.shape[1], dtype, placement=placement, device=device,
+                    chunk_tokens=load_options.get("chunk_tokens", DEFAULT_CHUNK_TOKENS))
+        index.segments = [index._place(s, placement) if placement == "gpu" or device.type == "cuda" else s
+                          for s in segments]
+        return index
 
     def add(self, docs: Iterable[torch.Tensor], *, progress: bool | None = None) -> "Index":
         """Append ``docs`` (ids continue from ``len(self)``); returns ``self``."""
@@ -180,11 +193,7 @@ class Index:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         shard, num_shards = _check_shard(shard, num_shards)
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        if placement == "gpu" and device.type != "cuda":
-            raise ValueError(f"placement='gpu' needs a CUDA device, got device={str(device)!r}")
+        device = _resolve_device(device, placement)
         directory = Path(path)
         manifest = read_manifest(directory)
         total = manifest.num_docs
@@ -208,9 +217,10 @@ class Index:
     def _place(self, segment: Shard, placement: str) -> Shard:
         if placement == "disk":
             return segment
-        if placement == "gpu" or self.device.type != "cuda":
-            target = self.device if placement == "gpu" else "cpu"
-            move = lambda t: None if t is None else t.to(target).clone()  # noqa: E731 (clone: not a file map)
+        if placement == "gpu":
+            move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        elif self.device.type != "cuda":
+            move = lambda t: None if t is None else t.clone()  # noqa: E731 (into RAM, off the file map)
         else:
             move = lambda t: None if t is None else t.pin_memory()  # noqa: E731
         return Shard(move(segment.tokens), segment.cu_seqlens.clone(), move(segment.scale))
@@ -271,6 +281,8 @@ class Index:
             q_mask = q_mask.unsqueeze(0) if squeeze else q_mask
         if self.dtype not in EIGHT_BIT:
             Q3 = Q3.to(self.dtype)
+        elif Q3.dtype == torch.float64:
+            Q3 = Q3.float()  # 8-bit scoring quantizes fp16 / bf16 / fp32 queries
         doc_ids = self._check_doc_ids(doc_ids)
         available = len(self) if doc_ids is None else doc_ids.numel()
         k = _as_int(k, "k")
@@ -318,6 +330,15 @@ class Index:
         tokens = sum(s.num_tokens for s in self.segments)
         return (f"lik.Index({len(self)} documents, {where}{tokens} tokens held, d={self.d}, "
                 f"dtype={dtype_name(self.dtype)}, placement={self.placement!r}, device={str(self.device)!r})")
+
+
+def _resolve_device(device, placement: str) -> torch.device:
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if placement == "gpu" and device.type != "cuda":
+        raise ValueError(f"placement='gpu' needs a CUDA device, got device={str(device)!r}")
+    return device
 
 
 def _check_shard(shard, num_shards) -> tuple[int, int]:

@@ -143,16 +143,16 @@ class StreamedSource(ChunkSource):
             ]
         self.copy_stream = torch.cuda.Stream(device=self.device)
 
-    def _copy(self, number: int, slot: int, free: torch.cuda.Event | None) -> tuple[torch.cuda.Event, torch.Tensor]:
+    def _copy(self, number: int, slot: int, free: torch.cuda.Event | None, staged_free: torch.cuda.Event | None):
         plan = self.plans[number]
         segment = self.segments[plan.segment]
         n = plan.num_tokens
         tokens = segment.tokens[plan.token_start : plan.token_stop]
         scale = None if segment.scale is None else segment.scale[plan.token_start : plan.token_stop]
         if self.staged:
-            # The staging buffer's previous copy must be done before the CPU refills it.
-            if free is not None:
-                free.synchronize()
+            # The staging buffer's previous host-to-device copy must be done before the CPU refills it.
+            if staged_free is not None:
+                staged_free.synchronize()
             self.staging[slot][:n].copy_(tokens)
             tokens = self.staging[slot][:n]
             if scale is not None:
@@ -172,13 +172,15 @@ class StreamedSource(ChunkSource):
     def chunks(self, plan_numbers):
         plan_numbers = list(plan_numbers)
         compute = torch.cuda.current_stream(self.device)
-        freed: list[torch.cuda.Event | None] = [None, None]
-        pending = self._copy(plan_numbers[0], 0, None) if plan_numbers else None
+        freed: list[torch.cuda.Event | None] = [None, None]  # scoring of the slot's last chunk is done
+        copied_into: list[torch.cuda.Event | None] = [None, None]  # the slot's last copy is done
+        pending = self._copy(plan_numbers[0], 0, None, None) if plan_numbers else None
         for position, number in enumerate(plan_numbers):
             slot = position % 2
             copied, offsets = pending
+            copied_into[slot] = copied
             if position + 1 < len(plan_numbers):
-                pending = self._copy(plan_numbers[position + 1], 1 - slot, freed[1 - slot])
+                pending = self._copy(plan_numbers[position + 1], 1 - slot, freed[1 - slot], copied_into[1 - slot])
             compute.wait_event(copied)
             offsets.record_stream(compute)
             plan = self.plans[number]
