@@ -27,9 +27,17 @@ def assert_same(result, expected):
     torch.testing.assert_close(result[0], expected[0], rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.fixture(params=["kernel", "reference"])
+def path(request, monkeypatch):
+    """The Triton kernels (interpreter on CPU when TRITON_INTERPRET=1) and the CPU reference path."""
+    if request.param == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    return request.param
+
+
 @pytest.mark.parametrize("chunk_tokens", [1, 4, 1000])
 @pytest.mark.parametrize("shard_tokens", [1, 8, 10_000])
-def test_search_equals_lik_search_on_padded(rng, chunk_tokens, shard_tokens):
+def test_search_equals_lik_search_on_padded(rng, path, chunk_tokens, shard_tokens):
     docs = grid_docs(rng)
     index = lik.Index.build(docs, dtype=torch.float32, shard_tokens=shard_tokens, chunk_tokens=chunk_tokens,
                             progress=False)
@@ -41,6 +49,28 @@ def test_search_equals_lik_search_on_padded(rng, chunk_tokens, shard_tokens):
     single = index.search(Q[1], 3)
     assert single[0].shape == (3,) and single[1].shape == (3,)
     assert_same(single, expected_search(Q[1], docs, 3))
+
+
+def test_nan_documents_rank_last(path):
+    docs = [torch.ones(2, 4), torch.tensor([[float("nan"), 0, 0, 0]]), torch.ones(1, 4), torch.zeros(3, 4)]
+    index = lik.Index.build(docs, dtype=torch.float32, chunk_tokens=3, progress=False)
+    scores, ids = index.search(torch.ones(2, 4), k=4)
+    assert ids.tolist() == [0, 2, 3, 1]
+    assert scores[:3].tolist() == [8.0, 8.0, 0.0] and scores[3].isnan()
+
+
+def test_build_placement_and_device_options():
+    docs = [torch.randn(3, 4), torch.randn(0, 4)]
+    index = lik.Index.build(docs, placement="auto", device="cpu", chunk_tokens=2, progress=False)
+    assert index.placement == "host" and index.device.type == "cpu" and index.chunk_tokens == 2
+    with pytest.raises(ValueError, match="placement='gpu'"):
+        lik.Index.build(docs, placement="gpu", device="cpu", progress=False)
+    with pytest.raises(ValueError, match="placement must be one of"):
+        lik.Index.build(docs, placement="ram", progress=False)
+    with pytest.raises(TypeError, match="chunk_size"):
+        lik.Index.build(docs, chunk_size=3, progress=False)
+    with pytest.raises(TypeError, match="dtype"):
+        lik.Index.build(docs, dtype=torch.int32, progress=False)
 
 
 def test_ties_go_to_the_lower_id_and_empty_documents_score_zero():
