@@ -233,7 +233,8 @@ def open_shard(directory: Path, info: ShardInfo, manifest: Manifest, *, mmap: bo
     scale = _map_tensor(path, data_start, header, "scale", mmap) if manifest.dtype in EIGHT_BIT else None
     if tokens.dtype != manifest.dtype or tokens.dim() != 2 or tokens.shape[1] != manifest.d:
         raise ValueError(
-            f"{path}: tokens are {tokens.dtype} {list(tokens.shape)}, the manifest says {manifest.dtype} [*, {manifest.d}]"
+            f"{path}: tokens are {tokens.dtype} {list(tokens.shape)}, "
+            f"the manifest says {manifest.dtype} [*, {manifest.d}]"
         )
     if tokens.shape[0] != info.num_tokens or cu_seqlens.numel() != info.num_docs + 1:
         raise ValueError(
