@@ -56,15 +56,18 @@ def search_chunks(
     best_ids = torch.empty(n_queries, 0, dtype=torch.int64, device=device)
     if k == 0 or n_queries == 0:
         return best_scores, best_ids
-    positions = {number: local for number, local in selection}
-    for chunk, (number, _) in zip(source.chunks([n for n, _ in selection]), selection):
+    # Every chunk's selected positions go to the device in one copy, not one per chunk.
+    locals_ = [local for _, local in selection]
+    if locals_ and locals_[0] is not None:
+        on_device = torch.cat(locals_).to(device, non_blocking=True).split([t.numel() for t in locals_])
+    else:
+        on_device = locals_
+    for chunk, local in zip(source.chunks([n for n, _ in selection]), on_device):
         scores = maxsim_packed(
             Q, chunk.tokens, chunk.cu_seqlens, q_mask, max_seqlen_d=chunk.max_seqlen, d_scale=chunk.scale
         ).to(score_dtype)
         ids = torch.arange(chunk.first_id, chunk.first_id + chunk.num_docs, device=device)
-        local = positions[number]
         if local is not None:
-            local = local.to(device, non_blocking=True)
             scores, ids = scores[:, local], ids[local]
         best_scores, best_ids = merge_top_k(best_scores, best_ids, scores, ids.expand(n_queries, -1), k)
     return best_scores, best_ids
