@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .format import DTYPES, read_manifest
 from .index import DEFAULT_SHARD_TOKENS, Index

@@ -9,7 +9,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from ..ops.quantization import quantize
 from .distributed import gather_top_k

@@ -1,0 +1,124 @@
+"""lik.Index search throughput per placement, against the ceilings measured in the same process.
+
+    python3 benchmarks/index_bench.py [--docs 10000] [--doc-len 300] [--nq 32] [--dtype float16] [--out $OUT]
+    python3 benchmarks/index_bench.py --smoke      # tiny sizes, any device (a check that the script runs)
+
+For each placement (gpu / host / disk; host and disk need CUDA to stream, on CPU they all run the reference):
+the median search time of ``Nq`` queries (Lq = 32, d = 128, L2-normalised) for k = 10, peak device memory of one
+search above what the index itself holds, and the floors: ``gpu`` against one ``lik.maxsim_packed`` call over
+the whole resident corpus (the same FLOPs with no chunking or merge), ``host`` against a pinned host-to-device
+copy of the corpus bytes, ``disk`` against reading the shard files once (page cache warm unless dropped).
+Writes ``index_bench.json`` and prints a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import lik
+
+
+def timed(fn, cuda: bool) -> float:
+    """Median milliseconds: do_bench on CUDA, five perf_counter runs on CPU."""
+    fn()
+    if cuda:
+        import triton
+
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=5, rep=100, return_mode="median")
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - start) * 1e3)
+    return sorted(runs)[2]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--docs", type=int, default=10_000)
+    parser.add_argument("--doc-len", type=int, default=300)
+    parser.add_argument("--nq", type=int, default=32)
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "int8", "float8_e4m3fn"))
+    parser.add_argument("--chunk-tokens", type=int, default=1 << 20)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the script runs")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.docs, args.doc_len, args.nq, args.chunk_tokens = 64, 20, 2, 256
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, args.dtype)
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 2 * args.doc_len, (args.docs,), generator=rng).tolist()
+    docs = (torch.nn.functional.normalize(torch.randn(n, 128, generator=rng), dim=-1) for n in lengths)
+    Q = torch.nn.functional.normalize(torch.randn(args.nq, 32, 128, generator=rng), dim=-1).to(device)
+    Q = Q.half() if dtype in (torch.int8, torch.float8_e4m3fn) else Q.to(dtype)
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ix"
+        lik.Index.build(docs, dtype=dtype, out=path, progress=False, device="cpu")
+        files = sorted(path.glob("shard-*.safetensors"))
+        corpus_bytes = sum(f.stat().st_size for f in files)
+        start = time.perf_counter()
+        for f in files:
+            with open(f, "rb") as handle:
+                while handle.read(1 << 24):
+                    pass
+        read_gbps = corpus_bytes / (time.perf_counter() - start) / 1e9
+        ceilings = {"file read GB/s": read_gbps}
+        if cuda:
+            pinned = torch.empty(corpus_bytes, dtype=torch.uint8).pin_memory()
+            target = torch.empty(corpus_bytes, dtype=torch.uint8, device=device)
+            ms = timed(lambda: target.copy_(pinned, non_blocking=True), cuda)
+            ceilings["pinned H2D GB/s"] = corpus_bytes / ms / 1e6
+            del pinned, target
+        for placement in ("gpu", "host", "disk") if cuda else ("host", "disk"):
+            index = lik.Index.load(path, placement=placement, device=device, chunk_tokens=args.chunk_tokens)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            ms = timed(lambda: index.search(Q, 10), cuda)
+            peak = (torch.cuda.max_memory_allocated() - base) if cuda else 0
+            if placement == "gpu":
+                # The same FLOPs in one call over the whole resident corpus: no chunking, no merge.
+                tokens = torch.cat([s.tokens for s in index.segments])
+                scale = None if index.segments[0].scale is None else torch.cat([s.scale for s in index.segments])
+                cu = torch.tensor([0] + lengths).cumsum(0).to(device=device, dtype=torch.int32)
+                whole = timed(lambda: lik.maxsim_packed(Q, tokens, cu, max_seqlen_d=max(lengths), d_scale=scale),
+                              cuda)
+                del tokens, scale
+                floor = whole
+            elif placement == "host":
+                floor = corpus_bytes / ceilings.get("pinned H2D GB/s", float("inf")) / 1e6
+            else:
+                floor = corpus_bytes / read_gbps / 1e6
+            rows.append({"placement": placement, "ms": ms, "floor_ms": floor, "pct_of_floor": 100 * floor / ms,
+                         "queries_per_s": args.nq / ms * 1e3, "peak_device_bytes": peak})
+            del index
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "docs": args.docs, "tokens": sum(lengths), "dtype": args.dtype, "nq": args.nq, "corpus_bytes": corpus_bytes,
+        "chunk_tokens": args.chunk_tokens, "ceilings": ceilings, "rows": rows,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    Path(args.out, "index_bench.json").write_text(json.dumps(result, indent=1))
+    print(f"{result['device']}: {args.docs} docs, {sum(lengths)} tokens, {args.dtype}, Nq={args.nq}, k=10")
+    print(f"{'placement':>9} {'ms':>9} {'floor ms':>9} {'% floor':>8} {'q/s':>9} {'peak MiB':>9}")
+    for row in rows:
+        print(f"{row['placement']:>9} {row['ms']:9.3f} {row['floor_ms']:9.3f} {row['pct_of_floor']:8.1f} "
+              f"{row['queries_per_s']:9.1f} {row['peak_device_bytes'] / 2**20:9.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
