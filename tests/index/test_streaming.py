@@ -1,0 +1,83 @@
+"""The double-buffered streamed source, driven on CPU with stand-ins for CUDA streams, events and pinned memory:
+every chunk arrives with its own tokens and offsets, buffer slots alternate, a slot is refilled only after the
+chunk that last used it was handed back, and the search result equals the resident source's."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import lik
+from lik.index import placement as placement_module
+from lik.index.placement import ResidentSource, StreamedSource, plan_chunks
+from lik.index.search import search_chunks, select_chunks
+
+from .helpers import grid_docs, grid_queries
+
+
+class FakeEvent:
+    def __init__(self):
+        self.recorded = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    def synchronize(self):
+        assert self.recorded, "waited on an event that was never recorded"
+
+
+class FakeStream:
+    def __init__(self, device=None):
+        pass
+
+    def wait_event(self, event):
+        assert event.recorded, "a stream waited on an event that was never recorded"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    return placement_module
+
+
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_streamed_chunks_equal_resident_chunks(fake_cuda, monkeypatch, staged, dtype):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the reference scores: this test is about the plumbing
+    rng = torch.Generator().manual_seed(9)
+    docs = grid_docs(rng)
+    index = lik.Index.build(docs, dtype=dtype, shard_tokens=9, progress=False, device="cpu")
+    first_ids = [0]
+    for segment in index.segments[:-1]:
+        first_ids.append(first_ids[-1] + segment.num_docs)
+    plans = plan_chunks(index.segments, first_ids, chunk_tokens=4)
+    resident = ResidentSource(index.segments, plans, "cpu")
+    streamed = StreamedSource(index.segments, plans, "cpu", staged=staged)
+    numbers = list(range(len(plans)))
+    chunks = 0
+    for position, (want, got) in enumerate(zip(resident.chunks(numbers), streamed.chunks(numbers))):
+        # Checked when handed out, after the next chunk's copy was issued: that copy went to the other slot.
+        assert torch.equal(got.tokens.view(torch.uint8), want.tokens.view(torch.uint8))
+        assert torch.equal(got.cu_seqlens, want.cu_seqlens)
+        assert (got.first_id, got.num_docs, got.max_seqlen) == (want.first_id, want.num_docs, want.max_seqlen)
+        if want.scale is not None:
+            assert torch.equal(got.scale, want.scale)
+        if got.tokens.numel():
+            assert got.tokens.data_ptr() == streamed.buffers[position % 2].data_ptr()
+        chunks += 1
+    assert chunks == len(plans) > 2
+
+    Q = grid_queries(rng)
+    for doc_ids in (None, torch.tensor([0, 3, 4, 9])):
+        selection = select_chunks(plans, doc_ids)
+        k = 4
+        got = search_chunks(Q, None, streamed, selection, k)
+        want = search_chunks(Q, None, resident, selection, k)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
