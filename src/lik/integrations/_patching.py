@@ -10,6 +10,7 @@ instances (a loss that stored the stock function at construction) are covered by
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -82,6 +83,33 @@ class Switch:
         descriptor = MappedAttribute(name, {id(stock): new for stock, new in pairs}, [stock for stock, _ in pairs])
         self.set(cls, name, descriptor)
 
+    def enabler(self, apply: Callable[[], None]) -> Callable[[], None]:
+        """Decorator: ``enable()`` from a function that makes the changes. Idempotent, and all or nothing: if
+        ``apply`` fails part way, every change it made is undone before the error propagates."""
+
+        @functools.wraps(apply)
+        def enable() -> None:
+            if self.on:
+                return
+            try:
+                apply()
+            except BaseException:
+                self.restore()
+                raise
+
+        return enable
+
+    @contextlib.contextmanager
+    def scoped(self, enable: Callable[[], None]) -> Iterator[None]:
+        """``with enabled():`` -- switch on for the block, and back to the previous state after it."""
+        was_on = self.on
+        enable()
+        try:
+            yield
+        finally:
+            if not was_on:
+                self.restore()
+
     def restore(self) -> None:
         """Undo every change, newest first (a name rebound twice returns to its first value)."""
         while self._undo:
@@ -95,15 +123,3 @@ class Switch:
 def import_all(module_names: Iterable[str]) -> list[Any]:
     """Import the host modules that bind scoring functions, so that a rebinding scan sees every one of them."""
     return [importlib.import_module(name) for name in module_names]
-
-
-@contextlib.contextmanager
-def scoped(enable: Callable[[], None], disable: Callable[[], None], is_on: Callable[[], bool]) -> Iterator[None]:
-    """``with enabled():`` -- switch on for the block, and back to the previous state after it."""
-    was_on = is_on()
-    enable()
-    try:
-        yield
-    finally:
-        if not was_on:
-            disable()

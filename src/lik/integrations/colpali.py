@@ -245,29 +245,24 @@ def is_enabled() -> bool:
     return _SWITCH.on
 
 
+@_SWITCH.enabler
 def enable() -> None:
     """Make colpali-engine score with lik, until :func:`disable`.
 
     Changes: every binding of ``colpali_engine.utils.maxsim.maxsim_inbatch`` / ``maxsim_kd`` in colpali-engine's
     loaded modules (the processors' scoring and the ``Colbert*Loss`` classes) and
     ``BaseVisualRetrieverProcessor.score_multi_vector`` now run lik, unless ``COLPALI_SCORES_BACKEND=torch``.
-    Losses with ``use_smooth_max=True`` keep colpali-engine's log-sum-exp path (see the module doc). Idempotent.
+    Losses with ``use_smooth_max=True`` keep colpali-engine's log-sum-exp path (see the module doc). Idempotent; all or nothing (a failure part way undoes what it changed).
 
     Raises:
         ImportError: colpali-engine (or what its modules import) is not installed.
     """
-    if _SWITCH.on:
-        return
     maxsim_module, processing, _ = _patching.import_all(_CALL_SITE_MODULES)
-    try:
-        for stock, ours in ((maxsim_module.maxsim_inbatch, maxsim_inbatch), (maxsim_module.maxsim_kd, maxsim_kd)):
-            _SWITCH.rebind_everywhere(stock, _routed(stock, ours))
-        base = processing.BaseVisualRetrieverProcessor
-        stock_score = base.__dict__["score_multi_vector"].__func__
-        _SWITCH.set(base, "score_multi_vector", staticmethod(_routed(stock_score, score_multi_vector)))
-    except BaseException:
-        _SWITCH.restore()
-        raise
+    for stock, ours in ((maxsim_module.maxsim_inbatch, maxsim_inbatch), (maxsim_module.maxsim_kd, maxsim_kd)):
+        _SWITCH.rebind_everywhere(stock, _routed(stock, ours))
+    base = processing.BaseVisualRetrieverProcessor
+    stock_score = base.__dict__["score_multi_vector"].__func__
+    _SWITCH.set(base, "score_multi_vector", staticmethod(_routed(stock_score, score_multi_vector)))
 
 
 def disable() -> None:
@@ -277,4 +272,4 @@ def disable() -> None:
 
 def enabled():
     """Context manager: colpali-engine scores with lik inside the block only."""
-    return _patching.scoped(enable, disable, is_enabled)
+    return _SWITCH.scoped(enable)

@@ -322,6 +322,7 @@ def is_enabled() -> bool:
     return _SWITCH.on
 
 
+@_SWITCH.enabler
 def enable() -> None:
     """Make PyLate score with lik everywhere it scores, until :func:`disable`.
 
@@ -331,13 +332,11 @@ def enable() -> None:
     runs lik unless an explicit PyLate ``backend`` is named; ``ColBERTScores.__call__`` (used by
     ``Contrastive`` and ``CachedContrastive``) becomes one fused lik call; ``Distillation.score_metric`` and
     ``ColBERT``'s similarity functions read as lik's wherever an instance, old or new, holds PyLate's stock
-    function. A user-supplied ``score_metric`` is left alone. Idempotent.
+    function. A user-supplied ``score_metric`` is left alone. Idempotent; all or nothing (a failure part way undoes what it changed).
 
     Raises:
         ImportError: PyLate is not installed.
     """
-    if _SWITCH.on:
-        return
     modules = _patching.import_all(_CALL_SITE_MODULES)
     colbert_module = modules[0]
     stock = {
@@ -349,30 +348,26 @@ def enable() -> None:
             "colbert_scores_pairwise": colbert_scores_pairwise}
     positions = {"colbert_scores": 4, "colbert_kd_scores": 4, "colbert_scores_pairwise": 2}
     routed = {name: _routed(stock[name], ours[name], positions[name]) for name in stock}
-    try:
-        for name in stock:
-            _SWITCH.rebind_everywhere(stock[name], routed[name])
-        stock_call = colbert_module.ColBERTScores.__call__
-        fused = ColBERTScores()
+    for name in stock:
+        _SWITCH.rebind_everywhere(stock[name], routed[name])
+    stock_call = colbert_module.ColBERTScores.__call__
+    fused = ColBERTScores()
 
-        def scores_call(self, queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
-                        backend=None):
-            if _explicit_backend(backend):
-                return stock_call(self, queries_embeddings, documents_embeddings, queries_mask, documents_mask,
-                                  backend)
-            return fused(queries_embeddings, documents_embeddings, queries_mask, documents_mask)
+    def scores_call(self, queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
+                    backend=None):
+        if _explicit_backend(backend):
+            return stock_call(self, queries_embeddings, documents_embeddings, queries_mask, documents_mask,
+                              backend)
+        return fused(queries_embeddings, documents_embeddings, queries_mask, documents_mask)
 
-        _SWITCH.set(colbert_module.ColBERTScores, "__call__", scores_call)
-        import pylate.losses.distillation as distillation
-        import pylate.models.colbert as models_colbert
+    _SWITCH.set(colbert_module.ColBERTScores, "__call__", scores_call)
+    import pylate.losses.distillation as distillation
+    import pylate.models.colbert as models_colbert
 
-        pairs = [(stock[name], routed[name]) for name in stock]
-        _SWITCH.map_attribute(distillation.Distillation, "score_metric", pairs)
-        _SWITCH.map_attribute(models_colbert.ColBERT, "_similarity", pairs)
-        _SWITCH.map_attribute(models_colbert.ColBERT, "_similarity_pairwise", pairs)
-    except BaseException:
-        _SWITCH.restore()
-        raise
+    pairs = [(stock[name], routed[name]) for name in stock]
+    _SWITCH.map_attribute(distillation.Distillation, "score_metric", pairs)
+    _SWITCH.map_attribute(models_colbert.ColBERT, "_similarity", pairs)
+    _SWITCH.map_attribute(models_colbert.ColBERT, "_similarity_pairwise", pairs)
 
 
 def disable() -> None:
@@ -382,7 +377,7 @@ def disable() -> None:
 
 def enabled():
     """Context manager: ``with lik.integrations.pylate.enabled(): ...`` scores with lik inside the block only."""
-    return _patching.scoped(enable, disable, is_enabled)
+    return _SWITCH.scoped(enable)
 
 
 def _stock(fn):

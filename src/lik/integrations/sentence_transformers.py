@@ -212,19 +212,18 @@ def is_enabled() -> bool:
     return _SWITCH.on
 
 
+@_SWITCH.enabler
 def enable() -> None:
     """Make sentence-transformers' multi-vector scoring run on lik, until :func:`disable`.
 
     Changes: every binding of ``maxsim``, ``maxsim_pairwise``, ``mean_maxsim`` and ``mean_maxsim_pairwise`` (those
     the installed version defines) in loaded sentence-transformers modules now refers to this module's; the
     multi-vector model class reads its stored similarity functions as lik's where they are the stock ones.
-    Idempotent.
+    Idempotent; all or nothing (a failure part way undoes what it changed).
 
     Raises:
         ImportError: sentence-transformers is not installed, or has no ``util.similarity.maxsim``.
     """
-    if _SWITCH.on:
-        return
     import importlib
 
     similarity = importlib.import_module("sentence_transformers.util.similarity")
@@ -238,20 +237,16 @@ def enable() -> None:
     ours = {"maxsim": maxsim, "maxsim_pairwise": maxsim_pairwise, "mean_maxsim": mean_maxsim,
             "mean_maxsim_pairwise": mean_maxsim_pairwise}
     pairs = [(getattr(similarity, name), fn) for name, fn in ours.items() if hasattr(similarity, name)]
-    try:
-        for stock, replacement in pairs:
-            _SWITCH.rebind_everywhere(stock, replacement)
-        import sys
+    for stock, replacement in pairs:
+        _SWITCH.rebind_everywhere(stock, replacement)
+    import sys
 
-        model_module = sys.modules.get("sentence_transformers.multi_vector_encoder.model")
-        for cls in [getattr(model_module, name) for name in dir(model_module or object())
-                    if isinstance(getattr(model_module, name, None), type)] if model_module else []:
-            if cls.__module__ == model_module.__name__ and "_similarity" in getattr(cls, "__annotations__", {}):
-                _SWITCH.map_attribute(cls, "_similarity", pairs)
-                _SWITCH.map_attribute(cls, "_similarity_pairwise", pairs)
-    except BaseException:
-        _SWITCH.restore()
-        raise
+    model_module = sys.modules.get("sentence_transformers.multi_vector_encoder.model")
+    for cls in [getattr(model_module, name) for name in dir(model_module or object())
+                if isinstance(getattr(model_module, name, None), type)] if model_module else []:
+        if cls.__module__ == model_module.__name__ and "_similarity" in getattr(cls, "__annotations__", {}):
+            _SWITCH.map_attribute(cls, "_similarity", pairs)
+            _SWITCH.map_attribute(cls, "_similarity_pairwise", pairs)
 
 
 def disable() -> None:
@@ -261,4 +256,4 @@ def disable() -> None:
 
 def enabled():
     """Context manager: sentence-transformers scores with lik inside the block only."""
-    return _patching.scoped(enable, disable, is_enabled)
+    return _SWITCH.scoped(enable)

@@ -79,32 +79,27 @@ def is_enabled() -> bool:
     return _SWITCH.on
 
 
+@_SWITCH.enabler
 def enable() -> None:
     """Make every transformers model built afterwards use lik's deformable attention, until :func:`disable`.
 
     Changes: the name ``MultiScaleDeformableAttention`` in each modeling module listed in
     ``_MODELING_MODULES`` that defines it (and in any other loaded ``transformers.models.*`` module binding the
     same class) now refers to :class:`MultiScaleDeformableAttention`. Already-built models are not touched (see
-    :func:`patch_model`). Idempotent.
+    :func:`patch_model`). Idempotent; all or nothing (a failure part way undoes what it changed).
 
     Raises:
         ImportError: transformers is not installed.
     """
-    if _SWITCH.on:
-        return
     importlib.import_module("transformers")
-    try:
-        for short in _MODELING_MODULES:
-            try:
-                module = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
-            except ImportError:
-                continue
-            stock = getattr(module, "MultiScaleDeformableAttention", None)
-            if isinstance(stock, type) and stock is not MultiScaleDeformableAttention:
-                _SWITCH.rebind_everywhere(stock, MultiScaleDeformableAttention)
-    except BaseException:
-        _SWITCH.restore()
-        raise
+    for short in _MODELING_MODULES:
+        try:
+            module = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
+        except ImportError:
+            continue
+        stock = getattr(module, "MultiScaleDeformableAttention", None)
+        if isinstance(stock, type) and stock is not MultiScaleDeformableAttention:
+            _SWITCH.rebind_everywhere(stock, MultiScaleDeformableAttention)
 
 
 def disable() -> None:
@@ -114,7 +109,7 @@ def disable() -> None:
 
 def enabled():
     """Context manager: models built inside ``with enabled():`` use lik's deformable attention."""
-    return _patching.scoped(enable, disable, is_enabled)
+    return _SWITCH.scoped(enable)
 
 
 def patch_model(model: nn.Module) -> int:
