@@ -61,7 +61,34 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["kernel_op", "router"]
+from ._config import interpreting
+
+__all__ = ["kernel_op", "router", "uses_kernels", "resolve_backward", "BACKWARD_MODES"]
+
+BACKWARD_MODES = ("auto", "fast", "deterministic")
+# float8: the interpreter's conversion flushes small values, so CPU float8 runs the reference (GPU tests cover it).
+_REFERENCE_ONLY_ON_CPU = (torch.float64, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def uses_kernels(x: torch.Tensor) -> bool:
+    """Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+
+    float64 is reference-only. Triton's interpreter has no bfloat16 arithmetic and flushes small float8 values,
+    so CPU bfloat16 and float8 run the reference even under the interpreter (their kernels are covered by the
+    GPU tests); CPU int8 and the other float dtypes run the real kernels there."""
+    if x.is_cuda:  # first and cheapest: this predicate is on every call's host path
+        return x.dtype != torch.float64
+    return x.device.type == "cpu" and x.dtype not in _REFERENCE_ONLY_ON_CPU and interpreting()
+
+
+def resolve_backward(backward: str) -> bool:
+    """``backward=`` of a trainable op: True for the deterministic (atomic-free) backward; "auto" follows
+    ``torch.use_deterministic_algorithms``."""
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward must be one of {BACKWARD_MODES}, got {backward!r}")
+    if backward == "auto":
+        return torch.are_deterministic_algorithms_enabled()
+    return backward == "deterministic"
 
 
 def kernel_op(name: str, *, fake: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

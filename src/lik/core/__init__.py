@@ -1,1 +1,2 @@
-"""Pieces shared by the kernels of every op: launch budgets (``budget``), where sequences live (``segments``)."""
+"""Pieces shared by the kernels of every op: launch budgets (``budget``), where sequences live (``segments``),
+accumulation precision (``precision``)."""

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from ..core.precision import accumulation_dtype
 from ..ops.maxsim import maxsim_packed
 from ..retrieval.exact import merge_top_k
 from .placement import ChunkPlan, ChunkSource
@@ -51,7 +52,7 @@ def search_chunks(
     n_queries = Q.shape[0]
     Q = Q.to(device, non_blocking=True)
     q_mask = None if q_mask is None else q_mask.to(device, non_blocking=True)
-    score_dtype = torch.float64 if Q.dtype == torch.float64 else torch.float32
+    score_dtype = accumulation_dtype(Q.dtype)
     best_scores = torch.empty(n_queries, 0, dtype=score_dtype, device=device)
     best_ids = torch.empty(n_queries, 0, dtype=torch.int64, device=device)
     if k == 0 or n_queries == 0:

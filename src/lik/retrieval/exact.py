@@ -12,6 +12,7 @@ import operator
 
 import torch
 
+from ..core.precision import accumulation_dtype
 from ..ops.maxsim import maxsim
 from ..ops.maxsim.validation import MaxSimInputs
 
@@ -141,7 +142,7 @@ def search(
     k = _check_k(k, n_docs)
     chunk_size = _check_chunk_size(chunk_size, n_queries)
 
-    score_dtype = torch.float64 if inputs.q.dtype == torch.float64 else torch.float32
+    score_dtype = accumulation_dtype(inputs.q.dtype)
     if k == 0 or n_queries == 0:
         empty_scores = torch.empty(n_queries, k, dtype=score_dtype, device=corpus.device)
         empty_indices = torch.empty(n_queries, k, dtype=torch.int64, device=corpus.device)

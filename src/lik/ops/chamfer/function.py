@@ -13,31 +13,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..._config import interpreting
+from ..._dispatch import resolve_backward, uses_kernels
+from ...core.precision import accumulation_dtype
 from .kernel import DIRECT_MAX_DIM, coordinate_major, nearest_indices
 from .reference import nearest_neighbors_reference
-from .validation import PointSets, check_point_sets, check_reductions
+from .validation import PointSets, check_point_sets, check_reductions, valid_points
 
-__all__ = ["nearest_neighbors", "chamfer_distance", "BACKWARD_MODES"]
-
-BACKWARD_MODES = ("auto", "fast", "deterministic")
-
-
-def _uses_kernels(x: torch.Tensor) -> bool:
-    if x.dtype == torch.float64:
-        return False
-    if x.device.type == "cuda":
-        return True
-    # The interpreter has no bfloat16 arithmetic: CPU bfloat16 runs the reference (the GPU tests cover it).
-    return x.device.type == "cpu" and interpreting() and x.dtype != torch.bfloat16
-
-
-def _deterministic(backward: str) -> bool:
-    if backward not in BACKWARD_MODES:
-        raise ValueError(f"backward must be one of {BACKWARD_MODES}, got {backward!r}")
-    if backward == "auto":
-        return torch.are_deterministic_algorithms_enabled()
-    return backward == "deterministic"
+__all__ = ["nearest_neighbors", "chamfer_distance"]
 
 
 class _GatherRows(torch.autograd.Function):
@@ -65,14 +47,6 @@ class _GatherRows(torch.autograd.Function):
         return grad_y, None, None
 
 
-def _valid_points(lengths: torch.Tensor, size: int) -> torch.Tensor:
-    return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class _Cloud:
     """What both directions of a call need of one side, computed once: validity, zero-padded coordinates in the
     accumulation dtype, NaN rows, and (kernels) the coordinate-major copy."""
@@ -80,9 +54,9 @@ class _Cloud:
     def __init__(self, points: torch.Tensor, lengths: torch.Tensor, kernels: bool, direct: bool):
         self.points = points
         self.lengths = lengths
-        self.valid = _valid_points(lengths, points.shape[1])
+        self.valid = valid_points(lengths, points.shape[1])
         # Padded points are replaced by zeros before any arithmetic: garbage there reaches no value and no gradient.
-        self.clean = torch.where(self.valid[..., None], points, 0).to(_accumulation_dtype(points.dtype))
+        self.clean = torch.where(self.valid[..., None], points, 0).to(accumulation_dtype(points.dtype))
         self.nan_rows = self.nonfinite_rows = None
         self.major = None
         if kernels:
@@ -138,7 +112,7 @@ def _directed(a: _Cloud, b: _Cloud, norm: int, deterministic: bool, kernels: boo
 
 
 def _clouds(sets: PointSets, norm: int) -> tuple[_Cloud, _Cloud, bool]:
-    kernels = _uses_kernels(sets.x)
+    kernels = uses_kernels(sets.x)
     direct = norm == 1 or sets.x.shape[2] <= DIRECT_MAX_DIM
     return _Cloud(sets.x, sets.x_lengths, kernels, direct), _Cloud(sets.y, sets.y_lengths, kernels, direct), kernels
 
@@ -177,7 +151,7 @@ def nearest_neighbors(
     """
     sets = check_point_sets(x, y, x_lengths, y_lengths)
     check_reductions(None, None, norm, False)
-    deterministic = _deterministic(backward)
+    deterministic = resolve_backward(backward)
     a, b, kernels = _clouds(sets, norm)
     dist, idx, _ = _directed(a, b, norm, deterministic, kernels)
     return dist, idx
@@ -268,7 +242,7 @@ def chamfer_distance(
         if x_normals.shape[2] != y_normals.shape[2]:
             raise ValueError(f"x_normals has C = {x_normals.shape[2]}, y_normals C = {y_normals.shape[2]}")
     n = x.shape[0]
-    acc = _accumulation_dtype(x.dtype)
+    acc = accumulation_dtype(x.dtype)
     if weights is not None:
         if not isinstance(weights, torch.Tensor):
             raise TypeError(f"weights must be a torch.Tensor of shape ({n},), got {type(weights).__name__}")
@@ -278,7 +252,7 @@ def chamfer_distance(
             raise ValueError(f"weights is on {weights.device}, the points on {x.device}")
         if n and bool((weights < 0).any()):
             raise ValueError("weights cannot be negative")
-    deterministic = _deterministic(backward)
+    deterministic = resolve_backward(backward)
 
     x_cloud, y_cloud, kernels = _clouds(sets, norm)
 

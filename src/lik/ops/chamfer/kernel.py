@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv
+from .validation import valid_points
 
 __all__ = [
     "nearest_dot_kernel", "nearest_direct_kernel", "nearest_indices", "AUGMENTED_MAX_DIM", "DIRECT_MAX_DIM", "BLOCK_N",
@@ -170,7 +171,7 @@ def _centred_operands(x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor,
     """fp32 operands of the product: centred on the finite valid ``x`` points' mean."""
     p1 = x.shape[1]
     xf, yf = x.float(), y.float()
-    valid = torch.arange(p1, device=x.device)[None, :] < x_lengths[:, None]
+    valid = valid_points(x_lengths, p1)
     usable = valid & torch.isfinite(xf).all(-1)
     count = usable.sum(1, keepdim=True).clamp(min=1)
     centre = torch.where(usable[..., None], xf, 0.0).sum(1, keepdim=True) / count[..., None]

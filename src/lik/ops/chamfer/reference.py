@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from ...core.precision import accumulation_dtype
 __all__ = ["nearest_neighbors_reference", "DEFAULT_BUDGET_BYTES"]
 
 DEFAULT_BUDGET_BYTES = 128 * 1024 * 1024
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @torch.no_grad()
@@ -30,7 +29,7 @@ def nearest_neighbors_reference(
 
     Distances are in float32 (float64 for float64 inputs)."""
     n, p1, dim = x.shape
-    acc = _accumulation_dtype(x.dtype)
+    acc = accumulation_dtype(x.dtype)
     dists = torch.zeros((n, p1), dtype=acc, device=x.device)
     idx = torch.full((n, p1), -1, dtype=torch.int64, device=x.device)
     x_len, y_len = x_lengths.tolist(), y_lengths.tolist()

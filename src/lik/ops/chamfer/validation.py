@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PointSets", "check_point_sets", "check_reductions", "POINT_DTYPES"]
+__all__ = ["PointSets", "check_point_sets", "check_reductions", "valid_points", "POINT_DTYPES"]
 
 POINT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -21,6 +21,11 @@ class PointSets:
     x_lengths: torch.Tensor
     y_lengths: torch.Tensor
     ragged: bool  # some cloud is shorter than its padded size
+
+
+def valid_points(lengths: torch.Tensor, size: int) -> torch.Tensor:
+    """bool ``[N, size]``: True for the first ``lengths[n]`` points of cloud ``n``."""
+    return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
 
 
 def _lengths(name: str, lengths, n: int, size: int, device: torch.device) -> tuple[torch.Tensor, bool]:

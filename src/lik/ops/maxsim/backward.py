@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, maxsim_backward_config, next_power_of_2
+from ..._dispatch import BACKWARD_MODES
 from ..._launch import launch
 from .backward_sorted import launch_dd_sorted
 from .forward import set_strides
@@ -37,7 +38,6 @@ __all__ = [
     "BACKWARD_MODES",
 ]
 
-BACKWARD_MODES = ("auto", "fast", "deterministic")
 # dD routes (``MaxSimBackwardConfig.fast_dd`` / ``deterministic_dd``); the deterministic ones use no atomics.
 FAST_DD = ("atomic", "sorted")
 DETERMINISTIC_DD = ("sorted",)

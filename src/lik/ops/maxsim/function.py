@@ -9,29 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from ..._config import interpreting
-from ..._dispatch import kernel_op, router
-from .backward import BACKWARD_MODES, maxsim_backward_dd, maxsim_backward_dq
+from ..._dispatch import kernel_op, resolve_backward, router, uses_kernels
+from .backward import maxsim_backward_dd, maxsim_backward_dq
 from .forward import maxsim_forward
 from .reference import maxsim_reference_canonical
 from .validation import MaxSimInputs
 
 __all__ = ["maxsim", "MaxSimFunction", "uses_kernels", "scorer_uses_kernels", "resolve_backward"]
-
-
-# float8: the interpreter's conversion flushes small values, so CPU float8 runs the reference (GPU tests cover it).
-_REFERENCE_ONLY_ON_CPU = (torch.float64, torch.bfloat16, torch.float8_e4m3fn)
-
-
-def uses_kernels(x: torch.Tensor) -> bool:
-    """Kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
-
-    float64 is reference-only. Triton's interpreter has no bfloat16 arithmetic and flushes small float8 values,
-    so CPU bfloat16 and float8 run the reference even under the interpreter (their kernels are covered by the
-    GPU tests); CPU int8 runs the real kernels there."""
-    if x.is_cuda:  # first and cheapest: this predicate is on every call's host path
-        return x.dtype != torch.float64
-    return x.device.type == "cpu" and x.dtype not in _REFERENCE_ONLY_ON_CPU and interpreting()
 
 
 def scorer_uses_kernels(Q, D) -> bool:
@@ -40,15 +24,6 @@ def scorer_uses_kernels(Q, D) -> bool:
     if isinstance(D, torch.Tensor) and D.dtype in (torch.int8, torch.float8_e4m3fn):
         return uses_kernels(D)
     return isinstance(Q, torch.Tensor) and uses_kernels(Q)
-
-
-def resolve_backward(backward: str) -> bool:
-    """Return True for the deterministic (atomic-free) backward."""
-    if backward not in BACKWARD_MODES:
-        raise ValueError(f"backward must be one of {BACKWARD_MODES}, got {backward!r}")
-    if backward == "auto":
-        return torch.are_deterministic_algorithms_enabled()
-    return backward == "deterministic"
 
 
 def _forward_fake(q, d, q_mask, d_mask, mask_mode, per_query, store_argmax, q_scale=None, d_scale=None):

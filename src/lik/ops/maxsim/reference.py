@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ...core.precision import accumulation_dtype
 from .validation import MaxSimInputs
 
 __all__ = ["maxsim_reference", "maxsim_reference_canonical", "DEFAULT_BUDGET_BYTES"]
@@ -23,8 +24,6 @@ __all__ = ["maxsim_reference", "maxsim_reference_canonical", "DEFAULT_BUDGET_BYT
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def maxsim_reference_canonical(
@@ -34,7 +33,7 @@ def maxsim_reference_canonical(
     q, d = inputs.q, inputs.d
     n_q, l_q, _ = q.shape
     n_sets, n_docs, l_d, _ = d.shape
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     if n_q == 0 or n_docs == 0 or l_q == 0 or l_d == 0:
         if inputs.d_scale is not None:  # inference only: nothing to keep connected
             return torch.zeros(n_q, n_docs, dtype=torch.float32, device=q.device)

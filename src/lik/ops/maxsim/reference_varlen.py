@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ...core.precision import accumulation_dtype
 from .packing import PackedInputs
 from .reference import maxsim_reference
 
@@ -18,7 +19,7 @@ __all__ = ["maxsim_varlen_reference", "maxsim_packed_reference", "packed_referen
 def packed_reference(inputs: PackedInputs) -> torch.Tensor:
     """Reference on validated inputs: pairs ``[N]`` or corpus ``[Nq, B]`` (float32, float64 for float64)."""
     q, d = inputs.q, inputs.d
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q.dtype)
     d_bounds = inputs.cu_d.tolist()
     docs = [d[start:stop] for start, stop in zip(d_bounds[:-1], d_bounds[1:])]
     quantized = inputs.d_scale is not None
