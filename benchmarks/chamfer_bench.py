@@ -26,6 +26,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import lik  # noqa: E402
+from lik.bench.measure import peak_memory_bytes  # noqa: E402
 
 
 def _time_ms(fn) -> float:
@@ -49,12 +50,7 @@ def _time_ms(fn) -> float:
 
 
 def _peak_mb(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return peak_memory_bytes(fn, torch.device("cuda")) / 2**20
 
 
 def _methods(n, p, d):

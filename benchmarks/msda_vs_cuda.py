@@ -25,23 +25,12 @@ import triton
 import triton.testing
 
 import lik
+from host_profile import host_us  # benchmarks/ is the script's directory, so on sys.path
 from msda_bench import DECODER, ENCODER, detr_core, make_problem
 from msda_original_op import load_original_op
 
 DECODER_900 = dict(DECODER, name="decoder900", queries=900)
 PAPER_H100_BF16 = dict(fwd_ms=1.15, bwd_ms=4.33)  # "Efficient Multi-Scale Deformable Attention on GPUs", Triton
-
-
-def host_us(fn, calls=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = (time.perf_counter() - started) / calls * 1e6
-    torch.cuda.synchronize()
-    return elapsed
 
 
 def leaves(p):
