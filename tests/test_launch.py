@@ -306,8 +306,9 @@ def test_every_lik_kernel_stays_on_the_cached_path():
     attn = torch.rand(2, 11, 3, 2, 4, device="cuda", generator=gen, requires_grad=True)
     lik.ms_deform_attn(value, shapes, starts, loc, attn).sum().backward()
     tables = {
-        f"{module.__name__}.{name}": kernel._lik_launch_table
-        for module in list(sys.modules.values()) if (module.__name__ or "").startswith("lik.")
+        f"{module_name}.{name}": kernel._lik_launch_table
+        # keyed by sys.modules' names: some packages put objects without __name__ in it
+        for module_name, module in list(sys.modules.items()) if module_name.startswith("lik.")
         for name, kernel in vars(module).items() if isinstance(kernel, JITFunction) and hasattr(kernel,
                                                                                                 "_lik_launch_table")
     }

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...core.quantized import FLOAT, FP8, scale_similarity, zero_similarity
+from ...core.quantized import FLOAT, FP8, INT8, scale_similarity, zero_similarity
 
 __all__ = [
     "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
@@ -102,6 +102,9 @@ def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOA
     (:data:`FP8_PROMOTION_K`); int8 accumulates in int32 (exact)."""
     if LOADER == FP8:
         product = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTION_K)
+    elif LOADER == INT8:
+        # the compiler requires the accumulator's dtype to be named when it is not fp32
+        product = tl.dot(a, b, acc, out_dtype=tl.int32)
     else:
         product = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return product
