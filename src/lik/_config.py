@@ -157,6 +157,7 @@ class MaxSimBackwardConfig:
     sort_workspace_entries: int = 1 << 20
 
 
+EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 LONG_DOCUMENT = 512  # tokens: from here one short query streams documents in 128-token tiles
 # Widest embedding whose query block stays on chip for the whole document loop; wider ones stream the query and
 # the document tile in feature chunks (the tuned d <= 128 tiles and the d <= 256 ones are left as they were).
@@ -237,6 +238,16 @@ def _maxsim_forward_heuristic(
             # cap are the stacked branch's above.
             groups = max(1, min(128 // group_rows, next_power_of_2(n_groups_total)))
             warps = 8
+    if not interpreted and hopper and not wide and dtype in EIGHT_BIT_DTYPES and groups == 1 and group_rows >= 128:
+        # 8-bit long queries: half the bytes per tile, so 128 x 128 tiles of 4 warps, 4 stages (H100 sweep,
+        # BENCHMARKS.md "8-bit corpora": ColPali B = 1 000 int8 0.461 -> 0.394 ms, fp8 0.450 -> 0.373 ms).
+        group_rows, block_n, warps, stages = 128, 128, 4, 4
+    elif not interpreted and hopper and not wide and dtype in EIGHT_BIT_DTYPES and groups > 1:
+        # 8-bit stacked short queries: 128 stacked rows against 128-token tiles, 4 warps, 2 persistent programs per
+        # SM with no register cap (H100 sweep, BENCHMARKS.md "8-bit corpora": multi long-doc int8 0.741 -> 0.415 ms,
+        # fp8 0.678 -> 0.364; the fp16 stacked tiles spill at 8 bits).
+        groups = max(1, min(128 // group_rows, groups))
+        block_n, warps, stages, programs_per_sm, max_registers = 128, 4, 4, 2, 0
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm, max_registers)
 
 

@@ -25,10 +25,11 @@ __all__ = [
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
-# float8 products: partial sums promoted to fp32 after every 32-deep tensor-core instruction (wgmma k = 32). Hopper's
-# default keeps the fp8 accumulator at reduced precision over the whole k; 0 would fall back to fp16 mma.sync
-# (offline sm_90 PTX: wgmma + add.f32 per instruction with 32, no wgmma with 0).
-FP8_PROMOTION_K = tl.constexpr(32)
+# float8 products: partial sums promoted to fp32 after every 128-deep run of tensor-core instructions (one resident
+# d <= 128 block; Hopper's fp8 accumulator is narrower than fp32 within it). Promoting every 32 (one wgmma k) cost
+# 1.3x at ColPali B = 1 000 for no visible change in the scores (BENCHMARKS.md, "8-bit corpora"); 0 would fall
+# back to fp16 mma.sync.
+FP8_PROMOTION_K = tl.constexpr(128)
 # The running reduction of the tile loop, a constexpr flag passed down from the kernel: MaxSim's NaN-propagating
 # max with the lowest winning token (absorb_tile). A new reduction (Chamfer's min of L2 distance) adds a value here
 # and its fold in reduce_tile, with the same winner-key convention; the loop and its callers pass the flag through.
@@ -101,7 +102,11 @@ def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOA
     """``a @ b (+ acc)`` on the tensor cores. float8 promotes each instruction's partial sums to fp32
     (:data:`FP8_PROMOTION_K`); int8 accumulates in int32 (exact)."""
     if LOADER == FP8:
-        product = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTION_K)
+        # the compiler caps the promotion interval at the product's own depth
+        if a.shape[1] < FP8_PROMOTION_K:
+            product = tl.dot(a, b, acc, max_num_imprecise_acc=a.shape[1])
+        else:
+            product = tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTION_K)
     elif LOADER == INT8:
         # the compiler requires the accumulator's dtype to be named when it is not fp32
         product = tl.dot(a, b, acc, out_dtype=tl.int32)
