@@ -3,9 +3,9 @@ reference run on the CPU with the same quantized operands.
 
 int8: each similarity is bit-equal to the reference's (exact int32 sums, the same fp32 scaling), so one-token
 queries score bit for bit alike and longer ones differ only by the fp32 order of the sum over query tokens.
-float8: fp32 sums (Hopper's partial fp8 products promoted to fp32 after every tensor-core instruction), so the
-scores differ from the reference's exact sum by fp32 rounding of the running sum plus whatever precision the
-tensor cores keep inside one instruction (k = 32 products): ``FP8_RTOL`` bounds it; the tests print the error seen.
+float8: fp32 sums (Hopper's partial fp8 products promoted to fp32 once per 128-deep chunk), so the scores differ
+from the reference's exact sum by fp32 rounding of the running sum plus whatever precision the tensor cores keep
+inside one chunk (up to 128 products): ``FP8_RTOL`` bounds it; the tests print the error seen.
 """
 
 from __future__ import annotations

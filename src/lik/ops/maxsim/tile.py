@@ -99,8 +99,8 @@ def store_group_sums(
 
 @triton.jit
 def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOAT):
-    """``a @ b (+ acc)`` on the tensor cores. float8 promotes each instruction's partial sums to fp32
-    (:data:`FP8_PROMOTION_K`); int8 accumulates in int32 (exact)."""
+    """``a @ b (+ acc)`` on the tensor cores. float8 promotes its partial sums to fp32 every
+    :data:`FP8_PROMOTION_K` products; int8 accumulates in int32 (exact)."""
     if LOADER == FP8:
         # the compiler caps the promotion interval at the product's own depth
         if a.shape[1] < FP8_PROMOTION_K:
