@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--doc-len", type=int, default=300)
     parser.add_argument("--nq", type=int, default=32)
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "int8", "float8_e4m3fn"))
-    parser.add_argument("--chunk-tokens", type=int, default=1 << 20)
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="default: the index's own choice")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the script runs")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)

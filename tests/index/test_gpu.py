@@ -84,3 +84,16 @@ def test_nccl_ranks_match_one_gpu(tmp_path):
         scores, ids = torch.load(tmp_path / f"rank{rank}.pt")
         assert torch.equal(ids, want[1].cpu())
         torch.testing.assert_close(scores, want[0].cpu(), rtol=0, atol=0)
+
+
+def test_resident_index_scores_whole_shards_unless_chunk_tokens_is_given(tmp_path):
+    docs = random_docs(300, seed=3)
+    lik.Index.build(docs, out=tmp_path / "ix", shard_tokens=20_000, progress=False)
+    Q = torch.nn.functional.normalize(torch.randn(4, 32, 128), dim=-1).cuda()
+    whole = lik.Index.load(tmp_path / "ix", placement="gpu", device="cuda")
+    chunked = lik.Index.load(tmp_path / "ix", placement="gpu", device="cuda", chunk_tokens=3_000)
+    scores, ids = whole.search(Q, 10)
+    assert len(whole._chunk_source().plans) == len(whole.segments) > 1
+    assert len(chunked._chunk_source().plans) > len(chunked.segments)
+    chunked_scores, chunked_ids = chunked.search(Q, 10)
+    assert torch.equal(ids, chunked_ids) and torch.equal(scores, chunked_scores)

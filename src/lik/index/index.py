@@ -111,13 +111,15 @@ class Index:
     """
 
     def __init__(self, d: int, dtype: torch.dtype, segments=(), *, placement="host", device="cpu",
-                 first_id=0, total_docs=None, shard=0, num_shards=1, chunk_tokens=DEFAULT_CHUNK_TOKENS):
+                 first_id=0, total_docs=None, shard=0, num_shards=1, chunk_tokens=None):
         dtype_name(dtype)
         self.d, self.dtype = int(d), dtype
         self.segments = list(segments)
         self.placement, self.device = placement, torch.device(device)
         self.first_id, self.shard, self.num_shards = first_id, shard, num_shards
-        self.chunk_tokens = _as_int(chunk_tokens, "chunk_tokens")
+        # None: DEFAULT_CHUNK_TOKENS for streamed placements and the CPU, whole shards for a GPU-resident index.
+        self._chunk_tokens_given = chunk_tokens is not None
+        self.chunk_tokens = _as_int(DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens, "chunk_tokens")
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
         self._total_docs = total_docs
@@ -155,7 +157,7 @@ class Index:
         if placement in ("auto", "disk"):  # nothing is on disk yet: "disk" means host memory until saved
             placement = "host" if placement == "disk" else _auto_placement(segments, device)
         index = cls(segments[0].tokens.shape[1], dtype, placement=placement, device=device,
-                    chunk_tokens=load_options.get("chunk_tokens", DEFAULT_CHUNK_TOKENS))
+                    chunk_tokens=load_options.get("chunk_tokens"))
         index.segments = [index._place(s, placement) if placement == "gpu" or device.type == "cuda" else s
                           for s in segments]
         return index
@@ -179,7 +181,7 @@ class Index:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, path, *, placement: str = "auto", shard: int | None = None, num_shards: int | None = None,
-             device=None, verify: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> "Index":
+             device=None, verify: bool = True, chunk_tokens: int | None = None) -> "Index":
         """Open a saved index.
 
         Args:
@@ -243,10 +245,16 @@ class Index:
             for segment in self.segments:
                 first_ids.append(first)
                 first += segment.num_docs
-            plans = plan_chunks(self.segments, first_ids, self.chunk_tokens)
             if self.device.type == "cuda" and self.placement in ("host", "disk"):
+                plans = plan_chunks(self.segments, first_ids, self.chunk_tokens)
                 self._source = StreamedSource(self.segments, plans, self.device, staged=self.placement == "disk")
             else:
+                # Resident on a GPU, a chunk only bounds the [Nq, documents] scores (a few MB for a whole shard):
+                # one call per shard saves the per-chunk launches and merges (BENCHMARKS.md, "lik.Index search").
+                chunk_tokens = self.chunk_tokens
+                if self.device.type == "cuda" and not self._chunk_tokens_given:
+                    chunk_tokens = max([chunk_tokens] + [s.num_tokens for s in self.segments])
+                plans = plan_chunks(self.segments, first_ids, chunk_tokens)
                 self._source = ResidentSource(self.segments, plans, self.device)
         return self._source
 

@@ -32,7 +32,9 @@ def _scaled(x, inv_ok, scale, QMAX_VALUE: tl.constexpr, TO_INT8: tl.constexpr):
     return values
 
 
-@triton.jit(do_not_specialize=["n_rows", "dim", "stride_xr", "stride_qr"])
+# n_rows stays unspecialized (no recompile per corpus size); dim and the row strides keep Triton's 16-divisibility
+# specialization, without which the row loads are not vectorized.
+@triton.jit(do_not_specialize=["n_rows"])
 def quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, n_rows, dim, stride_xr, stride_qr,
     QMAX_VALUE: tl.constexpr, TO_INT8: tl.constexpr,
