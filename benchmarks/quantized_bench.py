@@ -78,6 +78,7 @@ def peer_methods(Q, D, nq):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--quantize-only", action="store_true", help="time lik.quantize alone")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -94,7 +95,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     del x
 
-    for name, nq, lq, ld, b in SHAPES:
+    for name, nq, lq, ld, b in [] if args.quantize_only else SHAPES:
         Q = unit(torch.randn((lq, 128) if nq == 1 else (nq, lq, 128), device="cuda", generator=gen))
         D = unit(torch.randn(b, ld, 128, device="cuda", generator=gen))
         reference = lik.maxsim(Q, D)
