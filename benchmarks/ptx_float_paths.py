@@ -1,4 +1,4 @@
-"""Does a kernel change leave the float MaxSim forward untouched? Compare sm_90 PTX of two source trees, offline.
+"""Does a kernel change leave the float MaxSim kernels untouched? Compare sm_90 PTX of two source trees, offline.
 
 Run from each tree's root with ``TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/ptx_float_paths.py OUT.txt``
 (no GPU needed): the float forward launches of a fixed workload (fp16 / fp32; stacked persistent, long documents,
@@ -6,6 +6,10 @@ per-query-free short queries, d = 96 / 128 / 1000 streamed, packed corpus and pa
 interpreter with the sm_90 heuristics, compiled for sm_90 like ``tests/test_compile_sm90.py`` does, and each
 kernel's PTX is reduced to its instructions: parameter names, debug sections, line info and register numbers
 dropped. ``diff`` the two output files: equal lines mean the same instructions.
+
+``--family backward`` does the same for the training backward's kernels (dQ gather, atomic and sorted dD, the
+winner keys) over the sm_90 compile test's MaxSim and packed training workloads; ``--ignore NAME,...`` leaves
+constexpr flags a change added out of each line's key (a flag at its old behaviour must give the old PTX).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import hashlib, importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+IGNORED = set(sys.argv[1].split(","))
 for job in json.load(sys.stdin):
     kernel = getattr(importlib.import_module(job["module"]), job["name"])
     signature = dict(job["signature"]); names = list(signature)
@@ -40,8 +45,9 @@ for job in json.load(sys.stdin):
     body = [re.sub(r"%[a-z]*[0-9]*", "%R", line) for line in ptx.splitlines()
             if line.strip() and "param" not in line and ".loc" not in line and ".file" not in line
             and not line.lstrip().startswith("//") and "$L__" not in line]
-    key = json.dumps({k: v for k, v in sorted(job["constants"].items()) if k != "LOADER"})
-    print(hashlib.sha1("\n".join(body).encode()).hexdigest()[:12], len(body), key, flush=True)
+    key = json.dumps({k: v for k, v in sorted(job["constants"].items()) if k not in IGNORED})
+    key += " " + ",".join(t[1:] for _, t in job["signature"] if t.startswith("*"))
+    print(hashlib.sha1("\n".join(body).encode()).hexdigest()[:12], len(body), job["name"], key, flush=True)
 """
 
 
@@ -61,12 +67,25 @@ def _workload():
     lik.maxsim_varlen(torch.randn(39, 128).half(), d, cu_q, cu_d, 33, 70)
 
 
-def main(out_path: str) -> None:
-    launches = compile_test._record_launches(pytest.MonkeyPatch(), _workload)
+def _backward_workload():
+    compile_test._maxsim_workload()
+    compile_test._varlen_workload()
+
+
+FAMILIES = {
+    "forward": (_workload, {"maxsim_fwd_kernel"}),
+    "backward": (_backward_workload, {"maxsim_bwd_dq_kernel", "maxsim_bwd_dd_atomic_kernel",
+                                      "maxsim_bwd_dd_sorted_kernel", "winner_keys_kernel"}),
+}
+
+
+def main(out_path: str, family: str = "forward", ignore: str = "LOADER") -> None:
+    workload, names = FAMILIES[family]
+    launches = compile_test._record_launches(pytest.MonkeyPatch(), workload)
     jobs = sorted({json.dumps(job, sort_keys=True) for job in (compile_test._describe(*launch) for launch in launches)
-                   if job["name"] == "maxsim_fwd_kernel"})
+                   if job["name"] in names})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE], input="[" + ",".join(jobs) + "]", env=env,
+    done = subprocess.run([sys.executable, "-c", _COMPILE, ignore], input="[" + ",".join(jobs) + "]", env=env,
                           capture_output=True, text=True, check=True)
     lines = sorted(done.stdout.splitlines(), key=lambda line: line.split(" ", 2)[2])
     with open(out_path, "w") as out:
@@ -75,4 +94,11 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="forward")
+    parser.add_argument("--ignore", default="LOADER", help="constexpr names left out of the keys, comma-separated")
+    args = parser.parse_args()
+    main(args.out, args.family, args.ignore)

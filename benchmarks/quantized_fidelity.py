@@ -5,6 +5,12 @@ Two steps, because the lent GPU has no network and no encoder weights:
 
     python benchmarks/quantized_fidelity.py embed --out .carry/fidelity.safetensors   # CPU: MiniLM token embeddings
     python3 benchmarks/quantized_fidelity.py score --data .carry/fidelity.safetensors --out $OUT   # GPU
+    python benchmarks/quantized_fidelity.py score --device cpu --data ... --out DIR   # CPU, peers emulated
+
+On the CPU lik runs its reference (the scores the kernels give, by contract) and the peers' kernels, which need a
+GPU, are replaced by their quantizers as shipped plus their scoring arithmetic evaluated in PyTorch
+(``_emulated``); on a GPU the peers' real kernels run (flash-maxsim compiles and autotunes once per distinct query
+length: allow minutes).
 
 ``embed`` encodes real English passages with the demo's all-MiniLM-L6-v2 encoder (``lik.demo.MiniLMEncoder``,
 d = 384, content tokens only, at most ``--max-tokens``): the demo corpus plus paragraphs of the Python standard
@@ -103,8 +109,34 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
-def _methods(Q, q_mask, D, d_mask):
-    """``name -> scores [Nq, B]`` of each 8-bit method on fp16 Q [Nq, Lq, d] and D [B, Ld, d] (masks: real tokens)."""
+def _masked_maxsim(sim: torch.Tensor, q_mask: torch.Tensor, d_mask: torch.Tensor) -> torch.Tensor:
+    """``sum_s max_t sim[n, s, b, t]`` over valid tokens (masked documents tokens never win, masked query rows add
+    0), for ``sim [Nq, Lq, B, Ld]``."""
+    sim = sim.masked_fill(~d_mask[None, None], float("-inf")).amax(-1)
+    return torch.where(q_mask[:, :, None] & torch.isfinite(sim), sim, 0.0).sum(1)
+
+
+def _emulated(Q_int, q_scale, D_int, d_scale, q_mask, d_mask, chunk: int = 128) -> torch.Tensor:
+    """A peer kernel's arithmetic on the CPU: ``(float32(Q_int . D_int) * q_scale[s]) * d_scale[t]`` in fp32, max
+    over valid document tokens, sum over valid query tokens. The dot products of 8-bit values are exact here
+    (float64 sums of exact products, rounded once to fp32), as int8 kernels are; fp8 kernels round their running
+    sums, which this does not model."""
+    q64 = Q_int.double()
+    rows = []
+    for start in range(0, D_int.shape[0], chunk):
+        docs = slice(start, start + chunk)
+        dots = torch.einsum("nsk,btk->nsbt", q64, D_int[docs].double()).float()
+        sim = dots * q_scale.float()[:, :, None, None] * d_scale[docs].float()[None, None]
+        rows.append(_masked_maxsim(sim, q_mask, d_mask[docs]))
+    return torch.cat(rows, dim=1)
+
+
+def _methods(Q, q_mask, D, d_mask, *, emulate_peers: bool):
+    """``name -> scores [Nq, B]`` of each 8-bit method on fp16 Q [Nq, Lq, d] and D [B, Ld, d] (masks: real tokens).
+
+    lik's rows run ``lik.maxsim`` (the kernels on a GPU, the reference on the CPU: the same numbers by contract).
+    The peers' rows run their kernels on a GPU; with ``emulate_peers`` (the CPU) their own quantizers run as
+    shipped and their kernels' scoring arithmetic, read from their source, is evaluated by ``_emulated``."""
     import lik
 
     out = {}
@@ -114,18 +146,24 @@ def _methods(Q, q_mask, D, d_mask):
     try:
         import flash_maxsim as fm
 
+        # Scales are rounded to fp16 by its quantizers and widened to fp32 in its kernel.
         D_i, d_sc = fm.quantize_int8_symmetric(D)
-        lengths = d_mask.sum(1).to(torch.int32)
+        if emulate_peers:
+            Q_i, q_sc = fm.quantize_query_int8(Q)
+            out["flash-maxsim int8x8 (emulated)"] = lambda: _emulated(
+                Q_i, q_sc, D_i, d_sc.squeeze(-1), q_mask, d_mask)
+        else:
+            lengths = d_mask.sum(1).to(torch.int32)
 
-        def flash():
-            rows = []
-            for i in range(Q.shape[0]):
-                q = Q[i, : int(q_mask[i].sum())]
-                Q_i, q_sc = fm.quantize_query_int8(q)
-                rows.append(fm.flash_maxsim_int8x8(q, D_i, d_sc, Q_i, q_sc, doc_lengths=lengths))
-            return torch.stack(rows)
+            def flash():
+                rows = []
+                for i in range(Q.shape[0]):
+                    q = Q[i, : int(q_mask[i].sum())]
+                    Q_i, q_sc = fm.quantize_query_int8(q)
+                    rows.append(fm.flash_maxsim_int8x8(q, D_i, d_sc, Q_i, q_sc, doc_lengths=lengths))
+                return torch.stack(rows)
 
-        out["flash-maxsim int8x8"] = flash
+            out["flash-maxsim int8x8"] = flash
     except ImportError:
         pass
     try:
@@ -133,8 +171,11 @@ def _methods(Q, q_mask, D, d_mask):
 
         Q_f, q_sc8 = lk8.quantize_fp8_per_token(Q)
         D_f, d_sc8 = lk8.quantize_fp8_per_token(D)
-        out["late-interaction-kernels fp8"] = lambda: lk8.maxsim_inference_fp8(
-            Q_f, D_f, scale_Q=q_sc8, scale_D=d_sc8, q_mask=q_mask, d_mask=d_mask)
+        if emulate_peers:
+            out["late-interaction-kernels fp8 (emulated)"] = lambda: _emulated(Q_f, q_sc8, D_f, d_sc8, q_mask, d_mask)
+        else:
+            out["late-interaction-kernels fp8"] = lambda: lk8.maxsim_inference_fp8(
+                Q_f, D_f, scale_Q=q_sc8, scale_D=d_sc8, q_mask=q_mask, d_mask=d_mask)
     except ImportError:
         pass
     return out
@@ -167,19 +208,20 @@ def score(args) -> None:
     import lik
 
     device = args.device
+    emulate = device == "cpu"
     data = load_file(args.data)
     D, d_mask = _padded(data["doc_tokens"].to(device), data["doc_lengths"].to(device))
     Q, q_mask = _padded(data["query_tokens"].to(device), data["query_lengths"].to(device))
     rows = []
     exact = lik.maxsim(Q.float(), D.float(), q_mask, d_mask)  # fp32 operands, fp32 (IEEE) products
     _compare(f"MiniLM, {D.shape[0]} passages, {Q.shape[0]} queries, d {D.shape[-1]}", exact,
-             _methods(Q, q_mask, D, d_mask), rows)
+             _methods(Q, q_mask, D, d_mask, emulate_peers=emulate), rows)
     Qc, Dc = _colpali_like(device, n_pages=args.pages)
     ones_q = torch.ones(Qc.shape[:2], dtype=torch.bool, device=device)
     ones_d = torch.ones(Dc.shape[:2], dtype=torch.bool, device=device)
     exact = lik.maxsim(Qc, Dc)
     _compare(f"ColPali-like, {Dc.shape[0]} pages x {Dc.shape[1]}, {Qc.shape[0]} queries", exact,
-             _methods(Qc.half(), ones_q, Dc.half(), ones_d), rows)
+             _methods(Qc.half(), ones_q, Dc.half(), ones_d, emulate_peers=emulate), rows)
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else device, "torch": torch.__version__}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "quantized_fidelity.json"), "w") as f:
