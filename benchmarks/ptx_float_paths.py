@@ -10,6 +10,7 @@ dropped. ``diff`` the two output files: equal lines mean the same instructions.
 ``--family backward`` does the same for the training backward's kernels (dQ gather, atomic and sorted dD, the
 winner keys) over the sm_90 compile test's MaxSim and packed training workloads; ``--ignore NAME,...`` leaves
 constexpr flags a change added out of each line's key (a flag at its old behaviour must give the old PTX).
+With ``PTX_DUMP=DIR`` each reduced PTX is also written to ``DIR/<hash>.ptx``, so two variants can be diffed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import lik  # noqa: E402
 from tests import test_compile_sm90 as compile_test  # noqa: E402
 
 _COMPILE = r"""
-import hashlib, importlib, json, re, sys
+import hashlib, importlib, json, os, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -47,7 +48,10 @@ for job in json.load(sys.stdin):
             and not line.lstrip().startswith("//") and "$L__" not in line]
     key = json.dumps({k: v for k, v in sorted(job["constants"].items()) if k not in IGNORED})
     key += " " + ",".join(t[1:] for _, t in job["signature"] if t.startswith("*"))
-    print(hashlib.sha1("\n".join(body).encode()).hexdigest()[:12], len(body), job["name"], key, flush=True)
+    digest = hashlib.sha1("\n".join(body).encode()).hexdigest()[:12]
+    if os.environ.get("PTX_DUMP"):
+        open(os.path.join(os.environ["PTX_DUMP"], digest + ".ptx"), "w").write("\n".join(body))
+    print(digest, len(body), job["name"], key, flush=True)
 """
 
 

@@ -132,11 +132,10 @@ class MaxSimForwardConfig:
 
 @dataclass(frozen=True)
 class MaxSimBackwardConfig:
-    """Tiles of the backward kernels: query rows per program (dQ, atomic dD), document rows per program (the
-    packed kernels' deterministic dD), and the dD routes with the sorted gather's tiles."""
+    """Tiles of the backward kernels (every layout): query rows per program (dQ, atomic dD), and the dD routes
+    with the sorted gather's tiles."""
 
     block_rows: int
-    block_doc_rows: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
@@ -320,10 +319,8 @@ def maxsim_backward_config(*, dim: int, dtype: torch.dtype, device: torch.device
 @functools.lru_cache(maxsize=64)
 def _maxsim_backward_heuristic(block_d: int, interpreted: bool) -> MaxSimBackwardConfig:
     if interpreted:
-        return MaxSimBackwardConfig(block_rows=16, block_doc_rows=16, block_k=block_d)
-    return MaxSimBackwardConfig(
-        block_rows=32, block_doc_rows=64, block_k=min(block_d, 128), num_warps=4, num_stages=1, dq_docs=2,
-    )
+        return MaxSimBackwardConfig(block_rows=16, block_k=block_d)
+    return MaxSimBackwardConfig(block_rows=32, block_k=min(block_d, 128), num_warps=4, num_stages=1, dq_docs=2)
 
 
 @dataclass(frozen=True)

@@ -272,7 +272,7 @@ def test_forced_launch_configs_agree(rng, forced):
     Q, D, qm, dm = rand_problem(rng, 3, 37, 4, 23, 40)
     grad = torch.randn(3, 4, generator=rng)
     rs, rdq, rdd = reference_with_grads(Q, D, qm, dm, grad)
-    backward_cfg = _config.MaxSimBackwardConfig(block_rows=16, block_doc_rows=16, block_k=16)
+    backward_cfg = _config.MaxSimBackwardConfig(block_rows=16, block_k=16)
     with _config.override(maxsim_forward=forced, maxsim_backward=backward_cfg):
         for backward in ("fast", "deterministic"):
             s, dq, dd = kernel_with_grads(lik.maxsim, Q, D, qm, dm, grad, backward=backward)

@@ -6,6 +6,8 @@ interpreter on CPU) and through the CPU reference path. `-m gpu` runs the compil
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -138,11 +140,47 @@ def test_wide_embeddings_split_over_k_chunks(rng):
         _check_corpus(rng, 2, 5, [9, 3], 40)
 
 
-def test_deterministic_blocks_span_many_documents(rng):
-    """16-row owned blocks over 1-3 token documents: each block sums several documents' gradients."""
+def test_deterministic_over_many_short_documents(rng):
+    """1-3 token documents and an empty one: each packed row finds its own document (binary search)."""
     lengths = [1, 2, 3, 0, 1, 2, 3, 1, 1, 2, 3, 2, 1, 1, 3]
     _check_pairs(rng, [2] * len(lengths), lengths, 16, backward="deterministic")
     _check_corpus(rng, 2, 3, lengths, 16, backward="deterministic")
+
+
+@pytest.mark.parametrize("workspace", [6, 12, 1 << 20])
+def test_deterministic_corpus_sorts_a_few_documents_per_pass(rng, path, workspace):
+    """A sort workspace of 1 or 2 documents' winners (Nq 2 x Lq 3 each): the corpus is sorted in passes, and each
+    pass stores only its own documents' rows (the others hold other passes' results)."""
+    forced = _config.MaxSimBackwardConfig(block_rows=16, block_k=16, sort_workspace_entries=workspace)
+    with _config.override(maxsim_backward=forced):
+        _check_corpus(rng, 2, 3, [4, 0, 7, 1, 5], 24, backward="deterministic")
+
+
+@pytest.mark.parametrize("backward", ["fast", "deterministic"])
+def test_backward_launches_do_not_depend_on_packed_lengths(monkeypatch, backward):
+    """The backward kernels see no stride or size that follows the packed lengths: batches of other pair counts
+    and token totals (odd and even, at an odd width) launch the same specialisations, so a GPU compiles once."""
+    from lik import _config as config
+    from tests import test_compile_sm90 as compile_test
+
+    def launches(q_lens, d_lens):
+        q, cu_q, max_q = lik.pack([torch.randn(n, 24) for n in q_lens])
+        d, cu_d, max_d = lik.pack([torch.randn(n, 24) for n in d_lens])
+        Q = torch.randn(2, 5, 24)
+
+        def workload():
+            for a, b, fn in ((q, d, lambda a, b: lik.maxsim_varlen(a, b, cu_q, cu_d, max_q, max_d, backward=backward)),
+                             (Q, d, lambda a, b: lik.maxsim_packed(a, b, cu_d, None, max_d, backward=backward))):
+                a, b = a.clone().requires_grad_(), b.clone().requires_grad_()
+                fn(a, b).sum().backward()
+
+        jobs = [compile_test._describe(*launch) for launch in compile_test._record_launches(monkeypatch, workload)]
+        return sorted(json.dumps(job, sort_keys=True) for job in jobs if "bwd" in job["name"] or "keys" in job["name"])
+
+    if not config.interpreting():
+        pytest.skip("records launches through Triton's interpreter")
+    first = launches([3, 5, 1], [7, 4, 9])  # Tq 9, Td 20
+    assert first and first == launches([2, 5, 1, 6], [7, 4, 9, 13])  # Tq 14, Td 33
 
 
 def test_kernels_really_run_under_interpreter():

@@ -1,4 +1,4 @@
-"""MaxSim backward from the argmax saved by the forward.
+"""MaxSim backward from the argmax saved by the forward: one family of kernels for every layout.
 
 With ``w[n, j] = dL/dscore[n, j]`` and ``t* = argmax[n, j, s]`` (-1: no gradient):
 
@@ -12,10 +12,16 @@ With ``w[n, j] = dL/dscore[n, j]`` and ``t* = argmax[n, j, s]`` (-1: no gradient
     row, each row summed by the one program that owns it, in a fixed order. No atomics, the same bits on
     every run.
 
-``winners_sum`` (a one-hot product over one query's tokens) serves the packed variable-length backward.
+The layouts (``LAYOUT``, :mod:`lik.core.segments`) differ only in how a winner is addressed. Padded documents
+``[n_sets, B, Ld, d]``: ``t*`` is a row of document ``j``. Packed documents (``PACKED``, ``PAIRS``): the forward
+saved *absolute* rows of the packed ``[Td, d]``, so the same kernels read the documents through a view with
+document stride 0. Packed pairs are one query made of all packed query tokens against that view, each token
+weighted by its own pair's gradient (found in ``cu_seqlens_q``); see ``packed_backward.py``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -24,13 +30,14 @@ import triton.language as tl
 from ..._config import cdiv, maxsim_backward_config, next_power_of_2
 from ..._dispatch import BACKWARD_MODES
 from ..._launch import launch
+from ...core.segments import PADDED, PAIRS, find_segment, search_steps
 from .backward_sorted import launch_dd_sorted
 from .forward import set_strides
 
 __all__ = [
     "maxsim_bwd_dq_kernel",
     "maxsim_bwd_dd_atomic_kernel",
-    "winners_sum",
+    "PairWeights",
     "feature_blocks",
     "maxsim_backward_dq",
     "maxsim_backward_dd",
@@ -50,10 +57,21 @@ DETERMINISTIC_DD = ("sorted",)
 _BATCH_STRIDES = ["stride_gn", "stride_an", "stride_ab"]
 
 
-@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES])
+@triton.jit
+def token_weights(grad_ptr, cu_q_ptr, tokens, token_ok, n_pairs, n_pair_steps, stride_gb):
+    """Packed pairs: each query token's weight, the gradient of the pair its row lies in."""
+    pair = find_segment(cu_q_ptr, tokens, n_pairs, n_pair_steps)
+    return tl.load(grad_ptr + pair * stride_gb, mask=token_ok, other=0.0)
+
+
+# Pair counts are runtime values (no recompile when the batch changes).
+_PAIR_ARGS = ["n_pairs", "n_pair_steps"]
+
+
+@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES, *_PAIR_ARGS])
 def maxsim_bwd_dq_kernel(
-    d_ptr, grad_ptr, argmax_ptr, dq_ptr,
-    q_len, n_docs, n_row_blocks, n_k_blocks,
+    d_ptr, grad_ptr, argmax_ptr, dq_ptr, cu_q_ptr,
+    q_len, n_docs, n_row_blocks, n_k_blocks, n_pairs, n_pair_steps,
     stride_dn, stride_db, stride_dl, stride_dk,
     stride_gn, stride_gb,
     stride_an, stride_ab, stride_al,
@@ -62,6 +80,7 @@ def maxsim_bwd_dq_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOCS: tl.constexpr = 1,
+    LAYOUT: tl.constexpr = 0,  # PADDED, PACKED or PAIRS (lik.core.segments)
 ):
     pid = tl.program_id(0).to(tl.int64)
     k_block = pid % n_k_blocks
@@ -82,14 +101,19 @@ def maxsim_bwd_dq_kernel(
     doc_ptr = d_ptr + query * stride_dn
     winner_ptrs = argmax_ptr + query * stride_an + tokens * stride_al
     weight_ptr = grad_ptr + query * stride_gn
+    if LAYOUT == PAIRS:  # one document (the packed view); each token weighted by its own pair
+        pair_weight = token_weights(grad_ptr, cu_q_ptr, tokens, token_ok, n_pairs, n_pair_steps, stride_gb)[:, None]
     acc = tl.zeros((BLOCK_ROWS, BLOCK_K), tl.float32)
     for start in range(0, n_docs, DOCS):
         for u in tl.static_range(DOCS):
             # Past the last document (a partial step): no winners, weight 0 (read from the last document).
             doc_ok = (start + u) < n_docs
             winner = tl.load(winner_ptrs + u * stride_ab64, mask=tokens < tl.where(doc_ok, q_len, 0), other=-1)
-            weight = tl.load(weight_ptr + tl.minimum(n_docs - 1 - start, u) * stride_gb64)
-            weight = tl.where(doc_ok, weight, 0.0)
+            if LAYOUT == PAIRS:
+                weight = pair_weight
+            else:
+                weight = tl.load(weight_ptr + tl.minimum(n_docs - 1 - start, u) * stride_gb64)
+                weight = tl.where(doc_ok, weight, 0.0)
             has_grad = winner >= 0
             rows = tl.load(
                 doc_ptr + u * stride_db64 + winner.to(tl.int64)[:, None] * stride_dl + kk[None, :] * stride_dk,
@@ -107,10 +131,10 @@ def maxsim_bwd_dq_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES])
+@triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES, *_PAIR_ARGS])
 def maxsim_bwd_dd_atomic_kernel(
-    q_ptr, grad_ptr, argmax_ptr, dd_ptr,
-    q_len, n_docs, n_row_blocks, n_k_blocks,
+    q_ptr, grad_ptr, argmax_ptr, dd_ptr, cu_q_ptr,
+    q_len, n_docs, n_row_blocks, n_k_blocks, n_pairs, n_pair_steps,
     stride_qn, stride_ql, stride_qk,
     stride_gn, stride_gb,
     stride_an, stride_ab, stride_al,
@@ -118,6 +142,7 @@ def maxsim_bwd_dd_atomic_kernel(
     DIM: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    LAYOUT: tl.constexpr = 0,  # PADDED, PACKED or PAIRS (lik.core.segments)
 ):
     pid = tl.program_id(0).to(tl.int64)
     k_block = pid % n_k_blocks
@@ -131,7 +156,10 @@ def maxsim_bwd_dd_atomic_kernel(
     k_ok = kk < DIM
     winner = tl.load(argmax_ptr + query * stride_an + doc * stride_ab + tokens * stride_al, mask=token_ok, other=-1)
     has_grad = winner >= 0
-    weight = tl.load(grad_ptr + query * stride_gn + doc * stride_gb)
+    if LAYOUT == PAIRS:
+        weight = token_weights(grad_ptr, cu_q_ptr, tokens, token_ok, n_pairs, n_pair_steps, stride_gb)[:, None]
+    else:
+        weight = tl.load(grad_ptr + query * stride_gn + doc * stride_gb)
     rows = tl.load(
         q_ptr + query * stride_qn + tokens[:, None] * stride_ql + kk[None, :] * stride_qk,
         mask=has_grad[:, None] & k_ok[None, :],
@@ -146,29 +174,18 @@ def maxsim_bwd_dd_atomic_kernel(
     )
 
 
-@triton.jit
-def winners_sum(
-    q_base, winner_base, seq_len, positions, kk, stride_ql, stride_qk, stride_al,
-    DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_DOC_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """``sum_{s : winner[s] = p} q[s, kk]`` for each document row ``p`` in ``positions``, over one query's tokens.
+class PairWeights(NamedTuple):
+    """Packed pairs' query offsets: the backward kernels weight each query token by its pair's gradient."""
 
-    A one-hot product on the tensor cores: the one-hot is 0/1 in the input dtype, so the sum is exact in fp32,
-    and each call owns its output rows (no atomics). Rows without a winner (-1) are never read."""
-    k_ok = kk < DIM
-    part = tl.zeros((BLOCK_DOC_ROWS, BLOCK_K), tl.float32)
-    for start in range(0, seq_len, BLOCK_ROWS):
-        tokens = start + tl.arange(0, BLOCK_ROWS)
-        winner = tl.load(winner_base + tokens * stride_al, mask=tokens < seq_len, other=-1)
-        rows = tl.load(
-            q_base + tokens[:, None] * stride_ql + kk[None, :] * stride_qk,
-            mask=(winner >= 0)[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        one_hot = (positions[:, None] == winner[None, :]).to(rows.dtype)
-        part = tl.dot(one_hot, rows, part, input_precision=DOT_PRECISION)
-    return part
+    cu_q: torch.Tensor
+    n_pairs: int
+
+
+def _pair_args(pairs: PairWeights | None, fallback: torch.Tensor) -> tuple:
+    """``(cu_q, n_pairs, n_pair_steps, layout)`` launch arguments: unread placeholders unless pairs."""
+    if pairs is None:
+        return fallback, 0, 0, PADDED
+    return pairs.cu_q, pairs.n_pairs, search_steps(pairs.n_pairs), PAIRS
 
 
 def feature_blocks(dim: int, block_k: int) -> tuple[int, int]:
@@ -177,8 +194,11 @@ def feature_blocks(dim: int, block_k: int) -> tuple[int, int]:
     return block_k, cdiv(dim, block_k)
 
 
-def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor, q_shape, dtype) -> torch.Tensor:
-    """``dQ [Nq, Lq, dim]`` in the input dtype from ``grad [Nq, B]`` (fp32) and the saved argmax."""
+def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor, q_shape, dtype, *,
+                       pairs: PairWeights | None = None) -> torch.Tensor:
+    """``dQ [Nq, Lq, dim]`` in the input dtype from ``grad [Nq, B]`` (fp32) and the saved argmax ``[Nq, B, Lq]``.
+
+    ``pairs``: packed pairs as one query of every packed token (``grad [1, n_pairs]``, one document)."""
     n_q, l_q, dim = q_shape
     n_docs = d.shape[1]
     if n_q * l_q * dim == 0 or n_docs == 0:
@@ -188,12 +208,14 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
     n_row_blocks = cdiv(l_q, cfg.block_rows)
+    cu_q, n_pairs, n_pair_steps, layout = _pair_args(pairs, argmax)
     launch(
         maxsim_bwd_dq_kernel, (n_q * n_row_blocks * n_k_blocks,),
-        d, grad, argmax, dq,
-        l_q, n_docs, n_row_blocks, n_k_blocks,
-        *set_strides(d), *grad.stride(), *argmax.stride(), *dq.stride(),
-        DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k, DOCS=cfg.dq_docs,
+        d, grad, argmax, dq, cu_q,
+        l_q, n_docs, n_row_blocks, n_k_blocks, n_pairs, n_pair_steps,
+        # Pairs: the one query's stride would follow Tq (a new variant per parity of Tq * dim); 0 reads the same.
+        *set_strides(d), *grad.stride(), *argmax.stride(), *(set_strides(dq) if pairs else dq.stride()),
+        DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k, DOCS=1 if pairs else cfg.dq_docs, LAYOUT=layout.value,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq
@@ -254,16 +276,19 @@ def scatter_dd_atomic(grad, q, argmax, d_shape, dtype, *, cfg, block_k: int, n_k
     return dd
 
 
-def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: int):
-    """The per-(query row, feature) fp32 atomic scatter into the pre-zeroed ``dd32``."""
+def launch_dd_atomic(grad, q, argmax, dd32, *, cfg, block_k: int, n_k_blocks: int,
+                     pairs: PairWeights | None = None):
+    """The per-(query row, feature) fp32 atomic scatter into the pre-zeroed ``dd32 [n_sets, B, Ld, dim]`` (a
+    document-stride-0 view of ``[Td, dim]`` for packed documents; ``pairs`` as in :func:`maxsim_backward_dq`)."""
     n_q, l_q, dim = q.shape
-    n_docs = dd32.shape[1]
+    n_docs = argmax.shape[1]
     n_row_blocks = cdiv(l_q, cfg.block_rows)
+    cu_q, n_pairs, n_pair_steps, layout = _pair_args(pairs, argmax)
     launch(
         maxsim_bwd_dd_atomic_kernel, (n_q * n_row_blocks * n_docs * n_k_blocks,),
-        q, grad, argmax, dd32,
-        l_q, n_docs, n_row_blocks, n_k_blocks,
+        q, grad, argmax, dd32, cu_q,
+        l_q, n_docs, n_row_blocks, n_k_blocks, n_pairs, n_pair_steps,
         *q.stride(), *grad.stride(), *argmax.stride(), *set_strides(dd32),
-        DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k,
+        DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k, LAYOUT=layout.value,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -11,6 +11,12 @@ Memory: the sort works on documents in chunks so that its keys, order and the so
 fixed workspace (``sort_workspace_entries`` triples per chunk, about 44 bytes each at peak) whatever ``B``.
 Keys take the narrowest integer type that holds a chunk's row count (16 bits up to 32 767 rows: half the radix
 passes of 32-bit keys); ``sort_chunk_rows`` can cap a chunk's rows to get there.
+
+Packed documents (``LAYOUT`` ``PACKED`` / ``PAIRS``): the winners are absolute rows of ``[Td, d]`` and are the
+keys themselves; a program's row finds its document in ``cu_seqlens_d`` (a binary search per program, not per
+contribution). A corpus (every query scored every document) sorts a chunk of documents at a time as above, and
+each pass stores only the rows of its own documents. Pairs sort every packed query token at once (one
+contribution each, in token order) and weight a row by its one pair's gradient.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import triton.language as tl
 
 from ..._config import cdiv
 from ..._launch import launch
+from ...core.segments import PACKED, PADDED, PAIRS, find_segment, search_steps
 from .forward import set_strides
 
 __all__ = [
@@ -33,10 +40,10 @@ _BATCH_STRIDES = ["stride_gn", "stride_gb"]
 
 
 @triton.jit(do_not_specialize=["n_queries", "q_len", "chunk_docs", "doc_len", "first_doc", "n_k_blocks",
-                               *_BATCH_STRIDES])
+                               "n_docs", "n_doc_steps", *_BATCH_STRIDES])
 def maxsim_bwd_dd_sorted_kernel(
-    q_ptr, grad_ptr, order_ptr, starts_ptr, dd_ptr,
-    n_queries, q_len, chunk_docs, doc_len, first_doc, n_k_blocks,
+    q_ptr, grad_ptr, order_ptr, starts_ptr, dd_ptr, cu_d_ptr,
+    n_queries, q_len, chunk_docs, doc_len, first_doc, n_k_blocks, n_docs, n_doc_steps,
     stride_qn, stride_ql, stride_qk,
     stride_gn, stride_gb,
     stride_ddn, stride_ddb, stride_ddl, stride_ddk,
@@ -44,6 +51,7 @@ def maxsim_bwd_dd_sorted_kernel(
     PER_QUERY: tl.constexpr,
     BLOCK_ENTRIES: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    LAYOUT: tl.constexpr = 0,  # PADDED, PACKED or PAIRS (lik.core.segments)
 ):
     """One program per (document row of the chunk, feature block).
 
@@ -52,21 +60,34 @@ def maxsim_bwd_dd_sorted_kernel(
     The row's document is known, so a contribution's query token is its index minus the document's base (no
     64-bit division). Blocks of ``BLOCK_ENTRIES`` contributions are gathered at once and reduced in a fixed
     tree; blocks are added in segment order. A row with an empty segment (no winner, masked, padding) stores
-    exactly 0."""
+    exactly 0. Packed layouts: ``row`` is an absolute row of the packed documents (see the module docstring);
+    pairs come with ``PER_QUERY`` (one weight per row) and flat indices that are packed query tokens."""
     pid = tl.program_id(0).to(tl.int64)
     k_block = pid % n_k_blocks
     row = pid // n_k_blocks
-    position = row % doc_len
-    rest = row // doc_len
-    doc_local = rest % chunk_docs
-    doc_set = rest // chunk_docs
-    doc = first_doc + doc_local
+    if LAYOUT == PADDED:
+        position = row % doc_len
+        rest = row // doc_len
+        doc_local = rest % chunk_docs
+        doc_set = rest // chunk_docs
+        doc = first_doc + doc_local
+    else:
+        doc = find_segment(cu_d_ptr, row, n_docs, n_doc_steps)
+        doc_local = doc - first_doc
+        doc_set = row * 0
     kk = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = kk < DIM
+    if LAYOUT == PACKED:
+        # A corpus pass sorts the winners of its documents only: the other rows belong to other passes.
+        # (tl.where rather than `&` with a scalar: the interpreter widens a vector & scalar to int32.)
+        k_ok = tl.where((doc_local >= 0) & (doc_local < chunk_docs), k_ok, False)
     offs = tl.arange(0, BLOCK_ENTRIES)
     if PER_QUERY:
-        # Only query ``doc_set`` scores this document: one weight, tokens of one query.
-        doc_base = (doc_local * n_queries + doc_set) * q_len
+        # Only query ``doc_set`` scores this document (pairs: only the row's pair): one weight, one query's tokens.
+        if LAYOUT == PAIRS:
+            doc_base = doc_set
+        else:
+            doc_base = (doc_local * n_queries + doc_set) * q_len
         weight = tl.load(grad_ptr + doc_set * stride_gn + doc * stride_gb)
         q_base = q_ptr + doc_set * stride_qn
     else:
@@ -91,11 +112,11 @@ def maxsim_bwd_dd_sorted_kernel(
         rows = tl.load(row_ptrs[:, None] + kk[None, :] * stride_qk, mask=in_segment[:, None] & k_ok[None, :],
                        other=0.0)
         acc += tl.sum(weights[:, None] * rows.to(tl.float32), axis=0)
-    tl.store(
-        dd_ptr + doc_set * stride_ddn + doc * stride_ddb + position * stride_ddl + kk * stride_ddk,
-        acc.to(dd_ptr.dtype.element_ty),
-        mask=k_ok,
-    )
+    if LAYOUT == PADDED:
+        dd_row_ptr = dd_ptr + doc_set * stride_ddn + doc * stride_ddb + position * stride_ddl
+    else:
+        dd_row_ptr = dd_ptr + row * stride_ddl
+    tl.store(dd_row_ptr + kk * stride_ddk, acc.to(dd_ptr.dtype.element_ty), mask=k_ok)
 
 
 @triton.jit(do_not_specialize=["n_queries", "chunk_docs", "q_len", "doc_len", "n_rows", "n_winners",
@@ -106,11 +127,12 @@ def winner_keys_kernel(
     stride_an, stride_ab, stride_al,
     PER_QUERY: tl.constexpr,
     BLOCK: tl.constexpr,
+    LAYOUT: tl.constexpr = 0,  # PADDED, PACKED or PAIRS (lik.core.segments)
 ):
     """``keys[(doc * Nq + query) * Lq + token]``: the document row of each winner, ``(set * Bc + doc) * doc_len +
-    argmax[query, doc, token]`` (``set`` = query for per-query documents, else 0), or ``n_rows`` (after every
-    row) where there is no winner. One pass instead of the six tensor operations it replaces (host launch cost
-    dominates small training steps)."""
+    argmax[query, doc, token]`` (``set`` = query for per-query documents, else 0; packed layouts: the winner
+    itself, an absolute row), or ``n_rows`` (after every row) where there is no winner. One pass instead of the
+    six tensor operations it replaces (host launch cost dominates small training steps)."""
     flat = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = flat < n_winners
     token = flat % q_len
@@ -118,27 +140,32 @@ def winner_keys_kernel(
     query = rest % n_queries
     doc = rest // n_queries
     winner = tl.load(argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al, mask=in_range, other=-1)
-    doc_row = doc
-    if PER_QUERY:
-        doc_row = query * chunk_docs + doc
-    key = tl.where(winner >= 0, doc_row * doc_len + winner.to(tl.int64), n_rows)
+    if LAYOUT == PADDED:
+        doc_row = doc
+        if PER_QUERY:
+            doc_row = query * chunk_docs + doc
+        key = tl.where(winner >= 0, doc_row * doc_len + winner.to(tl.int64), n_rows)
+    else:
+        key = tl.where(winner >= 0, winner.to(tl.int64), n_rows)
     tl.store(keys_ptr + flat, key.to(keys_ptr.dtype.element_ty), mask=in_range)
 
 
 _KEYS_BLOCK = 1024
 
 
-def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool, *, packed_rows: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the winners of ``argmax [Nq, Bc, Lq]`` (int16 / int32, -1: none) by document row.
 
     Returns ``(order, starts)``: ``order`` (int64) lists flat indices into the winners laid out
     ``[Bc, Nq, Lq]`` in the order of their document row ``(set * Bc + doc) * doc_len + winner`` (``set`` is the
     query for per-query documents, else 0), stable, so a row's contributions keep their (query, token) order;
     ``starts`` (int64, ``n_rows + 1``) are the segment bounds. Triples without a winner sort past the last row.
+    ``packed_rows``: the winners are absolute rows of packed documents with that many rows, and are the keys.
     A stable device sort and a binary search: deterministic, no host synchronisation."""
     n_q, chunk_docs, l_q = argmax.shape
     n_sets = n_q if per_query else 1
-    n_rows = n_sets * chunk_docs * doc_len
+    n_rows = n_sets * chunk_docs * doc_len if packed_rows is None else packed_rows
     # The narrowest key type: a radix sort makes one pass per key byte.
     key_dtype = next(t for t in (torch.int16, torch.int32, torch.int64) if n_rows < torch.iinfo(t).max)
     device = argmax.device
@@ -148,7 +175,7 @@ def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool) -> tuple
         launch(
             winner_keys_kernel, (cdiv(n_winners, _KEYS_BLOCK),),
             argmax, keys, n_q, chunk_docs, l_q, doc_len, n_rows, n_winners, *argmax.stride(),
-            PER_QUERY=per_query, BLOCK=_KEYS_BLOCK,
+            PER_QUERY=per_query, BLOCK=_KEYS_BLOCK, LAYOUT=(PADDED if packed_rows is None else PACKED).value,
         )
     sorted_keys, order = torch.sort(keys, stable=True)
     del keys
@@ -167,22 +194,36 @@ def chunk_documents(
     return max(1, docs)
 
 
-def launch_dd_sorted(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int, n_k_blocks: int):
+def launch_dd_sorted(grad, q, argmax, dd, *, per_query: bool, cfg, block_k: int, n_k_blocks: int,
+                     cu_d: torch.Tensor | None = None, pairs: bool = False):
     """Deterministic dD into ``dd [n_sets, B, Ld, dim]`` (input dtype): sort the winners of a chunk of documents,
-    then one program per document row gathers its segment. Every row of ``dd`` is written (empty rows as 0)."""
+    then one program per document row gathers its segment. Every row of ``dd`` is written (empty rows as 0).
+
+    Packed documents pass ``cu_d`` (int32 ``[B + 1]``) and ``dd [1, 1, Td, dim]`` (a view of ``[Td, dim]``); the
+    saved winners are absolute rows. ``pairs``: ``q [1, Tq, dim]`` holds every packed query token, ``argmax
+    [1, 1, Tq]``, ``grad [1, n_pairs]`` (pair ``i`` scored document ``i``)."""
     n_sets, n_docs, l_d, dim = dd.shape
     n_q, l_q, _ = q.shape
     if n_q * l_q >= 2**31:
         raise ValueError(f"the sorted dD needs Nq * Lq < 2**31 query tokens, got {n_q} x {l_q}")
-    step = chunk_documents(n_q, l_q, n_docs, cfg.sort_workspace_entries, n_sets * l_d, cfg.sort_chunk_rows)
-    for first_doc in range(0, n_docs, step):
-        chunk_docs = min(step, n_docs - first_doc)
-        order, starts = sorted_winners(argmax[:, first_doc:first_doc + chunk_docs], l_d, per_query)
+    if cu_d is None:
+        layout, n_rows, packed_docs, packed_rows = PADDED, n_sets * l_d, 0, None
+        step = chunk_documents(n_q, l_q, n_docs, cfg.sort_workspace_entries, n_sets * l_d, cfg.sort_chunk_rows)
+    else:
+        # Every pass launches a program per packed row; those of other passes' documents store nothing.
+        layout, packed_docs, packed_rows = (PAIRS if pairs else PACKED), cu_d.numel() - 1, l_d
+        n_rows = l_d
+        step = argmax.shape[1] if pairs else chunk_documents(n_q, l_q, packed_docs, cfg.sort_workspace_entries)
+    for first_doc in range(0, argmax.shape[1], step):
+        chunk_docs = min(step, argmax.shape[1] - first_doc)
+        order, starts = sorted_winners(argmax[:, first_doc:first_doc + chunk_docs], l_d, per_query,
+                                       packed_rows=packed_rows)
         launch(
-            maxsim_bwd_dd_sorted_kernel, (n_sets * chunk_docs * l_d * n_k_blocks,),
-            q, grad, order, starts, dd,
-            n_q, l_q, chunk_docs, l_d, first_doc, n_k_blocks,
+            maxsim_bwd_dd_sorted_kernel,
+            ((chunk_docs * n_rows if cu_d is None else n_rows) * n_k_blocks,),
+            q, grad, order, starts, dd, starts if cu_d is None else cu_d,
+            n_q, l_q, chunk_docs, l_d, first_doc, n_k_blocks, packed_docs, search_steps(packed_docs),
             *q.stride(), *grad.stride(), *set_strides(dd),
-            DIM=dim, PER_QUERY=per_query, BLOCK_ENTRIES=cfg.sort_entries, BLOCK_K=block_k,
+            DIM=dim, PER_QUERY=per_query, BLOCK_ENTRIES=cfg.sort_entries, BLOCK_K=block_k, LAYOUT=layout.value,
             num_warps=cfg.sort_warps,
         )

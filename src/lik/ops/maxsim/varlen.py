@@ -11,8 +11,8 @@ come from ``cu_seqlens`` through :func:`lik.core.segments.document_span`):
 No padding is read, computed or stored, and no length is specialised on. The saved argmax holds *absolute* rows
 of the packed ``d``. ``cu_seqlens`` offsets read by the kernels are clamped to the packed tensors, so inputs
 whose values were not checked (hints given) may give wrong numbers but never an out-of-bounds access.
-Launchers: :mod:`.packed_forward`, :mod:`.packed_backward`; autograd and ``torch.compile``:
-:mod:`.packed_function`.
+Launchers: :mod:`.packed_forward`, :mod:`.packed_backward` (the padded backward's kernels on views of the packed
+tensors); autograd and ``torch.compile``: :mod:`.packed_function`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 
 from .forward import maxsim_fwd_kernel
 from .function import resolve_backward, scorer_uses_kernels
-from .packed_backward import maxsim_varlen_bwd_dd_owned_kernel, maxsim_varlen_bwd_tokens_kernel
 from .packed_function import MaxSimPackedFunction, packed_route
 from .packing import PackedInputs
 
@@ -30,8 +29,6 @@ __all__ = [
     "maxsim_packed",
     "MaxSimPackedFunction",
     "maxsim_varlen_fwd_kernel",
-    "maxsim_varlen_bwd_tokens_kernel",
-    "maxsim_varlen_bwd_dd_owned_kernel",
 ]
 
 # The packed layouts run the padded forward kernel (``LAYOUT`` flag); the old name stays for callers.
