@@ -47,13 +47,27 @@ def fake_cuda(monkeypatch):
     return placement_module
 
 
-@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("source", ["memory", "memory-staged", "file", "file-rank"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
-def test_streamed_chunks_equal_resident_chunks(fake_cuda, monkeypatch, staged, dtype):
+def test_streamed_chunks_equal_resident_chunks(fake_cuda, monkeypatch, tmp_path, source, dtype):
+    """``memory``: host segments copied to the device buffers; ``memory-staged``: through the staging buffers;
+    ``file``: a saved index's memory-mapped shards, read from the files into the staging buffers (the "disk"
+    placement); ``file-rank``: the same for the second of two ranks (its segments start inside shards)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the reference scores: this test is about the plumbing
     rng = torch.Generator().manual_seed(9)
     docs = grid_docs(rng)
     index = lik.Index.build(docs, dtype=dtype, shard_tokens=9, progress=False, device="cpu")
+    staged = source != "memory"
+    if source.startswith("file"):
+        index.save(tmp_path / "ix")
+        rank = dict(shard=1, num_shards=2) if source == "file-rank" else {}
+        whole = lik.Index.load(tmp_path / "ix", placement="disk", device="cpu")
+        index = lik.Index.load(tmp_path / "ix", placement="disk", device="cpu", **rank)
+        assert all(segment.region is not None for segment in index.segments)
+        if source == "file-rank":  # the rank's first segment starts inside a shard: its region skips rows
+            first = index.segments[0].region
+            same_file = next(s.region for s in whole.segments if s.region.path == first.path)
+            assert first.tokens_offset > same_file.tokens_offset
     first_ids = [0]
     for segment in index.segments[:-1]:
         first_ids.append(first_ids[-1] + segment.num_docs)
@@ -72,7 +86,7 @@ def test_streamed_chunks_equal_resident_chunks(fake_cuda, monkeypatch, staged, d
         if got.tokens.numel():
             assert got.tokens.data_ptr() == streamed.buffers[position % 2].data_ptr()
         chunks += 1
-    assert chunks == len(plans) > 2
+    assert chunks == len(plans) > (1 if source == "file-rank" else 2)
 
     Q = grid_queries(rng)
     for doc_ids in (None, torch.tensor([0, 3, 4, 9])):

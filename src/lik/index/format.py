@@ -36,6 +36,7 @@ __all__ = [
     "ShardInfo",
     "Manifest",
     "Shard",
+    "FileRegion",
     "dtype_name",
     "write_shard",
     "read_manifest",
@@ -69,12 +70,30 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
+class FileRegion:
+    """Where the rows of a memory-mapped shard lie in its file (byte offsets of token row 0 and of its scale), so
+    that the ``"disk"`` placement can read a chunk's rows straight into a pinned buffer."""
+
+    path: Path
+    tokens_offset: int
+    row_bytes: int
+    scale_offset: int | None
+
+    def skip_rows(self, rows: int) -> "FileRegion":
+        """The region of the rows after the first ``rows``."""
+        scale = None if self.scale_offset is None else self.scale_offset + 4 * rows
+        return FileRegion(self.path, self.tokens_offset + rows * self.row_bytes, self.row_bytes, scale)
+
+
+@dataclass(frozen=True)
 class Shard:
-    """One shard's documents: ``tokens [T, d]``, ``cu_seqlens`` int64 ``[n + 1]`` from 0, ``scale`` fp32 ``[T]``."""
+    """One shard's documents: ``tokens [T, d]``, ``cu_seqlens`` int64 ``[n + 1]`` from 0, ``scale`` fp32 ``[T]``;
+    ``region``: where ``tokens`` and ``scale`` lie in the shard file, when they are memory-mapped from it."""
 
     tokens: torch.Tensor
     cu_seqlens: torch.Tensor
     scale: torch.Tensor | None
+    region: FileRegion | None = None
 
     @property
     def num_docs(self) -> int:
@@ -91,6 +110,7 @@ class Shard:
             self.tokens[first:last],
             self.cu_seqlens[start : stop + 1] - first,
             None if self.scale is None else self.scale[first:last],
+            None if self.region is None else self.region.skip_rows(first),
         )
 
 
@@ -245,7 +265,12 @@ def open_shard(directory: Path, info: ShardInfo, manifest: Manifest, *, mmap: bo
         raise ValueError(f"{path}: cu_seqlens must start at 0, be non-decreasing and end at the token count")
     if scale is not None and scale.shape != (info.num_tokens,):
         raise ValueError(f"{path}: scale has shape {list(scale.shape)}, expected [{info.num_tokens}]")
-    return Shard(tokens, cu_seqlens, scale)
+    region = None
+    if mmap:
+        scale_offset = None if scale is None else data_start + header["scale"]["data_offsets"][0]
+        region = FileRegion(path, data_start + header["tokens"]["data_offsets"][0],
+                            tokens.shape[1] * tokens.element_size(), scale_offset)
+    return Shard(tokens, cu_seqlens, scale, region)
 
 
 @contextlib.contextmanager

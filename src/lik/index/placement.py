@@ -3,8 +3,8 @@
 * ``"gpu"``: resident in device memory; chunks are views.
 * ``"host"``: in pinned host RAM; each chunk is copied to one of two device buffers on a side stream, the copy of
   chunk ``i + 1`` overlapping the scoring of chunk ``i``.
-* ``"disk"``: memory-mapped shard files; each chunk is gathered into one of two pinned staging buffers and copied
-  on as for ``"host"``.
+* ``"disk"``: memory-mapped shard files; each chunk's rows are read from the file straight into one of two pinned
+  staging buffers (large sequential reads, not page faults on the mapping) and copied on as for ``"host"``.
 
 Device memory for ``"host"`` and ``"disk"`` is two chunk buffers whatever the corpus size. On a CPU-only machine
 (or with ``device="cpu"``) every placement yields plain CPU views and the CPU reference scores them.
@@ -12,14 +12,18 @@ Device memory for ``"host"`` and ``"disk"`` is two chunk buffers whatever the co
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
 from .format import Shard
 
-__all__ = ["PLACEMENTS", "Chunk", "ChunkPlan", "plan_chunks", "ChunkSource", "ResidentSource", "StreamedSource"]
+__all__ = [
+    "PLACEMENTS", "Chunk", "ChunkPlan", "plan_chunks", "ChunkSource", "ResidentSource", "StreamedSource", "read_into",
+]
 
 PLACEMENTS = ("auto", "gpu", "host", "disk")
 
@@ -78,6 +82,18 @@ def plan_chunks(segments: Sequence[Shard], first_ids: Sequence[int], chunk_token
 
 def _chunk_offsets(segment: Shard, plan: ChunkPlan) -> torch.Tensor:
     return (segment.cu_seqlens[plan.doc_start : plan.doc_stop + 1] - plan.token_start).to(torch.int32)
+
+
+def read_into(file, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor ``out`` with the bytes of ``file`` (an unbuffered binary file) at ``offset``."""
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        file.seek(offset + done)
+        got = file.readinto(view[done:])
+        if not got:
+            raise ValueError(f"{file.name}: file ended {len(view) - done} bytes early (truncated shard?)")
+        done += got
 
 
 class ChunkSource:
@@ -142,6 +158,31 @@ class StreamedSource(ChunkSource):
                 torch.empty(capacity if has_scale else 0, dtype=torch.float32).pin_memory() for _ in range(2)
             ]
         self.copy_stream = torch.cuda.Stream(device=self.device)
+        self._files: dict[Path, object] = {}
+
+    def _file(self, path: Path):
+        """The shard file, opened once per source (unbuffered: reads go straight into the staging buffer)."""
+        handle = self._files.get(path)
+        if handle is None:
+            handle = self._files[path] = open(path, "rb", buffering=0)
+            if hasattr(os, "posix_fadvise"):  # chunks are read front to back: ask for a large readahead
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return handle
+
+    def _stage(self, segment: Shard, plan: ChunkPlan, slot: int, tokens, scale):
+        """Bring a chunk of a memory-mapped (or host) segment into staging buffer ``slot``."""
+        n = plan.num_tokens
+        region = segment.region
+        if region is not None:
+            handle = self._file(region.path)
+            read_into(handle, region.tokens_offset + plan.token_start * region.row_bytes, self.staging[slot][:n])
+            if scale is not None:
+                read_into(handle, region.scale_offset + 4 * plan.token_start, self.scale_staging[slot][:n])
+        else:
+            self.staging[slot][:n].copy_(tokens)
+            if scale is not None:
+                self.scale_staging[slot][:n].copy_(scale)
+        return self.staging[slot][:n], None if scale is None else self.scale_staging[slot][:n]
 
     def _copy(self, number: int, slot: int, free: torch.cuda.Event | None, staged_free: torch.cuda.Event | None):
         plan = self.plans[number]
@@ -153,11 +194,7 @@ class StreamedSource(ChunkSource):
             # The staging buffer's previous host-to-device copy must be done before the CPU refills it.
             if staged_free is not None:
                 staged_free.synchronize()
-            self.staging[slot][:n].copy_(tokens)
-            tokens = self.staging[slot][:n]
-            if scale is not None:
-                self.scale_staging[slot][:n].copy_(scale)
-                scale = self.scale_staging[slot][:n]
+            tokens, scale = self._stage(segment, plan, slot, tokens, scale)
         with torch.cuda.stream(self.copy_stream):
             if free is not None:
                 self.copy_stream.wait_event(free)
