@@ -93,6 +93,25 @@ def test_wrong_method_is_marked_and_still_timed():
     assert len(cell["round_ms"]) == 2 and cell["median_ms"] > 0
 
 
+def test_eight_bit_method_is_prepared_once_per_input_set_and_checked_against_the_float_inputs():
+    prepared = []
+
+    def prepare(shape, Q, D):
+        prepared.append(D.data_ptr())
+        return Q, D.to(torch.float16), 0.98  # a "quantized" corpus and a wrong scale: 2% off
+
+    method = Method("fake-8bit", ("forward",), lambda shape: lambda Q, D16, scale: einsum_maxsim(Q, D16.float()) * scale,
+                    storage="int8", prepare=prepare)
+    shape = Shape("forward", "smoke", 1, 4, 6, 9, d=8)
+    entry = _run_one(method, shape)
+    cell = entry["cells"]["fake-8bit"]
+    # 2% off is above int8's 1% allowance: marked, still timed; the quantizer ran once for the one input set.
+    assert cell["status"] == "mismatch" and cell["rel_err"] == pytest.approx(0.02, rel=1e-2)
+    assert len(prepared) == 1 and len(cell["round_ms"]) == 2
+    assert cell["floor_ms"] == pytest.approx(floor(shape, 1, Ceilings(1e10, 1e10)).ms)
+    assert cell["pct_of_floor"] == pytest.approx(100 * cell["floor_ms"] / cell["median_ms"])
+
+
 def test_out_of_memory_is_recorded():
     def build(shape):
         def score(Q, D):
@@ -123,6 +142,16 @@ def test_smoke_run_end_to_end(tmp_path, capsys, monkeypatch):
         ratios = entry["ratios"]
         assert ratios[lik_name]["eager"] * ratios["eager"][lik_name] == pytest.approx(1.0)
     assert results["shapes"][2]["cells"]["lik-deterministic"]["repeatable"] is True
+    # 8-bit corpora: lik's int8 / fp8 cells pass the quantization-error check against their own 1-byte floor,
+    # the peers' 8-bit paths are unavailable here, and lik.quantize is timed for both types.
+    for entry in results["shapes"][:2]:
+        for name, storage in (("lik-int8", "int8"), ("lik-fp8", "fp8")):
+            cell = entry["cells"][name]
+            assert cell["status"] == "ok" and cell["storage"] == storage, cell
+            assert 0 < cell["floor_ms"] <= entry["floor"]["floor_ms"]  # fewer bytes; on the CPU the same rates
+        assert entry["cells"]["late-interaction-kernels-fp8"]["status"] == "unavailable"
+    assert [r["what"].rsplit(" ", 1)[1] for r in results["quantize"]] == ["int8", "fp8"]
+    assert all(r["median_ms"] > 0 and r["pct_of_floor"] > 0 for r in results["quantize"])
     assert "eager-chunked" in results["shapes"][0]["sweeps"]
     table = (tmp_path / "table.txt").read_text()
     assert "[forward]" in table and "[train]" in table

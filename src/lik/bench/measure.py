@@ -25,6 +25,8 @@ __all__ = [
     "make_inputs",
     "peak_memory_bytes",
     "measure_ceilings",
+    "measure_storage_ceilings",
+    "quantize_throughput",
     "free_memory",
     "is_oom",
 ]
@@ -170,3 +172,45 @@ def measure_ceilings(timer: Timer, *, copy_bytes: int, matmul_n: int) -> tuple[C
         "matmul": {"m_n_k": matmul_n, "dtype": str(mm_dtype).removeprefix("torch."), "median_ms": mm_ms},
     }
     return ceilings, record
+
+
+def measure_storage_ceilings(timer: Timer, ceilings: Ceilings, storages: set[str], *, matmul_n: int
+                             ) -> tuple[dict[str, Ceilings], dict]:
+    """The ceilings of 8-bit methods' floors: the same copy bandwidth, the matmul rate of ``int8``
+    (``torch._int_mm``) / ``fp8`` (``torch._scaled_mm``) where the GPU has it. On a CPU, or where a type has no
+    product, the run's own ceilings stand in (recorded as such)."""
+    from .ceilings import _eight_bit_matmuls, _matmul
+
+    out, record = {}, {}
+    available = set(_eight_bit_matmuls(timer.device))
+    for storage in sorted(storages):
+        if storage in available:
+            measured = _matmul(timer, storage, matmul_n, timer.device)
+            out[storage] = Ceilings(ceilings.bandwidth_bytes_per_s, measured["TFLOPps"] * 1e12)
+            record[storage] = measured
+        else:
+            out[storage] = ceilings
+            record[storage] = "not measured: the run's matmul rate stands in"
+        free_memory(timer.device)
+    return out, record
+
+
+def quantize_throughput(timer: Timer, ceilings: Ceilings, *, rows: int, dim: int = 128) -> list[dict]:
+    """``lik.quantize`` of ``rows x dim`` fp16 rows into int8 and fp8 (where the device has float8) against the
+    copy floor of its bytes: read the fp16 rows, write the 8-bit rows and one fp32 scale per row."""
+    import lik
+
+    device = timer.device
+    x = torch.nn.functional.normalize(
+        torch.randn(rows, dim, device=device, generator=torch.Generator(device=device).manual_seed(3)), dim=-1
+    ).half()
+    moved = rows * dim * 2 + rows * dim + rows * 4
+    records = []
+    for tag, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        ms = timer.median_ms(lambda: lik.quantize(x, dtype))
+        floor_ms = 1e3 * moved / ceilings.bandwidth_bytes_per_s
+        records.append({"what": f"lik.quantize fp16 [{rows}, {dim}] -> {tag}", "median_ms": ms,
+                        "floor_ms": floor_ms, "pct_of_floor": 100.0 * floor_ms / ms, "bytes": moved})
+    del x
+    free_memory(device)
+    return records

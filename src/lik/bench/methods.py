@@ -7,6 +7,10 @@ the in-batch scores, then the gradients of ``Q`` and ``D``).
 
 Peers are optional imports: a missing package, or a machine without CUDA, makes the method *unavailable*
 (recorded with the reason), never an error.
+
+8-bit methods (``storage`` "int8" / "fp8": lik's, flash-maxsim's int8x8 and late-interaction-kernels' fp8) score
+a corpus stored quantized: their ``prepare(shape, Q, D)`` quantizes every input set once, outside the timing,
+with the method's own quantizer, and the score function takes what it returns.
 """
 
 from __future__ import annotations
@@ -28,12 +32,18 @@ __all__ = [
     "chunked_einsum_maxsim",
     "peer_versions",
     "select_methods",
+    "QUANTIZED_TOLERANCE",
 ]
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Documents per chunk swept for the chunked eager method (only sizes below B are run).
 CHUNK_SIZES = (16, 64, 256, 1024)
+
+# ||scores - float64 scores of the float inputs|| / ||...|| above which an 8-bit method is marked "mismatch": the
+# quantization error of L2-normalised random data stays below 1e-3 (int8) and 8e-3 (fp8) at the benchmark's
+# shapes, a broken kernel is off by O(1).
+QUANTIZED_TOLERANCE = {"int8": 1e-2, "fp8": 3e-2}
 
 # Distribution names of the optional peers, for version records.
 _PEER_DISTRIBUTIONS = ("flash-maxsim", "late-interaction-kernels")
@@ -51,6 +61,10 @@ class Method:
         needs_cuda: unavailable on a machine without CUDA (peers, ``torch.compile``).
         sweep: name of the swept group it belongs to (the table shows the best of a sweep).
         applies: whether it runs at a given shape (the chunked sweep skips chunks >= B).
+        storage: ``"int8"`` / ``"fp8"`` for methods that score a corpus stored in 8 bits (their floor counts 1 byte
+            per element and the 8-bit matmul rate; their check allows the quantization error).
+        prepare: ``prepare(shape, Q, D) -> operands`` run once per input set outside the timing (quantization);
+            the score function is then called as ``score(*operands)``.
     """
 
     name: str
@@ -60,11 +74,15 @@ class Method:
     needs_cuda: bool = False
     sweep: str | None = None
     applies: Callable[[Shape], bool] = field(default=lambda shape: True)
+    storage: str | None = None
+    prepare: Callable[[Shape, torch.Tensor, torch.Tensor], tuple] | None = None
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why the method cannot run here, or ``None`` when it can."""
         if self.needs_cuda and device.type != "cuda":
             return "needs a CUDA device"
+        if self.storage == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            return "needs FP8 tensor cores (compute capability 8.9 or newer)"
         if self.module is not None:
             try:
                 importlib.import_module(self.module)
@@ -121,6 +139,53 @@ def _late_interaction_kernels(shape: Shape) -> ScoreFn:
     return late_interaction_kernels.maxsim
 
 
+def _lik_8bit_method(tag: str, dtype: torch.dtype) -> Method:
+    """lik scoring 8-bit ``Q`` and ``D`` quantized by ``lik.quantize``."""
+
+    def prepare(shape: Shape, Q: torch.Tensor, D: torch.Tensor) -> tuple:
+        import lik
+
+        D_q, d_scale = lik.quantize(D, dtype)
+        Q_q, q_scale = lik.quantize(Q, dtype)
+        return Q_q, D_q, q_scale, d_scale
+
+    def build(shape: Shape) -> Callable:
+        import lik
+
+        return lambda Q_q, D_q, q_scale, d_scale: lik.maxsim(Q_q, D_q, q_scale=q_scale, d_scale=d_scale)
+
+    return Method(f"lik-{tag}", ("forward", "multi"), build, storage=tag, prepare=prepare)
+
+
+def _flash_maxsim_int8x8_prepare(shape: Shape, Q: torch.Tensor, D: torch.Tensor) -> tuple:
+    # Its own quantizers: per-token int8 with fp16 scales; the float query is passed too (its signature's first).
+    import flash_maxsim
+
+    D_i, d_scale = flash_maxsim.quantize_int8_symmetric(D)
+    Q_i, q_scale = flash_maxsim.quantize_query_int8(Q)
+    return Q, D_i, d_scale, Q_i, q_scale
+
+
+def _flash_maxsim_int8x8(shape: Shape) -> Callable:
+    # flash_maxsim_int8x8(Q [Lq, d], D_int8 [B, Ld, d], d_scales, Q_int8, q_scales) -> [B]: 2-D queries only.
+    import flash_maxsim
+
+    return flash_maxsim.flash_maxsim_int8x8
+
+
+def _late_interaction_fp8_prepare(shape: Shape, Q: torch.Tensor, D: torch.Tensor) -> tuple:
+    from late_interaction_kernels import fp8
+
+    return (*fp8.quantize_fp8_per_token(Q), *fp8.quantize_fp8_per_token(D))
+
+
+def _late_interaction_fp8(shape: Shape) -> Callable:
+    # maxsim_inference_fp8(Q_fp8, D_fp8, scale_Q=, scale_D=) with per-token fp32 scales; fp8 tensor cores (sm 89+).
+    from late_interaction_kernels import fp8
+
+    return lambda Q_f, q_scale, D_f, d_scale: fp8.maxsim_inference_fp8(Q_f, D_f, scale_Q=q_scale, scale_D=d_scale)
+
+
 def _compiled(shape: Shape) -> ScoreFn:
     # One static-shape graph per benchmark shape; the limit on recompilations of one function is raised so
     # that a long run never falls back to eager silently.
@@ -149,6 +214,11 @@ METHODS: tuple[Method, ...] = (
         "late-interaction-kernels", SUITES, _late_interaction_kernels,
         module="late_interaction_kernels", needs_cuda=True,
     ),
+    *(_lik_8bit_method(tag, dtype) for tag, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn))),
+    Method("flash-maxsim-int8x8", ("forward",), _flash_maxsim_int8x8, module="flash_maxsim", needs_cuda=True,
+           storage="int8", prepare=_flash_maxsim_int8x8_prepare),
+    Method("late-interaction-kernels-fp8", ("forward", "multi"), _late_interaction_fp8,
+           module="late_interaction_kernels", needs_cuda=True, storage="fp8", prepare=_late_interaction_fp8_prepare),
     Method("eager", SUITES, lambda shape: einsum_maxsim),
     *(_chunk_method(c) for c in CHUNK_SIZES),
     Method("compile", SUITES, _compiled, needs_cuda=True),

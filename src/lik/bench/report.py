@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["format_table", "plot_results", "columns", "PEERS"]
+__all__ = ["format_table", "plot_results", "columns", "PEERS", "EIGHT_BIT_PEERS"]
 
 PEERS = ("flash-maxsim", "late-interaction-kernels")
-_SHORT = {"late-interaction-kernels": "li-kernels", "lik-deterministic": "lik-det", "eager-chunked": "chunked*"}
+EIGHT_BIT_PEERS = ("flash-maxsim-int8x8", "late-interaction-kernels-fp8")
+_SHORT = {
+    "late-interaction-kernels": "li-kernels", "lik-deterministic": "lik-det", "eager-chunked": "chunked*",
+    "flash-maxsim-int8x8": "fm-int8x8", "late-interaction-kernels-fp8": "li-fp8",
+}
 
 
 def columns(results: dict) -> list[str]:
@@ -48,16 +52,26 @@ def _peak(cell: dict | None) -> str:
 
 
 def _speedups(entry: dict) -> str:
-    """Each lik method's speedup over the faster peer (``x`` > 1: lik is faster)."""
-    peers = [entry["cells"][p]["median_ms"] for p in PEERS if "median_ms" in entry["cells"].get(p, {})]
-    if not peers:
-        return ""
-    best_peer = min(peers)
-    parts = [
-        f"{_SHORT.get(name, name)} {best_peer / cell['median_ms']:.2f}x"
-        for name, cell in entry["cells"].items()
-        if name.startswith("lik") and "median_ms" in cell
-    ]
+    """Each lik method's speedup over the faster peer (``x`` > 1: lik is faster); an 8-bit lik method's over the
+    faster 8-bit peer and over lik's own fp16 / bf16 / fp32 call."""
+    cells = entry["cells"]
+
+    def best(names):
+        times = [cells[p]["median_ms"] for p in names if "median_ms" in cells.get(p, {})]
+        return min(times) if times else None
+
+    float_peer, eight_bit_peer = best(PEERS), best(EIGHT_BIT_PEERS)
+    parts = []
+    for name, cell in cells.items():
+        if not name.startswith("lik") or "median_ms" not in cell:
+            continue
+        if cell.get("storage"):
+            if eight_bit_peer:
+                parts.append(f"{name} {eight_bit_peer / cell['median_ms']:.2f}x")
+            if "median_ms" in cells.get("lik", {}):
+                parts.append(f"{name} vs lik {cells['lik']['median_ms'] / cell['median_ms']:.2f}x")
+        elif float_peer:
+            parts.append(f"{_SHORT.get(name, name)} {float_peer / cell['median_ms']:.2f}x")
     return ", ".join(parts)
 
 
@@ -70,7 +84,8 @@ def format_table(results: dict) -> str:
         f"commit {str(meta.get('git_commit'))[:12]}{'+dirty' if meta.get('git_dirty') else ''} | "
         f"{meta['settings']['dtype']}",
         f"ceilings: copy {ceil['bandwidth_GBps']:.0f} GB/s (read+write), matmul {ceil['matmul_TFLOPps']:.4g} TFLOP/s; "
-        "cells: median ms / % of floor ('!' = disagrees with reference, see JSON)",
+        "cells: median ms / % of floor ('!' = disagrees with reference, see JSON); 8-bit cells against their own "
+        "floor (1-byte operands, the 8-bit matmul rate)",
     ]
     cols = columns(results)
     for suite in ("forward", "multi", "train"):
@@ -91,6 +106,8 @@ def format_table(results: dict) -> str:
         for e in entries:
             peaks = " ".join(f"{_peak(_cell(e, c)):>14s}" for c in used)
             lines.append(f"{e['name']:30s} {'':9s} {'':7s} {peaks}")
+    for record in results.get("quantize", []):
+        lines.append(f"{record['what']}: {record['median_ms']:.3f} ms, {record['pct_of_floor']:.0f}% of its copy floor")
     if results.get("skipped_shapes"):
         lines += ["", "skipped (time budget): " + ", ".join(results["skipped_shapes"])]
     lines.append(f"wall {results.get('wall_s', 0):.0f} s")

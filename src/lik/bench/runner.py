@@ -33,8 +33,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .measure import InputSets, Timer, free_memory, is_oom, make_inputs, measure_ceilings, peak_memory_bytes
-from .methods import Method, peer_versions, select_methods
+from .measure import (
+    InputSets, Timer, free_memory, is_oom, make_inputs, measure_ceilings, measure_storage_ceilings, peak_memory_bytes,
+    quantize_throughput,
+)
+from .methods import QUANTIZED_TOLERANCE, Method, peer_versions, select_methods
 from .report import format_table, plot_results
 from .roofline import Ceilings, floor, flop_count, min_bytes
 from .shapes import SUITES, Shape, select_shapes
@@ -61,9 +64,9 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _forward_call(score: Callable) -> Call:
-    def call(Q, D):
+    def call(*operands):  # (Q, D), or an 8-bit method's prepared operands
         with torch.no_grad():
-            return score(Q, D)
+            return score(*operands)
 
     return call
 
@@ -105,10 +108,12 @@ def _check_scores(shape: Shape, scores: torch.Tensor, Q: torch.Tensor, D: torch.
     return rel_error(got, ref)
 
 
-def _check(shape: Shape, call: Call, inputs: InputSets) -> dict:
-    """First call at full shape (warm-up) and correctness; for training also gradients and repeatability."""
+def _check(shape: Shape, call: Call, inputs: InputSets, operands: InputSets) -> dict:
+    """First call at full shape (warm-up) and correctness; for training also gradients and repeatability.
+    ``operands`` are what the method is called with (``inputs`` itself, or their 8-bit form); the reference
+    always scores the float ``inputs``."""
     Q, D = inputs.sets[0]
-    out = call(Q, D)
+    out = call(*operands.sets[0])
     if shape.suite != "train":
         return {"rel_err": _check_scores(shape, out, Q, D)}
     again = call(Q, D)
@@ -136,7 +141,8 @@ def _failure(exc: BaseException) -> dict:
 
 
 def _finish_cells(entry: dict, floor_ms: float) -> None:
-    """Medians, % of floor, best of each sweep and the ratio of every timed method to every other."""
+    """Medians, % of floor (a cell's own ``floor_ms`` where it has one: 8-bit storage), best of each sweep and the
+    ratio of every timed method to every other."""
     cells, timed = entry["cells"], {}
     for name, cell in cells.items():
         rounds = cell.get("round_ms")
@@ -144,7 +150,7 @@ def _finish_cells(entry: dict, floor_ms: float) -> None:
             continue
         cell["median_ms"] = statistics.median(rounds)
         cell["spread_pct"] = 100.0 * (max(rounds) - min(rounds)) / cell["median_ms"]
-        cell["pct_of_floor"] = 100.0 * floor_ms / cell["median_ms"]
+        cell["pct_of_floor"] = 100.0 * cell.get("floor_ms", floor_ms) / cell["median_ms"]
         timed[name] = cell["median_ms"]
     sweeps: dict[str, dict] = {}
     for name, cell in cells.items():
@@ -169,8 +175,11 @@ def run_shape(
     rounds: int,
     rotate_bytes: int,
     log: Callable[[str], None],
+    storage_ceilings: dict[str, Ceilings] | None = None,
 ) -> dict:
-    """Benchmark every applicable method at one shape; returns the shape's JSON entry."""
+    """Benchmark every applicable method at one shape; returns the shape's JSON entry.
+
+    ``storage_ceilings``: the ceilings of 8-bit methods' floors by storage (matmul rate of that type)."""
     fl = floor(shape, torch.finfo(dtype).bits // 8, ceilings)
     entry = {"name": shape.name, "shape": asdict(shape), "floor": fl.as_dict(), "cells": {}}
     train = shape.suite == "train"
@@ -184,6 +193,7 @@ def run_shape(
     entry["input_sets"] = len(inputs)
     labels = torch.arange(shape.b, device=device)
     calls: dict[str, Call] = {}
+    operands: dict[str, InputSets] = {}
     for method in methods:
         if shape.suite not in method.suites or not method.applies(shape):
             continue
@@ -195,15 +205,25 @@ def run_shape(
         try:
             score = method.build(shape)
             call = _train_call(score, labels) if train else _forward_call(score)
-            cell.update(_check(shape, call, inputs))
+            operands[method.name] = inputs
+            if method.prepare is not None:  # quantized once per input set, outside the timing
+                with torch.no_grad():
+                    operands[method.name] = InputSets([method.prepare(shape, Q, D) for Q, D in inputs.sets])
+            cell.update(_check(shape, call, inputs, operands[method.name]))
         except Exception as exc:
             cell.update(_failure(exc))
         free_memory(device)
         if "error" in cell:
+            operands.pop(method.name, None)
             log(f"  {method.name:26s} {cell['status']}: {cell['error'][:120]}")
             continue
-        cell["status"] = "ok" if cell["rel_err"] <= TOLERANCE[dtype] else "mismatch"
+        tolerance = QUANTIZED_TOLERANCE[method.storage] if method.storage else TOLERANCE[dtype]
+        cell["status"] = "ok" if cell["rel_err"] <= tolerance else "mismatch"
         cell["check_s"] = time.perf_counter() - start
+        if method.storage:
+            cell["storage"] = method.storage
+            own = (storage_ceilings or {}).get(method.storage, ceilings)
+            cell["floor_ms"] = floor(shape, 1, own).ms
         calls[method.name] = call
         log(f"  {method.name:26s} {cell['status']} rel_err {cell['rel_err']:.1e}, first call and check "
             f"{cell['check_s']:.1f} s" + ("" if cell.get("repeatable", True) else ", not bitwise repeatable"))
@@ -214,7 +234,7 @@ def run_shape(
             if "error" in cell:
                 continue
             try:
-                cell.setdefault("round_ms", []).append(timer.median_ms(lambda: call(*inputs.next())))
+                cell.setdefault("round_ms", []).append(timer.median_ms(lambda: call(*operands[name].next())))
             except Exception as exc:
                 cell.update(_failure(exc))
             if "error" in cell:
@@ -225,7 +245,7 @@ def run_shape(
         if "error" in cell:
             continue
         try:
-            peak = peak_memory_bytes(lambda: call(*inputs.sets[0]), device)
+            peak = peak_memory_bytes(lambda: call(*operands[name].sets[0]), device)
             cell["peak_MB"] = None if peak is None else peak / 2**20
         except Exception as exc:
             cell.update(_failure(exc))
@@ -236,7 +256,7 @@ def run_shape(
         if "median_ms" in cell:
             flag = "" if cell["status"] == "ok" else f"  MISMATCH rel_err={cell['rel_err']:.2e}"
             log(f"  {name:26s} {cell['median_ms']:10.4f} ms {cell['pct_of_floor']:6.1f}% of floor{flag}")
-    del inputs, calls
+    del inputs, calls, operands
     free_memory(device)
     return entry
 
@@ -373,6 +393,17 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         f"{ceilings.matmul_flops_per_s / 1e12:.4g} TFLOP/s matmul; {len(shapes)} shapes")
     for name, reason in unavailable.items():
         log(f"  unavailable: {name}: {reason}")
+    # 8-bit methods: their floors' matmul rates, and the throughput of lik.quantize that stores their corpora.
+    suites = {shape.suite for shape in shapes}
+    storages = {m.storage for m in methods if m.storage and suites & set(m.suites) and m.name not in unavailable}
+    storage_ceilings, quantize = {}, []
+    if storages:
+        storage_ceilings, how["storage_matmul"] = measure_storage_ceilings(
+            timer, ceilings, storages, matmul_n=256 if args.smoke else 8192)
+        if "lik-int8" in {m.name for m in methods} or "lik-fp8" in {m.name for m in methods}:
+            quantize = quantize_throughput(timer, ceilings, rows=4096 if args.smoke else 3_000_000)
+        for record in quantize:
+            log(f"  {record['what']}: {record['median_ms']:.3f} ms, {record['pct_of_floor']:.0f}% of its copy floor")
 
     results = {
         "schema": 1,
@@ -387,7 +418,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
             },
         },
         "ceilings": ceilings.as_dict(),
+        "storage_ceilings": {k: c.as_dict() for k, c in storage_ceilings.items()},
         "ceiling_measurement": how,
+        "quantize": quantize,
         "methods": {
             m.name: {"suites": list(m.suites), "sweep": m.sweep, "unavailable": unavailable.get(m.name)}
             for m in methods
@@ -405,7 +438,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         log(f"{shape.name}  [{elapsed:6.1f} s]")
         results["shapes"].append(run_shape(
             shape, methods, unavailable, dtype=dtype, device=device, timer=timer, ceilings=ceilings,
-            rounds=rounds, rotate_bytes=rotate_bytes, log=log,
+            rounds=rounds, rotate_bytes=rotate_bytes, log=log, storage_ceilings=storage_ceilings,
         ))
         results["wall_s"] = time.perf_counter() - started
         _write_json(json_path, results)
