@@ -395,12 +395,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         log(f"  unavailable: {name}: {reason}")
     # 8-bit methods: their floors' matmul rates, and the throughput of lik.quantize that stores their corpora.
     suites = {shape.suite for shape in shapes}
-    storages = {m.storage for m in methods if m.storage and suites & set(m.suites) and m.name not in unavailable}
+    eight_bit = [m for m in methods if m.storage and suites & set(m.suites) and m.name not in unavailable]
     storage_ceilings, quantize = {}, []
-    if storages:
+    if eight_bit:
         storage_ceilings, how["storage_matmul"] = measure_storage_ceilings(
-            timer, ceilings, storages, matmul_n=256 if args.smoke else 8192)
-        if "lik-int8" in {m.name for m in methods} or "lik-fp8" in {m.name for m in methods}:
+            timer, ceilings, {m.storage for m in eight_bit}, matmul_n=256 if args.smoke else 8192)
+        if any(m.name.startswith("lik-") for m in eight_bit):
             quantize = quantize_throughput(timer, ceilings, rows=4096 if args.smoke else 3_000_000)
         for record in quantize:
             log(f"  {record['what']}: {record['median_ms']:.3f} ms, {record['pct_of_floor']:.0f}% of its copy floor")
