@@ -206,7 +206,10 @@ def quantize_throughput(timer: Timer, ceilings: Ceilings, *, rows: int, dim: int
     ).half()
     moved = rows * dim * 2 + rows * dim + rows * 4
     records = []
-    for tag, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+    types = [("int8", torch.int8)]
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
+        types.append(("fp8", torch.float8_e4m3fn))
+    for tag, dtype in types:
         ms = timer.median_ms(lambda: lik.quantize(x, dtype))
         floor_ms = 1e3 * moved / ceilings.bandwidth_bytes_per_s
         records.append({"what": f"lik.quantize fp16 [{rows}, {dim}] -> {tag}", "median_ms": ms,
