@@ -150,6 +150,64 @@ def _cublas_rates():
     return rates
 
 
+# Forced launches of lik's nearest-neighbour kernels timed beside the heuristic's (None):
+# (route, precision, block_m, block_n, warps, stages).
+SWEEP = {
+    3: [None, ("direct", "", 128, 64, 8, 1), ("direct", "", 64, 64, 4, 1), ("direct", "", 128, 128, 8, 1),
+        ("dot", "tf32x3", 128, 64, 8, 3), ("dot", "tf32x3", 128, 128, 8, 3), ("dot", "tf32x3", 64, 128, 4, 3),
+        ("dot", "tf32x3", 128, 64, 4, 3), ("dot", "tf32x3", 256, 64, 8, 3)],
+    128: [None, ("dot", "ieee", 128, 64, 8, 3), ("dot", "tf32x3", 128, 64, 8, 3), ("dot", "tf32x3", 128, 128, 8, 3),
+          ("dot", "tf32x3", 64, 64, 4, 4), ("dot", "tf32x3", 128, 64, 4, 3), ("dot", "tf32x3", 64, 128, 4, 3)],
+}
+
+
+def sweep(record: dict, shapes, flops_ceiling: float) -> None:
+    """Time ``lik.nearest_neighbors`` (forward) and ``lik.chamfer_distance`` (forward + backward) under each
+    launch of :data:`SWEEP`, with the nearest-neighbour error against float64, and flash_chamfer beside them."""
+    from lik import _config
+
+    record["sweep"] = []
+    try:
+        from flash_maxsim import flash_chamfer_train
+    except Exception:
+        flash_chamfer_train = None
+    for n, p, d in shapes:
+        x = torch.rand(n, p, d, device="cuda")
+        y = torch.rand(n, p, d, device="cuda")
+        sample = torch.randperm(p, device="cuda")[:2000]
+        xg, yg = x.clone().requires_grad_(), y.clone().requires_grad_()
+
+        def step(fn):
+            xg.grad = yg.grad = None
+            fn(xg, yg).backward()
+
+        if flash_chamfer_train is not None:
+            ms = _time_ms(lambda: step(lambda a, b: sum(flash_chamfer_train(a[i], b[i]) for i in range(n)) / n))
+            record["sweep"].append({"n": n, "p": p, "d": d, "launch": "flash_chamfer", "fwd_bwd_ms": ms})
+            print(f"sweep {n}x{p} D={d} flash_chamfer f+b {ms:.3f} ms", flush=True)
+        for launch in SWEEP[d]:
+            cell = {"n": n, "p": p, "d": d, "launch": launch}
+            cfg = None if launch is None else _config.NearestConfig(
+                launch[0], launch[1] or "tf32x3", launch[2], launch[3], launch[4], launch[5])
+            try:
+                with _config.override(**({} if cfg is None else {"nearest": cfg})):
+                    cell["nn_rel_error"] = _nn_error("lik", lambda a, b: lik.nearest_neighbors(a, b)[0], x, y, sample)
+                    # far from the origin: the centring must keep the digits
+                    cell["nn_rel_error_at_1000"] = _nn_error(
+                        "lik", lambda a, b: lik.nearest_neighbors(a, b)[0], x + 1000, y + 1000, sample)
+                    with torch.no_grad():
+                        cell["fwd_ms"] = _time_ms(lambda: lik.nearest_neighbors(x, y))
+                    cell["fwd_bwd_ms"] = _time_ms(lambda: step(lambda a, b: lik.chamfer_distance(a, b)[0]))
+                cell["fwd_tflops"] = 2 * 2 * d * n * p * p / cell["fwd_ms"] / 1e9
+                cell["pct_of_cublas_fp32"] = 100 * cell["fwd_tflops"] * 1e3 / flops_ceiling
+            except Exception as exc:  # a launch that does not compile: recorded, not fatal
+                cell["error"] = repr(exc)[:300]
+            record["sweep"].append(cell)
+            print("sweep " + json.dumps(cell), flush=True)
+        del x, y, xg, yg
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out")
@@ -158,6 +216,8 @@ def main() -> None:
     parser.add_argument("--methods", default="lik,flash_chamfer,chamferdist,keops,naive_cdist",
                         help="comma-separated; run a peer that may crash its process (KeOps) in a call of its own")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument("--sweep", default="", help="N:P:D shapes (comma-separated) at which to time lik's launches "
+                        "of SWEEP instead of the comparison")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -168,6 +228,12 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "commit": commit, "cublas_gflops": _cublas_rates(), "cells": [], "skipped": [],
     }
+    if args.sweep:
+        sweep(record, [tuple(int(v) for v in s.split(":")) for s in args.sweep.split(",")],
+              record["cublas_gflops"]["fp32_highest"])
+        with open(os.path.join(args.out, f"chamfer_sweep{args.tag}.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        return
     shapes = [(1, 1000, 3), (1, 10_000, 3), (16, 10_000, 3), (1, 100_000, 3), (1, 10_000, 128), (1, 100_000, 128),
               (1, 1_000_000, 3)]
     if args.quick:

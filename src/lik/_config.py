@@ -33,6 +33,8 @@ __all__ = [
     "feature_chunks",
     "shared_memory",
     "MAX_RESIDENT_DIM",
+    "NearestConfig",
+    "nearest_config",
     "MsdaForwardConfig",
     "MsdaBackwardConfig",
     "msda_forward_config",
@@ -429,11 +431,46 @@ def _varlen_tiles(cfg: MaxSimForwardConfig, dtype: torch.dtype, dim: int, pairs:
     return replace(cfg, block_n=32 if pairs else 128, num_warps=4, num_stages=3, programs_per_sm=0)
 
 
+@dataclass(frozen=True)
+class NearestConfig:
+    """Launch of the nearest-neighbour kernels (``lik.nearest_neighbors``, ``lik.chamfer_distance``).
+
+    ``route``: "direct" (coordinate differences on the CUDA cores: exact, one pass per coordinate) or "dot"
+    (tensor-core products of centred float32 operands; the winner's distance is recomputed exactly afterwards).
+    ``precision``: how the dot route's float32 products use the tensor cores: "tf32x3" (three TF32 products, about
+    float32's accuracy) or "ieee" (FMA, exact float32, several times slower). ``block_m`` points of ``x`` per
+    program against tiles of ``block_n`` points of ``y``."""
+
+    route: str
+    precision: str = "tf32x3"
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# Point clouds: up to this width the coordinate differences beat a padded tensor-core step.
+NEAREST_DIRECT_MAX_DIM = 8
+
+
+def nearest_config(*, dim: int, norm: int, device: torch.device) -> NearestConfig:
+    """The nearest-neighbour launch for ``dim``-wide points under ``norm`` (1 or 2) on ``device``."""
+    forced = _OVERRIDES.get("nearest")
+    if forced is not None:
+        return forced
+    if norm == 1 or dim <= NEAREST_DIRECT_MAX_DIM:
+        return NearestConfig("direct")
+    # TF32 needs Ampere's tensor cores; elsewhere (and in the interpreter) the products are plain float32.
+    tensor_cores = not interpreting() and _arch(device) >= (8, 0)
+    return NearestConfig("dot", "tf32x3" if tensor_cores else "ieee")
+
+
 @contextlib.contextmanager
 def override(**configs):
     """Force launch configurations inside a ``with`` block (keys: ``maxsim_forward``, ``maxsim_backward``,
-    ``maxsim_varlen``, ``msda_forward``, ``msda_backward``)."""
-    unknown = set(configs) - {"maxsim_forward", "maxsim_backward", "maxsim_varlen", "msda_forward", "msda_backward"}
+    ``maxsim_varlen``, ``msda_forward``, ``msda_backward``, ``nearest``)."""
+    known = {"maxsim_forward", "maxsim_backward", "maxsim_varlen", "msda_forward", "msda_backward", "nearest"}
+    unknown = set(configs) - known
     if unknown:
         raise ValueError(f"unknown config keys: {sorted(unknown)}")
     saved = dict(_OVERRIDES)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..._dispatch import resolve_backward, uses_kernels
 from ...core.precision import accumulation_dtype
-from .kernel import DIRECT_MAX_DIM, coordinate_major, nearest_indices
+from .kernel import coordinate_major, nearest_indices, uses_direct_route
 from .reference import nearest_neighbors_reference
 from .validation import PointSets, check_point_sets, check_reductions, valid_points
 
@@ -113,7 +113,7 @@ def _directed(a: _Cloud, b: _Cloud, norm: int, deterministic: bool, kernels: boo
 
 def _clouds(sets: PointSets, norm: int) -> tuple[_Cloud, _Cloud, bool]:
     kernels = uses_kernels(sets.x)
-    direct = norm == 1 or sets.x.shape[2] <= DIRECT_MAX_DIM
+    direct = kernels and uses_direct_route(sets.x.shape[2], norm, sets.x.device)
     return _Cloud(sets.x, sets.x_lengths, kernels, direct), _Cloud(sets.y, sets.y_lengths, kernels, direct), kernels
 
 

@@ -8,9 +8,11 @@ and writes only the winner. Two ways to form the distance tile:
   ``|x|^2`` and ``|y|^2`` either carried as two extra columns (``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]``,
   so the product *is* the distance: small ``D``) or added after the product (wide ``D``). Centring keeps the digits
   of nearby points far from the origin; the centred operands are float32 whatever the input dtype (rounding them
-  to half precision picked wrong neighbours on the H100: 0.9% too far at D = 128), and float32 products are true
-  float32 unless the user allowed TF32, as for MaxSim.
-* ``direct`` (``norm=1``, and ``norm=2`` for ``D <= DIRECT_MAX_DIM``, point clouds): ``sum_k (x_k - y_k)**2``
+  to half precision picked wrong neighbours on the H100: 0.9% too far at D = 128). The products are three TF32
+  products (``tf32x3``: about float32's accuracy, whatever the user allowed for matmuls, since they only choose
+  the winner) on GPUs with TF32, true float32 elsewhere.
+* ``direct`` (``norm=1``, and ``norm=2`` for ``D <= DIRECT_MAX_DIM``, point clouds, unless
+  :func:`lik._config.nearest_config` says otherwise): ``sum_k (x_k - y_k)**2``
   (or ``|x_k - y_k|``) from the coordinate differences on the CUDA cores, exact wherever the points lie; both
   clouds are read coordinate-major (``[N, D, P]``) so a tile's loads are contiguous.
 
@@ -28,20 +30,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import cdiv
+from ..._config import NEAREST_DIRECT_MAX_DIM, NearestConfig, cdiv, nearest_config
 from .validation import valid_points
 
 __all__ = [
-    "nearest_dot_kernel", "nearest_direct_kernel", "nearest_indices", "AUGMENTED_MAX_DIM", "DIRECT_MAX_DIM", "BLOCK_N",
+    "nearest_dot_kernel", "nearest_direct_kernel", "nearest_indices", "uses_direct_route", "AUGMENTED_MAX_DIM",
+    "DIRECT_MAX_DIM", "BLOCK_M", "BLOCK_N",
 ]
 
-# Point clouds: up to this width the differences (6 FP32 operations a pair at D = 3) beat a padded tensor-core step
-# and keep every digit.
-DIRECT_MAX_DIM = 8
+DIRECT_MAX_DIM = NEAREST_DIRECT_MAX_DIM
 # Largest D whose two norm columns still fit the 16-wide tensor-core step without another step.
 AUGMENTED_MAX_DIM = 14
-BLOCK_M = 128
-BLOCK_N = 64
+# The default tiles (tests size their clouds around them).
+BLOCK_M = NearestConfig.block_m
+BLOCK_N = NearestConfig.block_n
 # The direct kernel unrolls its coordinate loop up to this width.
 UNROLLED_MAX_DIM = tl.constexpr(16)
 _NO_KEY = tl.constexpr(2147483647)
@@ -160,13 +162,6 @@ def nearest_direct_kernel(
     store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # As MaxSim: float32 products are true float32 unless the user allowed TF32 for float32 matmuls.
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
-
-
 def _centred_operands(x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor, augmented: bool):
     """fp32 operands of the product: centred on the finite valid ``x`` points' mean."""
     p1 = x.shape[1]
@@ -190,6 +185,11 @@ def coordinate_major(points: torch.Tensor) -> torch.Tensor:
     return points.transpose(1, 2).contiguous()
 
 
+def uses_direct_route(dim: int, norm: int, device: torch.device) -> bool:
+    """Whether :func:`nearest_indices` reads the clouds coordinate-major (the caller may prepare those copies)."""
+    return nearest_config(dim=dim, norm=norm, device=device).route == "direct"
+
+
 def nearest_indices(
     x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor, y_lengths: torch.Tensor, norm: int,
     xt: torch.Tensor | None = None, yt: torch.Tensor | None = None,
@@ -205,26 +205,31 @@ def nearest_indices(
         return idx
     x_len32 = x_lengths.to(torch.int32)
     y_len32 = y_lengths.to(torch.int32)
-    grid = (cdiv(p1, BLOCK_M), n)
-    col_bits = BLOCK_N.bit_length() - 1
-    if norm == 1 or dim <= DIRECT_MAX_DIM:
+    cfg = nearest_config(dim=dim, norm=norm, device=x.device)
+    if cfg.route == "dot" and norm != 2:
+        raise ValueError(f"the dot route computes squared L2 distances only, not norm={norm}")
+    grid = (cdiv(p1, cfg.block_m), n)
+    col_bits = cfg.block_n.bit_length() - 1
+    if cfg.route == "direct":
         xt = coordinate_major(x) if xt is None else xt
         yt = coordinate_major(y) if yt is None else yt
         nearest_direct_kernel[grid](
             xt, yt, x_len32, y_len32, idx,
             xt.stride(0), xt.stride(1), yt.stride(0), yt.stride(1), idx.stride(0), idx.stride(1),
-            DIM=dim, NORM=norm, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, COL_BITS=col_bits, num_warps=8,
+            DIM=dim, NORM=norm, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, COL_BITS=col_bits,
+            num_warps=cfg.num_warps,
         )
         return idx
     augmented = dim <= AUGMENTED_MAX_DIM
     xa, ya, x_sq, y_sq = _centred_operands(x, y, x_lengths, augmented)
     width = xa.shape[-1]
-    block_k = 16 if width <= 16 else (32 if xa.dtype == torch.float32 else 64)
+    # float32 operands: the tensor-core step is 8 deep (16 for ``ieee``'s FMA, which wastes nothing by it).
+    block_k = 8 if width <= 8 else (16 if width <= 16 else 32)
     nearest_dot_kernel[grid](
         xa, ya, x_sq, y_sq, x_len32, y_len32, idx,
         xa.stride(0), xa.stride(1), ya.stride(0), ya.stride(1), x_sq.stride(0), y_sq.stride(0),
         idx.stride(0), idx.stride(1),
-        DIM=width, AUGMENTED=augmented, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, COL_BITS=col_bits,
-        DOT_PRECISION=_dot_precision(xa.dtype), num_warps=8, num_stages=3,
+        DIM=width, AUGMENTED=augmented, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        COL_BITS=col_bits, DOT_PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return idx
