@@ -134,9 +134,24 @@ def test_streamed_tiles_follow_the_device_limit_given():
     # A smaller device gets fewer stages (or a narrower chunk), never a launch that cannot start.
     big = heuristic(1024, 1, 768, torch.float16, False, (9, 0), False, False, False, 232_448)
     small = heuristic(1024, 1, 768, torch.float16, False, (9, 0), False, False, False, 99_000)
-    assert big.num_stages == 4
+    assert big.num_stages == 3
     assert small.num_stages * (small.block_m + small.block_n) * small.block_k * 2 <= 99_000
     assert (small.num_stages, small.block_k) < (big.num_stages, big.block_k)
+
+
+def test_long_queries_at_wide_d_take_the_nested_gemm_loop():
+    # Compute-bound: 128 x 256 tiles, each tile's chunks pipelined on their own (flat_k False); from d = 256 on
+    # Hopper in 16 bits (the resident query block below that, and for short queries).
+    for dim in (256, 768, 4096):
+        cfg = heuristic(1024, 1, dim, torch.float16, False, (9, 0), False, False, False, 232_448)
+        assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.flat_k) == (128, 256, 64, False)
+        assert cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2 <= 232_448
+    resident = heuristic(1024, 1, 128, torch.float16, False, (9, 0), False, False, False, 232_448)
+    assert resident.block_k == 128
+    short = heuristic(32, 1, 768, torch.float16, False, (9, 0), False, False, False, 232_448)
+    assert short.flat_k and short.block_n == 64
+    short_256 = heuristic(32, 1, 256, torch.float16, False, (9, 0), False, False, False, 232_448)
+    assert short_256.block_k == 256  # resident
 
 
 def test_budget_helpers():

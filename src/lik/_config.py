@@ -185,7 +185,11 @@ def maxsim_forward_config(
 def _maxsim_forward_heuristic(
     q_len, n_queries, dim, dtype, per_query, arch, interpreted, long_docs=False, argmax=False, smem=0,
 ) -> MaxSimForwardConfig:
-    if dim > MAX_RESIDENT_DIM:
+    if dim > MAX_RESIDENT_DIM or (
+        dim > 128 and not interpreted and arch >= (9, 0) and dtype in (torch.float16, torch.bfloat16) and q_len >= 128
+    ):
+        # A long query at d > 128 is a GEMM: the streamed loop's tall tiles beat the resident query block
+        # (H100, d = 256: 0.310 against 0.368 ms; BENCHMARKS.md "Any embedding width").
         return _streamed_forward_tiles(q_len, n_queries, dim, dtype, per_query, arch, interpreted, smem)
     block_d = max(16, next_power_of_2(dim))
     if interpreted:
@@ -268,10 +272,12 @@ STREAMED_FIXED_BYTES = 16 << 10
 def _streamed_forward_tiles(q_len, n_queries, dim, dtype, per_query, arch, interpreted, smem):
     """Tiles of the streamed-k loop (``dim > MAX_RESIDENT_DIM``): a GEMM's tiles, sized against the device.
 
-    Tall row blocks (long or stacked queries) take 128 x 128 tiles of 64-wide chunks (16-bit; 32 for fp32),
-    compute-bound like a GEMM; one short query takes 64-token tiles of 128-wide chunks (memory-bound: fewer,
-    longer copies) and leaves room for two programs per SM. Stages: as many as the device's shared memory
-    holds (at most 4, at least 2), and where even 2 do not fit the chunk is halved."""
+    Tall row blocks (long or stacked queries) are compute-bound like a GEMM: 128 x 256 tiles of 64-byte-deep
+    chunks (64 wide at 16 bits), each tile's chunks in a pipelined loop of its own (``flat_k=False``: the
+    tensor-core products overlap, where the flat loop waits for each), 3 stages. One short query takes 64-token
+    tiles of 128-wide chunks in the flat loop (memory-bound: fewer, longer copies, no pipeline refill per tile)
+    and leaves room for two programs per SM. Stages: as many as the device's shared memory holds (at most 4, at
+    least 2), and where even 2 do not fit the chunk is halved."""
     element = 4 if dtype == torch.float32 else 2
     if interpreted:
         group_rows = min(max(16, next_power_of_2(q_len)), 32)
@@ -283,13 +289,15 @@ def _streamed_forward_tiles(q_len, n_queries, dim, dtype, per_query, arch, inter
     groups = _stacked_groups(q_len, n_queries, group_rows, max_rows, per_query)
     block_m = group_rows * groups
     tall = block_m >= 128
-    block_n = 128 if tall else 64
+    block_n = 256 if tall else 64
     block_k = (64 if tall else 128) * 2 // element
     programs = 1 if tall else 2
+    max_stages = 3 if tall else 4
     limit = smem or shared_memory_limit(torch.device("cpu"), arch)
     while True:
         stage_bytes = (block_m + block_n) * block_k * element
-        stages = pipeline_stages(stage_bytes, limit=limit, fixed_bytes=STREAMED_FIXED_BYTES, programs_per_sm=programs)
+        stages = pipeline_stages(stage_bytes, limit=limit, fixed_bytes=STREAMED_FIXED_BYTES, programs_per_sm=programs,
+                                 max_stages=max_stages)
         if programs * (stages * stage_bytes + STREAMED_FIXED_BYTES) <= limit or block_k <= 16:
             break
         if programs > 1:
@@ -297,7 +305,7 @@ def _streamed_forward_tiles(q_len, n_queries, dim, dtype, per_query, arch, inter
         else:
             block_k //= 2
     warps = warps_for_tile(block_m, block_n)
-    return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages)
+    return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, flat_k=not tall)
 
 
 def maxsim_forward_doc_programs(
@@ -435,11 +443,13 @@ def _varlen_tiles(cfg: MaxSimForwardConfig, dtype: torch.dtype, dim: int, pairs:
 class NearestConfig:
     """Launch of the nearest-neighbour kernels (``lik.nearest_neighbors``, ``lik.chamfer_distance``).
 
-    ``route``: "direct" (coordinate differences on the CUDA cores: exact, one pass per coordinate) or "dot"
-    (tensor-core products of centred float32 operands; the winner's distance is recomputed exactly afterwards).
-    ``precision``: how the dot route's float32 products use the tensor cores: "tf32x3" (three TF32 products, about
-    float32's accuracy) or "ieee" (FMA, exact float32, several times slower). ``block_m`` points of ``x`` per
-    program against tiles of ``block_n`` points of ``y``."""
+    ``route``: "direct" (coordinate differences on the CUDA cores: exact, one pass per coordinate), "dot" (the
+    Chamfer tile loop: tensor-core products of centred float32 operands) or "core" (MaxSim's argmax forward on
+    ``x' = [x, 1]``, ``y' = [2y, -|y|^2]``, with MaxSim's own tiles); on "dot" and "core" the winner's distance is
+    recomputed exactly afterwards. ``precision`` of their float32 products: "tf32x3" (each operand split into two
+    TF32 parts on the host, three products in one TF32 product three times as deep: about float32's accuracy)
+    or "ieee" (true float32 products, several times slower). ``block_m`` points of ``x`` per program against
+    tiles of ``block_n`` points of ``y`` (direct and dot routes)."""
 
     route: str
     precision: str = "tf32x3"

@@ -9,8 +9,30 @@ import torch
 import torch.nn.functional as F
 
 import lik
+from lik import _config
 from lik.ops.chamfer import nearest_neighbors_reference
 from lik.ops.chamfer.kernel import AUGMENTED_MAX_DIM, BLOCK_M, BLOCK_N, DIRECT_MAX_DIM
+
+# Every route of the nearest-neighbour kernels, forced, beside the heuristic's choice (None): the direct
+# differences, the Chamfer dot loop and MaxSim's argmax forward, with float32 or TF32-split products.
+LAUNCHES = {
+    "heuristic": None,
+    "direct": _config.NearestConfig("direct", block_m=32, block_n=16),
+    "dot-tf32x3": _config.NearestConfig("dot", "tf32x3", block_m=32, block_n=16),
+    "dot-ieee": _config.NearestConfig("dot", "ieee", block_m=32, block_n=16),
+    "core-tf32x3": _config.NearestConfig("core", "tf32x3"),
+    "core-ieee": _config.NearestConfig("core", "ieee"),
+}
+
+
+@pytest.fixture(params=list(LAUNCHES))
+def launch(request):
+    cfg = LAUNCHES[request.param]
+    if cfg is None:
+        yield None
+    else:
+        with _config.override(nearest=cfg):
+            yield cfg
 
 
 def _dense_nearest(x, y, xl, yl, norm):
@@ -102,8 +124,12 @@ def _clouds(rng, n, p1, p2, dim, dtype=torch.float32, garbage=True):
     "dim", [1, 2, 3, 5, DIRECT_MAX_DIM, DIRECT_MAX_DIM + 1, AUGMENTED_MAX_DIM, AUGMENTED_MAX_DIM + 1, 33, 64]
 )
 @pytest.mark.parametrize("norm", [1, 2])
-def test_nearest_matches_dense_float64(dim, norm, rng):
+def test_nearest_matches_dense_float64(dim, norm, rng, launch):
     x, y, xl, yl = _clouds(rng, 3, BLOCK_M + 9, BLOCK_N + 6, dim)
+    if norm == 1 and launch is not None and launch.route != "direct":
+        with pytest.raises(ValueError, match="norm=1"):
+            lik.nearest_neighbors(x, y, xl, yl, norm=norm)
+        return
     dist, idx = lik.nearest_neighbors(x, y, xl, yl, norm=norm)
     ref_dist, ref_idx = _dense_nearest(x, y, xl, yl, norm)
     assert dist.dtype == torch.float32 and idx.dtype == torch.int64
@@ -113,7 +139,7 @@ def test_nearest_matches_dense_float64(dim, norm, rng):
 
 
 @pytest.mark.parametrize("p1,p2", [(0, 5), (5, 0), (1, 1), (1, 65), (65, 1), (0, 0)])
-def test_sizes_zero_and_one(p1, p2, rng):
+def test_sizes_zero_and_one(p1, p2, rng, launch):
     x, y, _, _ = _clouds(rng, 2, p1, p2, 3, garbage=False)
     dist, idx = lik.nearest_neighbors(x, y)
     ref_dist, ref_idx = _dense_nearest(x, y, [p1, p1], [p2, p2], 2)
@@ -132,7 +158,7 @@ def test_reference_matches_dense_model(rng):
 
 
 @pytest.mark.parametrize("dim", [3, 40])
-def test_ties_go_to_the_lowest_index(dim, rng):
+def test_ties_go_to_the_lowest_index(dim, rng, launch):
     y = torch.randn(1, 2 * BLOCK_N + 5, dim, generator=rng)
     copies = [BLOCK_N - 1, BLOCK_N + 3, 2 * BLOCK_N + 1]  # the same tile, and later tiles
     y[0, copies] = y[0, 2].clone()
@@ -143,7 +169,7 @@ def test_ties_go_to_the_lowest_index(dim, rng):
 
 
 @pytest.mark.parametrize("dim", [3, 40])
-def test_infinite_coordinates_in_valid_points(dim, rng):
+def test_infinite_coordinates_in_valid_points(dim, rng, launch):
     x = torch.randn(2, 5, dim, generator=rng)
     y = torch.randn(2, 7, dim, generator=rng)
     x[0, 3, 1] = float("inf")
@@ -156,7 +182,7 @@ def test_infinite_coordinates_in_valid_points(dim, rng):
 
 
 @pytest.mark.parametrize("dim", [3, 40])
-def test_nan_in_a_valid_point(dim, rng):
+def test_nan_in_a_valid_point(dim, rng, launch):
     x = torch.randn(1, 6, dim, generator=rng)
     y = torch.randn(1, 9, dim, generator=rng)
     x[0, 1, 0] = float("nan")
@@ -170,7 +196,7 @@ def test_nan_in_a_valid_point(dim, rng):
 
 
 @pytest.mark.parametrize("dim", [3, 64])
-def test_far_from_the_origin(dim, rng):
+def test_far_from_the_origin(dim, rng, launch):
     # Nearby points 1e4 away from the origin: |x|^2 + |y|^2 - 2 x.y would cancel ~8 digits of fp32.
     base = torch.randn(1, 1, dim, generator=rng, dtype=torch.float64) * 1e4
     x = base + torch.randn(1, 50, dim, generator=rng, dtype=torch.float64) * 0.1
@@ -182,7 +208,7 @@ def test_far_from_the_origin(dim, rng):
     torch.testing.assert_close(dist.double(), ref_dist, rtol=1e-3, atol=1e-6)
 
 
-def test_noncontiguous_views(rng):
+def test_noncontiguous_views(rng, launch):
     base = torch.randn(2, 40, 8, generator=rng)
     x = base[:, ::2, :3]  # strided points and coordinates
     y = base.transpose(0, 1)[:25].transpose(0, 1)[..., 4:7]
@@ -354,3 +380,21 @@ def test_gpu_million_points_memory_is_linear():
     dist, idx = lik.nearest_neighbors(x[:, sub].detach(), y)
     ref, _ = nearest_neighbors_reference(x[:, sub].detach().cpu(), y.cpu(), torch.tensor([2000]), torch.tensor([1_000_000]))
     torch.testing.assert_close(dist.cpu(), ref, rtol=2e-5, atol=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["dot-tf32x3", "core-tf32x3", "core-ieee"])
+@pytest.mark.parametrize("dim", [3, 40, 128, 1000])
+def test_gpu_forced_routes_match_reference(route, dim):
+    # TF32-split products must choose winners as float32 products do: one-pass TF32 (10 mantissa bits) would
+    # pick a farther point for many of these (the nearest-neighbour gaps are ~1e-3 relative at D = 128).
+    g = torch.Generator(device="cuda").manual_seed(dim)
+    x = torch.randn(2, 1500, dim, device="cuda", generator=g) + 100.0
+    y = torch.randn(2, 2100, dim, device="cuda", generator=g) + 100.0
+    xl, yl = torch.tensor([1500, 700], device="cuda"), torch.tensor([2100, 1999], device="cuda")
+    y[1, 1999:] = float("nan")
+    with _config.override(nearest=LAUNCHES[route]):
+        dist, idx = lik.nearest_neighbors(x, y, xl, yl)
+    ref_dist, ref_idx = nearest_neighbors_reference(x.cpu().double(), y.cpu().double(), xl.cpu(), yl.cpu(), 2)
+    torch.testing.assert_close(dist.cpu().double(), ref_dist, rtol=1e-5, atol=1e-6)
+    assert (idx.cpu() == ref_idx).double().mean().item() > 0.999

@@ -162,8 +162,8 @@ def nearest_direct_kernel(
     store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip)
 
 
-def _centred_operands(x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor, augmented: bool):
-    """fp32 operands of the product: centred on the finite valid ``x`` points' mean."""
+def _centred(x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor):
+    """float32 ``x`` and ``y`` centred on the finite valid ``x`` points' mean, with their squared norms."""
     p1 = x.shape[1]
     xf, yf = x.float(), y.float()
     valid = valid_points(x_lengths, p1)
@@ -171,13 +171,64 @@ def _centred_operands(x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor,
     count = usable.sum(1, keepdim=True).clamp(min=1)
     centre = torch.where(usable[..., None], xf, 0.0).sum(1, keepdim=True) / count[..., None]
     xc, yc = xf - centre, yf - centre
-    x_sq, y_sq = (xc * xc).sum(-1), (yc * yc).sum(-1)
+    return xc, yc, (xc * xc).sum(-1), (yc * yc).sum(-1)
+
+
+def tf32_parts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``a [..., K]``, ``b [..., K]`` -> ``[a_hi, a_lo, a_hi]``, ``[b_hi, b_hi, b_lo]`` (``[..., 3K]``)
+    whose TF32 product is ``a_hi.b_hi + a_lo.b_hi + a_hi.b_lo``: float32's accuracy from TF32 tensor cores
+    (the ``a_lo.b_lo`` term left out is ``2**-22`` relative). ``hi`` keeps TF32's 10 mantissa bits exactly."""
+
+    def split(t):
+        hi = (t.contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
+        return hi, t - hi
+
+    a_hi, a_lo = split(a)
+    b_hi, b_lo = split(b)
+    return torch.cat([a_hi, a_lo, a_hi], dim=-1), torch.cat([b_hi, b_hi, b_lo], dim=-1)
+
+
+def _dot_operands(x, y, x_lengths, augmented: bool, split: bool):
+    """Operands of the dot route: ``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]`` (augmented: the product is
+    the distance) or ``x``, ``-2y`` with the norms added in the kernel; TF32 parts when ``split``."""
+    xc, yc, x_sq, y_sq = _centred(x, y, x_lengths)
     if augmented:
         ones_x, ones_y = torch.ones_like(x_sq)[..., None], torch.ones_like(y_sq)[..., None]
-        xa = torch.cat([xc, ones_x, x_sq[..., None]], dim=-1).contiguous()
-        ya = torch.cat([-2.0 * yc, y_sq[..., None], ones_y], dim=-1).contiguous()
-        return xa, ya, x_sq, y_sq
-    return xc.contiguous(), (-2.0 * yc).contiguous(), x_sq.contiguous(), y_sq.contiguous()
+        xa = torch.cat([xc, ones_x, x_sq[..., None]], dim=-1)
+        ya = torch.cat([-2.0 * yc, y_sq[..., None], ones_y], dim=-1)
+    else:
+        xa, ya = xc, -2.0 * yc
+    if split:
+        xa, ya = tf32_parts(xa, ya)
+    return xa.contiguous(), ya.contiguous(), x_sq.contiguous(), y_sq.contiguous()
+
+
+def _core_nearest(x, y, x_lengths, y_lengths, split: bool) -> torch.Tensor:
+    """Nearest neighbours through MaxSim's argmax forward: with ``x' = [x, 1]`` and ``y' = [2y, -|y|^2]``,
+    ``x'.y' = |x|^2 - |x - y|^2``, so each ``x`` point's winning ``y`` token (highest similarity, lowest index
+    on ties) is its nearest neighbour. Each cloud is one query against its own one-document corpus."""
+    from ..maxsim.forward import maxsim_forward
+    from ..maxsim.validation import MaxSimInputs
+
+    n, p1, _ = x.shape
+    p2 = y.shape[1]
+    xc, yc, _, y_sq = _centred(x, y, x_lengths)
+    xa = torch.cat([xc, torch.ones_like(xc[..., :1])], dim=-1)
+    ya = torch.cat([2.0 * yc, -y_sq[..., None]], dim=-1)
+    # A y point with an infinite coordinate is infinitely far from every finite x (x'.y' would be NaN): it is
+    # excluded, and only wins where nothing else is left (the reference's tie at +inf: the lowest index).
+    y_ok = valid_points(y_lengths, p2) & ~(torch.isinf(yc).any(-1) & ~torch.isnan(yc).any(-1))
+    if split:
+        xa, ya = tf32_parts(xa, ya)
+    inputs = MaxSimInputs(
+        q=xa.contiguous(), d=ya.contiguous()[:, None], q_mask=valid_points(x_lengths, p1), d_mask=y_ok[:, None],
+        mask_mode="exclude", squeeze_query=False, per_query_documents=True,
+        dot_precision="tf32" if split else "ieee",
+    )
+    _, argmax = maxsim_forward(inputs, store_argmax=True)
+    idx = argmax[:, 0].to(torch.int32)
+    stranded = (idx < 0) & valid_points(x_lengths, p1) & (y_lengths > 0)[:, None]
+    return torch.where(stranded, 0, idx)
 
 
 def coordinate_major(points: torch.Tensor) -> torch.Tensor:
@@ -206,8 +257,8 @@ def nearest_indices(
     x_len32 = x_lengths.to(torch.int32)
     y_len32 = y_lengths.to(torch.int32)
     cfg = nearest_config(dim=dim, norm=norm, device=x.device)
-    if cfg.route == "dot" and norm != 2:
-        raise ValueError(f"the dot route computes squared L2 distances only, not norm={norm}")
+    if cfg.route != "direct" and norm != 2:
+        raise ValueError(f"the {cfg.route} route computes squared L2 distances only, not norm={norm}")
     grid = (cdiv(p1, cfg.block_m), n)
     col_bits = cfg.block_n.bit_length() - 1
     if cfg.route == "direct":
@@ -220,16 +271,18 @@ def nearest_indices(
             num_warps=cfg.num_warps,
         )
         return idx
+    split = cfg.precision == "tf32x3"
+    if cfg.route == "core":
+        return _core_nearest(x, y, x_lengths, y_lengths, split)
     augmented = dim <= AUGMENTED_MAX_DIM
-    xa, ya, x_sq, y_sq = _centred_operands(x, y, x_lengths, augmented)
+    xa, ya, x_sq, y_sq = _dot_operands(x, y, x_lengths, augmented, split)
     width = xa.shape[-1]
-    # float32 operands: the tensor-core step is 8 deep (16 for ``ieee``'s FMA, which wastes nothing by it).
-    block_k = 8 if width <= 8 else (16 if width <= 16 else 32)
+    block_k = 16 if width <= 16 else 32
     nearest_dot_kernel[grid](
         xa, ya, x_sq, y_sq, x_len32, y_len32, idx,
         xa.stride(0), xa.stride(1), ya.stride(0), ya.stride(1), x_sq.stride(0), y_sq.stride(0),
         idx.stride(0), idx.stride(1),
         DIM=width, AUGMENTED=augmented, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        COL_BITS=col_bits, DOT_PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        COL_BITS=col_bits, DOT_PRECISION="tf32" if split else "ieee", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return idx

@@ -459,7 +459,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         HAS_D_MASK=inputs.d_mask is not None,
         EXCLUDE=inputs.mask_mode == "exclude",
         STORE_ARGMAX=store_argmax,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=inputs.dot_precision or dot_precision(q.dtype),
         PERSISTENT=cfg.programs_per_sm > 0,
         FLAT_K=int(cfg.flat_k),
         LOADER=loader,

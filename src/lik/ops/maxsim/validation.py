@@ -163,6 +163,9 @@ class MaxSimInputs:
     per_query_documents: bool  # D was [Nq, B, Ld, d]
     q_scale: torch.Tensor | None = None  # 8-bit rows: fp32 [Nq, Lq]
     d_scale: torch.Tensor | None = None  # 8-bit rows: fp32 [n_sets, B, Ld]
+    # fp32 products: None follows torch.get_float32_matmul_precision(); "tf32" for operands already split into
+    # TF32 parts by an internal caller (Chamfer's nearest neighbours).
+    dot_precision: str | None = None
 
     @classmethod
     def build(
