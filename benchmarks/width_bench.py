@@ -83,9 +83,9 @@ def main() -> None:
 
 # Forced forward tiles timed beside the heuristic's: (group_rows, block_n, block_k, warps, stages, flat_k).
 SWEEP = {
-    "colpali": [(128, 128, 64, 8, 4, True), (128, 128, 64, 8, 4, False), (128, 256, 64, 8, 3, False),
-                (128, 256, 64, 8, 3, True), (128, 128, 128, 8, 3, False), (64, 128, 64, 4, 4, False),
-                (256, 128, 64, 8, 3, False), (128, 64, 64, 4, 4, False)],
+    "colpali": [(128, 256, 64, 8, 3, False), (256, 128, 64, 8, 3, False), (128, 256, 64, 8, 4, False),
+                (128, 256, 128, 8, 2, False), (256, 128, 128, 8, 2, False), (128, 128, 256, 8, 2, True),
+                (128, 64, 256, 8, 3, True), (128, 128, 64, 8, 4, True)],
 }
 
 

@@ -162,3 +162,16 @@ def test_budget_helpers():
     assert budget.shared_memory_limit(torch.device("cpu"), (9, 0)) == 232_448
     assert budget.shared_memory_limit(torch.device("cpu"), (8, 8)) == 101_376  # unknown minor: smallest of sm_8x
     assert budget.shared_memory_limit(torch.device("cpu"), (0, 0)) == budget.UNLIMITED_SHARED_MEMORY
+
+
+def test_nearest_routes_by_width_and_norm():
+    cpu = torch.device("cpu")
+    assert _config.nearest_config(dim=3, norm=1, device=cpu).route == "direct"
+    assert _config.nearest_config(dim=512, norm=1, device=cpu).route == "direct"
+    assert _config.nearest_config(dim=3, norm=2, device=cpu).route == "dot"
+    assert _config.nearest_config(dim=_config.NEAREST_POINT_MAX_DIM + 1, norm=2, device=cpu).route == "core"
+    # No TF32 tensor cores (the CPU, the interpreter): true float32 products.
+    assert _config.nearest_config(dim=128, norm=2, device=cpu).precision == "ieee"
+    forced = _config.NearestConfig("direct", block_m=32)
+    with _config.override(nearest=forced):
+        assert _config.nearest_config(dim=128, norm=2, device=cpu) is forced

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import lik
 from lik import _config
 from lik.ops.chamfer import nearest_neighbors_reference
-from lik.ops.chamfer.kernel import AUGMENTED_MAX_DIM, BLOCK_M, BLOCK_N, DIRECT_MAX_DIM
+from lik.ops.chamfer.kernel import AUGMENTED_MAX_DIM, BLOCK_M, BLOCK_N, POINT_MAX_DIM
 
 # Every route of the nearest-neighbour kernels, forced, beside the heuristic's choice (None): the direct
 # differences, the Chamfer dot loop and MaxSim's argmax forward, with float32 or TF32-split products.
@@ -121,7 +121,7 @@ def _clouds(rng, n, p1, p2, dim, dtype=torch.float32, garbage=True):
 
 
 @pytest.mark.parametrize(
-    "dim", [1, 2, 3, 5, DIRECT_MAX_DIM, DIRECT_MAX_DIM + 1, AUGMENTED_MAX_DIM, AUGMENTED_MAX_DIM + 1, 33, 64]
+    "dim", [1, 2, 3, 5, POINT_MAX_DIM, POINT_MAX_DIM + 1, AUGMENTED_MAX_DIM, AUGMENTED_MAX_DIM + 1, 33, 64]
 )
 @pytest.mark.parametrize("norm", [1, 2])
 def test_nearest_matches_dense_float64(dim, norm, rng, launch):

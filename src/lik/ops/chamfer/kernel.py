@@ -1,27 +1,29 @@
 """Nearest neighbour (k = 1) of every point of ``x`` among the points of ``y``, cloud by cloud, on chip.
 
-The hard-selection loop of MaxSim with a min-of-distance reduction: a program holds a block of ``x`` points,
-streams ``y`` in tiles, folds each ``[BLOCK_M, BLOCK_N]`` tile of distances into a running minimum and winner,
-and writes only the winner. Two ways to form the distance tile:
+Three routes (:func:`lik._config.nearest_config` picks one; each can be forced for tests and benchmarks):
 
-* ``dot`` (``norm=2``): one tensor-core product per tile on coordinates centred on the ``x`` cloud, with
-  ``|x|^2`` and ``|y|^2`` either carried as two extra columns (``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]``,
-  so the product *is* the distance: small ``D``) or added after the product (wide ``D``). Centring keeps the digits
-  of nearby points far from the origin; the centred operands are float32 whatever the input dtype (rounding them
-  to half precision picked wrong neighbours on the H100: 0.9% too far at D = 128). The products are three TF32
-  products (``tf32x3``: about float32's accuracy, whatever the user allowed for matmuls, since they only choose
-  the winner) on GPUs with TF32, true float32 elsewhere.
-* ``direct`` (``norm=1``, and ``norm=2`` for ``D <= DIRECT_MAX_DIM``, point clouds, unless
-  :func:`lik._config.nearest_config` says otherwise): ``sum_k (x_k - y_k)**2``
-  (or ``|x_k - y_k|``) from the coordinate differences on the CUDA cores, exact wherever the points lie; both
-  clouds are read coordinate-major (``[N, D, P]``) so a tile's loads are contiguous.
+* ``core`` (``norm=2``, feature sets, ``D > POINT_MAX_DIM``): MaxSim's argmax forward, the library's one tile
+  loop. With ``x' = [x, 1]`` and ``y' = [2y, -|y|^2]``, ``x'.y' = |x|^2 - |x - y|^2``: each ``x`` point's
+  highest-similarity ``y`` token (lowest index on ties) is its nearest neighbour.
+* ``dot`` (``norm=2``, point clouds): a tile loop of its own whose fold is one integer min per pair (below), where
+  MaxSim's max-and-winner fold costs more than the ``D = 3`` products; ``x' = [x, 1, |x|^2]``,
+  ``y' = [-2y, |y|^2, 1]`` so the product *is* the distance (``|x|^2`` and ``|y|^2`` added after the product past
+  ``AUGMENTED_MAX_DIM``).
+* ``direct`` (``norm=1``): ``sum_k |x_k - y_k|`` (or the squares) from coordinate differences on the CUDA cores;
+  both clouds read coordinate-major (``[N, D, P]``) so a tile's loads are contiguous.
 
-The running minimum is an integer min over *keys*: the distance's float bits with the low ``log2(BLOCK_N)``
-mantissa bits replaced by the column in the tile. One integer min per distance then yields both the minimum and
-the lowest column attaining it (exact ties go to the lowest index), where a separate arg-min would cost three
-more operations per pair. The price: candidates within ``2**-(23 - log2(BLOCK_N))`` relative of each other are
-ordered by index, not by value. The distance the user gets is recomputed from the winner's coordinates
-(``function.py``), and rows that touch a non-finite coordinate are settled by the reference.
+On ``core`` and ``dot`` the operands are float32 centred on the ``x`` cloud (centring keeps the digits of nearby
+points far from the origin; half-precision operands picked neighbours 0.9% too far at D = 128 on the H100), and
+with TF32 tensor cores each operand is split on the host into two TF32 parts (:func:`tf32_parts`: float32's
+accuracy from one TF32 product three times as deep). The products only choose the winner: the distance the user
+gets is recomputed from the winner's coordinates (``function.py``), and rows that touch a non-finite coordinate
+are settled there as the reference settles them.
+
+The ``dot`` and ``direct`` loops keep their running minimum as an integer min over *keys*: the distance's float
+bits with the low ``log2(BLOCK_N)`` mantissa bits replaced by the column in the tile. One integer min per distance
+yields both the minimum and the lowest column attaining it (exact ties go to the lowest index), where a separate
+arg-min would cost three more operations per pair. The price: candidates within ``2**-(23 - log2(BLOCK_N))``
+relative of each other are ordered by index, not by value.
 """
 
 from __future__ import annotations
@@ -30,15 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import NEAREST_DIRECT_MAX_DIM, NearestConfig, cdiv, nearest_config
+from ..._config import NEAREST_POINT_MAX_DIM, NearestConfig, cdiv, nearest_config
 from .validation import valid_points
 
 __all__ = [
     "nearest_dot_kernel", "nearest_direct_kernel", "nearest_indices", "uses_direct_route", "AUGMENTED_MAX_DIM",
-    "DIRECT_MAX_DIM", "BLOCK_M", "BLOCK_N",
+    "POINT_MAX_DIM", "BLOCK_M", "BLOCK_N", "tf32_parts",
 ]
 
-DIRECT_MAX_DIM = NEAREST_DIRECT_MAX_DIM
+POINT_MAX_DIM = NEAREST_POINT_MAX_DIM
 # Largest D whose two norm columns still fit the 16-wide tensor-core step without another step.
 AUGMENTED_MAX_DIM = 14
 # The default tiles (tests size their clouds around them).
