@@ -168,7 +168,7 @@ def test_nearest_routes_by_width_and_norm():
     cpu = torch.device("cpu")
     assert _config.nearest_config(dim=3, norm=1, device=cpu).route == "direct"
     assert _config.nearest_config(dim=512, norm=1, device=cpu).route == "direct"
-    assert _config.nearest_config(dim=3, norm=2, device=cpu).route == "dot"
+    assert _config.nearest_config(dim=3, norm=2, device=cpu).route == "direct"
     assert _config.nearest_config(dim=_config.NEAREST_POINT_MAX_DIM + 1, norm=2, device=cpu).route == "core"
     # No TF32 tensor cores (the CPU, the interpreter): true float32 products.
     assert _config.nearest_config(dim=128, norm=2, device=cpu).precision == "ieee"

@@ -459,27 +459,26 @@ class NearestConfig:
     num_stages: int = 3
 
 
-# Point clouds (D up to this): the Chamfer tile loop, whose fold is one integer min per pair; wider feature sets
-# go through MaxSim's argmax forward, where the products dominate.
+# Point clouds (D up to this): exact coordinate differences; wider feature sets go through MaxSim's argmax forward.
 NEAREST_POINT_MAX_DIM = 8
 
 
 def nearest_config(*, dim: int, norm: int, device: torch.device) -> NearestConfig:
     """The nearest-neighbour launch for ``dim``-wide points under ``norm`` (1 or 2) on ``device``.
 
-    H100, 100 000 points a cloud, forward + backward of both directions (BENCHMARKS.md, "Chamfer distance"):
-    at D = 3 the dot route with TF32-split operands, 128 x 64 tiles of 4 warps, took 12.0 ms against 19.0 for the
-    best direct launch and 22.8 through MaxSim's loop; at D = 128 MaxSim's loop took 139 ms, the dot route 133
-    (within 5%: the one loop is kept), the float32 FMA path 462."""
+    H100, forward + backward of both directions (BENCHMARKS.md, "Chamfer distance"): point clouds keep the exact
+    direct route, 64 x 64 tiles of 4 warps (100 000 points: 19.0 ms; 128 x 64 of 8 warps 20.4). The dot route with
+    TF32-split operands took 12.0 ms there but its ``|x|^2 + |y|^2 - 2 x.y`` loses the digits of dense clouds (a
+    million points in the unit cube: nearest distances 2.3e-4 relative too far, and 3x the memory), so it is
+    only a forced launch. Feature sets (D = 128, 100 000 points): MaxSim's loop 139 ms, the dot route 133 (within
+    5%: the one loop is kept), float32 FMA products 462."""
     forced = _OVERRIDES.get("nearest")
     if forced is not None:
         return forced
-    if norm == 1:
-        return NearestConfig("direct")
+    if norm == 1 or dim <= NEAREST_POINT_MAX_DIM:
+        return NearestConfig("direct", block_m=64, block_n=64, num_warps=4)
     # TF32 needs Ampere's tensor cores; elsewhere (and in the interpreter) the products are plain float32.
     precision = "tf32x3" if not interpreting() and _arch(device) >= (8, 0) else "ieee"
-    if dim <= NEAREST_POINT_MAX_DIM:
-        return NearestConfig("dot", precision, block_m=128, block_n=64, num_warps=4, num_stages=3)
     return NearestConfig("core", precision)
 
 

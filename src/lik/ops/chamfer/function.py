@@ -140,8 +140,11 @@ def nearest_neighbors(
         ``(distances, indices)``: float32 ``[N, P1]`` (float64 for float64 inputs), differentiable with respect
         to ``x`` and ``y``, and int64 ``[N, P1]``. Ties go to the lowest index; a NaN coordinate in a valid point
         makes the distances it touches NaN. Padded points, and points whose ``y`` cloud is empty, get distance 0
-        and index -1. On the kernels, candidates within about ``2**-17`` relative of the nearest are ordered by
-        index rather than by value, so the distance may exceed the true minimum by that much.
+        and index -1. On the kernels, point clouds (``D <= 8``, and ``norm=1``) compare exact distances, with
+        candidates within about ``2**-17`` relative of the nearest ordered by index rather than by value; wider
+        feature sets compare ``2 x.y - |y|^2`` of float32 accuracy (centred on the ``x`` cloud), so candidates
+        within about ``1e-7 * |x - c|^2`` of the nearest may swap. The distance returned is always the chosen
+        point's, computed exactly; it may exceed the true minimum by those margins.
 
     Example:
         >>> x = torch.tensor([[[0.0, 0.0], [5.0, 5.0]]])

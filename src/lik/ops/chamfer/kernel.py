@@ -2,15 +2,15 @@
 
 Three routes (:func:`lik._config.nearest_config` picks one; each can be forced for tests and benchmarks):
 
-* ``core`` (``norm=2``, feature sets, ``D > POINT_MAX_DIM``): MaxSim's argmax forward, the library's one tile
+* ``direct`` (point clouds, ``D <= POINT_MAX_DIM``, and every ``norm=1``): ``sum_k (x_k - y_k)**2`` (or
+  ``|x_k - y_k|``) from coordinate differences on the CUDA cores, exact wherever the points lie and however dense
+  they are; both clouds read coordinate-major (``[N, D, P]``) so a tile's loads are contiguous.
+* ``core`` (``norm=2`` feature sets, ``D > POINT_MAX_DIM``): MaxSim's argmax forward, the library's one tile
   loop. With ``x' = [x, 1]`` and ``y' = [2y, -|y|^2]``, ``x'.y' = |x|^2 - |x - y|^2``: each ``x`` point's
   highest-similarity ``y`` token (lowest index on ties) is its nearest neighbour.
-* ``dot`` (``norm=2``, point clouds): a tile loop of its own whose fold is one integer min per pair (below), where
-  MaxSim's max-and-winner fold costs more than the ``D = 3`` products; ``x' = [x, 1, |x|^2]``,
-  ``y' = [-2y, |y|^2, 1]`` so the product *is* the distance (``|x|^2`` and ``|y|^2`` added after the product past
-  ``AUGMENTED_MAX_DIM``).
-* ``direct`` (``norm=1``): ``sum_k |x_k - y_k|`` (or the squares) from coordinate differences on the CUDA cores;
-  both clouds read coordinate-major (``[N, D, P]``) so a tile's loads are contiguous.
+* ``dot`` (forced only): a tensor-core tile loop of its own on ``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]``
+  (the product *is* the distance; past ``AUGMENTED_MAX_DIM`` the norms are added after the product). Faster than
+  ``direct`` on point clouds, but the expansion cancels the digits of dense clouds (BENCHMARKS.md).
 
 On ``core`` and ``dot`` the operands are float32 centred on the ``x`` cloud (centring keeps the digits of nearby
 points far from the origin; half-precision operands picked neighbours 0.9% too far at D = 128 on the H100), and
