@@ -163,12 +163,22 @@ def _msda_workload():
 
 
 def _chamfer_workload():
+    """The nearest-neighbour launches (Chamfer's backward is PyTorch ops). Called below the autograd layer: the
+    recorded launches write nothing, and MaxSim's winner buffer would reach a gather as garbage indices."""
+    from lik.ops.chamfer.kernel import nearest_indices
+
     gen = torch.Generator().manual_seed(3)
+    xl, yl = torch.tensor([70, 3]), torch.tensor([5, 90])
     for dim in (3, 40, 1000):
-        x = torch.randn(2, 70, dim, generator=gen).requires_grad_()
+        x = torch.randn(2, 70, dim, generator=gen)
         y = torch.randn(2, 90, dim, generator=gen)
         for norm in (1, 2):
-            lik.chamfer_distance(x, y, torch.tensor([70, 3]), torch.tensor([5, 90]), norm=norm)[0].backward()
+            nearest_indices(x, y, xl, yl, norm)
+        # What a GPU with TF32 takes (split operands), and the forced dot route.
+        for cfg in (_config.NearestConfig("core", "tf32x3"), _config.NearestConfig("dot", "tf32x3"),
+                    _config.NearestConfig("dot", "ieee")):
+            with _config.override(nearest=cfg):
+                nearest_indices(x, y, xl, yl, 2)
 
 
 def _quantize_workload():
