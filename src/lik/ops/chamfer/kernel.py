@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 
 from ..._config import NEAREST_POINT_MAX_DIM, NearestConfig, cdiv, nearest_config
+from ..maxsim.forward import maxsim_forward
+from ..maxsim.validation import MaxSimInputs
 from .validation import valid_points
 
 __all__ = [
@@ -209,9 +211,6 @@ def _core_nearest(x, y, x_lengths, y_lengths, split: bool) -> torch.Tensor:
     """Nearest neighbours through MaxSim's argmax forward: with ``x' = [x, 1]`` and ``y' = [2y, -|y|^2]``,
     ``x'.y' = |x|^2 - |x - y|^2``, so each ``x`` point's winning ``y`` token (highest similarity, lowest index
     on ties) is its nearest neighbour. Each cloud is one query against its own one-document corpus."""
-    from ..maxsim.forward import maxsim_forward
-    from ..maxsim.validation import MaxSimInputs
-
     n, p1, _ = x.shape
     p2 = y.shape[1]
     xc, yc, _, y_sq = _centred(x, y, x_lengths)
