@@ -211,8 +211,8 @@ def _core_nearest(x, y, x_lengths, y_lengths, split: bool) -> torch.Tensor:
     """Nearest neighbours through MaxSim's argmax forward: with ``x' = [x, 1]`` and ``y' = [2y, -|y|^2]``,
     ``x'.y' = |x|^2 - |x - y|^2``, so each ``x`` point's winning ``y`` token (highest similarity, lowest index
     on ties) is its nearest neighbour. Each cloud is one query against its own one-document corpus."""
-    n, p1, _ = x.shape
-    p2 = y.shape[1]
+    p1, p2 = x.shape[1], y.shape[1]
+    x_valid = valid_points(x_lengths, p1)
     xc, yc, _, y_sq = _centred(x, y, x_lengths)
     xa = torch.cat([xc, torch.ones_like(xc[..., :1])], dim=-1)
     ya = torch.cat([2.0 * yc, -y_sq[..., None]], dim=-1)
@@ -222,13 +222,13 @@ def _core_nearest(x, y, x_lengths, y_lengths, split: bool) -> torch.Tensor:
     if split:
         xa, ya = tf32_parts(xa, ya)
     inputs = MaxSimInputs(
-        q=xa.contiguous(), d=ya.contiguous()[:, None], q_mask=valid_points(x_lengths, p1), d_mask=y_ok[:, None],
+        q=xa.contiguous(), d=ya.contiguous()[:, None], q_mask=x_valid, d_mask=y_ok[:, None],
         mask_mode="exclude", squeeze_query=False, per_query_documents=True,
         dot_precision="tf32" if split else "ieee",
     )
     _, argmax = maxsim_forward(inputs, store_argmax=True)
     idx = argmax[:, 0].to(torch.int32)
-    stranded = (idx < 0) & valid_points(x_lengths, p1) & (y_lengths > 0)[:, None]
+    stranded = (idx < 0) & x_valid & (y_lengths > 0)[:, None]
     return torch.where(stranded, 0, idx)
 
 
