@@ -151,11 +151,12 @@ def _cublas_rates():
 
 
 # Forced launches of lik's nearest-neighbour kernels timed beside the heuristic's (None):
-# (route, precision, block_m, block_n, warps, stages).
+# (route, precision, block_m, block_n, warps, stages[, one_pass]); the direct route takes both directions of a
+# Chamfer call in one pass unless one_pass is False.
 SWEEP = {
-    3: [None, ("direct", "", 64, 64, 4, 1), ("direct", "", 128, 64, 4, 1), ("direct", "", 64, 128, 4, 1),
-        ("dot", "tf32x3", 128, 64, 8, 3), ("dot", "tf32x3", 128, 128, 8, 3), ("dot", "tf32x3", 64, 64, 4, 3),
-        ("dot", "tf32x3", 128, 64, 4, 3), ("core", "tf32x3", 0, 0, 0, 0)],
+    3: [None, ("direct", "", 64, 64, 4, 1, False), ("direct", "", 64, 64, 4, 1), ("direct", "", 128, 64, 4, 1),
+        ("direct", "", 128, 64, 8, 1), ("direct", "", 64, 128, 4, 1), ("direct", "", 128, 128, 8, 1),
+        ("direct", "", 256, 64, 8, 1), ("direct", "", 32, 128, 4, 1), ("dot", "tf32x3", 128, 64, 4, 3)],
     128: [None, ("dot", "tf32x3", 128, 128, 8, 3), ("dot", "tf32x3", 128, 64, 4, 3), ("dot", "tf32x3", 128, 128, 8, 4),
           ("core", "tf32x3", 0, 0, 0, 0)],
 }
@@ -188,13 +189,17 @@ def sweep(record: dict, shapes, flops_ceiling: float) -> None:
         for launch in SWEEP[d]:
             cell = {"n": n, "p": p, "d": d, "launch": launch}
             cfg = None if launch is None else _config.NearestConfig(
-                launch[0], launch[1] or "tf32x3", *(launch[2:] if launch[0] != "core" else ()))
+                launch[0], launch[1] or "tf32x3", *(launch[2:6] if launch[0] != "core" else ()),
+                one_pass=launch[6] if len(launch) > 6 else True)
             try:
                 with _config.override(**({} if cfg is None else {"nearest": cfg})):
                     cell["nn_rel_error"] = _nn_error("lik", lambda a, b: lik.nearest_neighbors(a, b)[0], x, y, sample)
                     # far from the origin: the centring must keep the digits
                     cell["nn_rel_error_at_1000"] = _nn_error(
                         "lik", lambda a, b: lik.nearest_neighbors(a, b)[0], x + 1000, y + 1000, sample)
+                    # the reverse direction, as a Chamfer call finds it (one pass on the direct route)
+                    cell["reverse_nn_rel_error"] = _nn_error("lik", lambda a, b: lik.chamfer_distance(
+                        b, a, batch_reduction=None, point_reduction=None)[0][1], y, x, sample)
                     with torch.no_grad():
                         cell["fwd_ms"] = _time_ms(lambda: lik.nearest_neighbors(x, y))
                     cell["fwd_bwd_ms"] = _time_ms(lambda: step(lambda a, b: lik.chamfer_distance(a, b)[0]))
@@ -235,8 +240,8 @@ def main() -> None:
         with open(os.path.join(args.out, f"chamfer_sweep{args.tag}.json"), "w") as f:
             json.dump(record, f, indent=1)
         return
-    shapes = [(1, 1000, 3), (1, 10_000, 3), (16, 10_000, 3), (1, 100_000, 3), (1, 10_000, 128), (1, 100_000, 128),
-              (1, 1_000_000, 3)]
+    shapes = [(1, 1000, 3), (16, 1000, 3), (1, 10_000, 3), (16, 10_000, 3), (1, 100_000, 3), (1, 10_000, 128),
+              (1, 100_000, 128), (1, 1_000_000, 3)]
     if args.quick:
         shapes = [(1, 1000, 3), (2, 3000, 128)]
     for n, p, d in shapes:

@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rep-ms", type=float, default=60.0)
     parser.add_argument("--sweep", default="", help="widths at which to time forced tiles beside the heuristic")
+    parser.add_argument("--same-product", default="", help="widths at which to time cuBLAS on the compute-bound "
+                        "cell's own product beside lik")
     args = parser.parse_args()
     device = torch.device("cuda")
     timer = Timer(device, warmup_ms=20.0, rep_ms=args.rep_ms)
@@ -64,6 +66,8 @@ def main() -> None:
     train_dims = [int(x) for x in args.train_dims.split(",") if x]
     if args.sweep:  # first: a crash in a peer below would leave the CUDA context unusable
         results["sweep"] = sweep([int(x) for x in args.sweep.split(",")], timer)
+    if args.same_product:
+        results["same_product"] = same_product([int(x) for x in args.same_product.split(",")], timer)
     for shape in shapes(dims, train_dims):
         start = time.perf_counter()
         print(f"{shape.name} d={shape.d}", flush=True)
@@ -85,7 +89,8 @@ def main() -> None:
 SWEEP = {
     "colpali": [(128, 256, 64, 8, 3, False), (256, 128, 64, 8, 3, False), (128, 256, 64, 8, 4, False),
                 (128, 256, 128, 8, 2, False), (256, 128, 128, 8, 2, False), (128, 128, 256, 8, 2, True),
-                (128, 64, 256, 8, 3, True), (128, 128, 64, 8, 4, True)],
+                (128, 64, 256, 8, 3, True), (128, 128, 64, 8, 4, True), (64, 64, 256, 4, 2, True),
+                (128, 64, 256, 8, 2, True), (64, 128, 256, 4, 2, True), (128, 64, 256, 4, 3, True)],
 }
 
 
@@ -115,6 +120,36 @@ def sweep(dims: list[int], timer: Timer) -> list[dict]:
                 print(f"sweep {family} d={d} {tiles}: {ms}", flush=True)
             del Q, D
             torch.cuda.empty_cache()
+    return rows
+
+
+def same_product(dims: list[int], timer: Timer) -> list[dict]:
+    """cuBLAS on the compute-bound cell's own product (``[Lq, d] @ [d, B * Ld]``, fp16 out) beside lik: the rate
+    cuBLAS reaches at this depth, where writing its output competes with the FLOPs."""
+    import lik
+
+    lq, ld, b = 1024, 1024, 256
+    rows = []
+    for d in dims:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        Q = torch.nn.functional.normalize(torch.randn(lq, d, device="cuda", generator=gen), dim=-1).half()
+        D = torch.nn.functional.normalize(torch.randn(b, ld, d, device="cuda", generator=gen), dim=-1).half()
+        flat = D.view(-1, d)
+        flops = 2 * lq * ld * b * d
+        row = {"d": d, "flops": flops}
+        for _ in range(2):  # interleaved rounds
+            for name, fn in (("cublas_same_product", lambda: torch.matmul(Q, flat.T)), ("lik", lambda: lik.maxsim(Q, D))):
+                row.setdefault(name + "_ms", []).append(timer.median_ms(fn))
+        for name in ("cublas_same_product", "lik"):
+            row[name + "_ms"] = min(row[name + "_ms"])
+            row[name + "_tflops"] = flops / row[name + "_ms"] / 1e9
+        row["lik_pct_of_cublas_same_product"] = 100 * row["cublas_same_product_ms"] / row["lik_ms"]
+        rows.append(row)
+        print(f"same product d={d}: cuBLAS {row['cublas_same_product_ms']:.4f} ms "
+              f"({row['cublas_same_product_tflops']:.0f} TFLOP/s), lik {row['lik_ms']:.4f} ms "
+              f"({row['lik_pct_of_cublas_same_product']:.0f}%)", flush=True)
+        del Q, D, flat
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -174,6 +174,7 @@ def _chamfer_workload():
         y = torch.randn(2, 90, dim, generator=gen)
         for norm in (1, 2):
             nearest_indices(x, y, xl, yl, norm)
+            nearest_indices(x, y, xl, yl, norm, both_ways=True)  # Chamfer's one pass (direct route)
         # What a GPU with TF32 takes (split operands), and the forced dot route.
         for cfg in (_config.NearestConfig("core", "tf32x3"), _config.NearestConfig("dot", "tf32x3"),
                     _config.NearestConfig("dot", "ieee")):

@@ -449,7 +449,9 @@ class NearestConfig:
     recomputed exactly afterwards. ``precision`` of their float32 products: "tf32x3" (each operand split into two
     TF32 parts on the host, three products in one TF32 product three times as deep: about float32's accuracy)
     or "ieee" (true float32 products, several times slower). ``block_m`` points of ``x`` per program against
-    tiles of ``block_n`` points of ``y`` (direct and dot routes)."""
+    tiles of ``block_n`` points of ``y`` (direct and dot routes). ``one_pass`` (direct route): a call that needs
+    both directions (Chamfer) takes each pair's distance once for both, folding the reverse winners in with one
+    atomic min per ``y`` point and tile; otherwise each direction is a pass of its own."""
 
     route: str
     precision: str = "tf32x3"
@@ -457,6 +459,7 @@ class NearestConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    one_pass: bool = True
 
 
 # Point clouds (D up to this): exact coordinate differences; wider feature sets go through MaxSim's argmax forward.

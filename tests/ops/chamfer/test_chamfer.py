@@ -11,13 +11,14 @@ import torch.nn.functional as F
 import lik
 from lik import _config
 from lik.ops.chamfer import nearest_neighbors_reference
-from lik.ops.chamfer.kernel import AUGMENTED_MAX_DIM, BLOCK_M, BLOCK_N, POINT_MAX_DIM
+from lik.ops.chamfer.kernel import AUGMENTED_MAX_DIM, BLOCK_M, BLOCK_N, POINT_MAX_DIM, nearest_indices
 
 # Every route of the nearest-neighbour kernels, forced, beside the heuristic's choice (None): the direct
 # differences, the Chamfer dot loop and MaxSim's argmax forward, with float32 or TF32-split products.
 LAUNCHES = {
     "heuristic": None,
     "direct": _config.NearestConfig("direct", block_m=32, block_n=16),
+    "direct-two-pass": _config.NearestConfig("direct", block_m=16, block_n=32, one_pass=False),
     "dot-tf32x3": _config.NearestConfig("dot", "tf32x3", block_m=32, block_n=16),
     "dot-ieee": _config.NearestConfig("dot", "ieee", block_m=32, block_n=16),
     "core-tf32x3": _config.NearestConfig("core", "tf32x3"),
@@ -219,6 +220,57 @@ def test_noncontiguous_views(rng, launch):
     torch.testing.assert_close(dist.double(), ref_dist, rtol=2e-6, atol=1e-6)
 
 
+def _both_ways(x, y, xl, yl, norm=2):
+    """Both directions' winners as a Chamfer call finds them (one pass on the direct route)."""
+    return nearest_indices(x, y, torch.as_tensor(xl), torch.as_tensor(yl), norm, both_ways=True)
+
+
+@pytest.mark.parametrize("p1,p2", [(BLOCK_M + 9, BLOCK_N + 6), (7, 3 * BLOCK_N + 1), (1, 1), (0, 4), (4, 0)])
+@pytest.mark.parametrize("norm", [1, 2])
+def test_both_directions_match_dense_float64(p1, p2, norm, rng, launch):
+    # Garbage in the padding of both clouds; more y than x points takes the swapped launch.
+    x, y, xl, yl = _clouds(rng, 3, p1, p2, 3)
+    if norm == 1 and launch is not None and launch.route != "direct":
+        return
+    idx_xy, idx_yx = _both_ways(x, y, xl, yl, norm)
+    assert torch.equal(idx_xy.long(), _dense_nearest(x, y, xl, yl, norm)[1])
+    assert torch.equal(idx_yx.long(), _dense_nearest(y, x, yl, xl, norm)[1])
+    terms, _ = lik.chamfer_distance(x, y, xl, yl, batch_reduction=None, point_reduction=None, norm=norm)
+    ref_terms, _ = _dense_chamfer(x.double(), y.double(), xl, yl, None, None, None, None, None, norm, False, True)
+    for got, ref in zip(terms, ref_terms):
+        torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=1e-6)
+
+
+def test_both_directions_ties_go_to_the_lowest_index(rng, launch):
+    # The same point in several x blocks and y tiles: each direction's winner is its lowest copy.
+    p = 3 * BLOCK_M + 5
+    x = torch.randn(1, p, 3, generator=rng)
+    y = torch.randn(1, p + 2, 3, generator=rng)
+    x_copies = [3, BLOCK_M - 1, BLOCK_M + 2, 2 * BLOCK_M + 4]
+    y_copies = [5, BLOCK_N, 2 * BLOCK_N + 1]
+    x[0, x_copies] = x[0, 3].clone()
+    y[0, y_copies] = x[0, 3].clone()
+    idx_xy, idx_yx = _both_ways(x, y, [p], [p + 2])
+    assert idx_xy[0, x_copies].tolist() == [5] * 4
+    assert idx_yx[0, y_copies].tolist() == [3] * 3
+    ref_xy = nearest_neighbors_reference(x, y, torch.tensor([p]), torch.tensor([p + 2]))[1]
+    ref_yx = nearest_neighbors_reference(y, x, torch.tensor([p + 2]), torch.tensor([p]))[1]
+    assert torch.equal(idx_xy.long(), ref_xy) and torch.equal(idx_yx.long(), ref_yx)
+
+
+def test_both_directions_with_non_finite_points(rng, launch):
+    x = torch.randn(2, 40, 3, generator=rng)
+    y = torch.randn(2, 33, 3, generator=rng)
+    x[0, 5, 1] = float("nan")
+    y[1, 7, 0] = float("inf")
+    x[1, 3, 2] = float("-inf")
+    terms, _ = lik.chamfer_distance(x, y, batch_reduction=None, point_reduction=None)
+    ref_terms, _ = lik.chamfer_distance(x.double(), y.double(), batch_reduction=None, point_reduction=None)
+    for got, ref in zip(terms, ref_terms):
+        torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=1e-6, equal_nan=True)
+    assert torch.isnan(terms[1][0]).all() and torch.isinf(terms[0][1, 3])
+
+
 CASES = [
     dict(batch_reduction="mean", point_reduction="mean"),
     dict(batch_reduction="sum", point_reduction="sum"),
@@ -398,3 +450,36 @@ def test_gpu_forced_routes_match_reference(route, dim):
     ref_dist, ref_idx = nearest_neighbors_reference(x.cpu().double(), y.cpu().double(), xl.cpu(), yl.cpu(), 2)
     torch.testing.assert_close(dist.cpu().double(), ref_dist, rtol=1e-5, atol=1e-6)
     assert (idx.cpu() == ref_idx).double().mean().item() > 0.999
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim", [3, 8])
+@pytest.mark.parametrize("norm", [1, 2])
+def test_gpu_one_pass_equals_two_passes_and_reference(dtype, dim, norm):
+    # The one pass folds the reverse winners in with int64 atomics: same keys as two passes with square tiles,
+    # so the same winners, bit for bit.
+    g = torch.Generator(device="cuda").manual_seed(dim + norm)
+    x = torch.randn(3, 2900, dim, device="cuda", generator=g).to(dtype)
+    y = torch.randn(3, 2100, dim, device="cuda", generator=g).to(dtype)
+    xl = torch.tensor([2900, 1111, 0], device="cuda")
+    yl = torch.tensor([2100, 2099, 17], device="cuda")
+    x[1, 1111:] = float("nan")
+    y[1, 2099:] = float("inf")
+    y[0, :40] = y[0, 40:80]  # exact ties across tiles
+    tiles = dict(block_m=64, block_n=64, num_warps=4)
+    with _config.override(nearest=_config.NearestConfig("direct", **tiles)):
+        one = _both_ways(x, y, xl, yl, norm)
+    with _config.override(nearest=_config.NearestConfig("direct", one_pass=False, **tiles)):
+        two = _both_ways(x, y, xl, yl, norm)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    xs, ys, xlc, ylc = x.cpu().double(), y.cpu().double(), xl.cpu(), yl.cpu()
+    for got, (a, b, al, bl) in zip(one, [(xs, ys, xlc, ylc), (ys, xs, ylc, xlc)]):
+        ref_dist, ref_idx = nearest_neighbors_reference(a, b, al, bl, norm)
+        assert torch.equal(got.cpu() >= 0, ref_idx >= 0)
+        chosen = got.cpu().long().clamp(min=0)
+        near = torch.gather(b, 1, chosen[..., None].expand(-1, -1, dim))
+        diff = torch.where((ref_idx >= 0)[..., None], a - near, 0)
+        dist = (diff**2).sum(-1) if norm == 2 else diff.abs().sum(-1)
+        torch.testing.assert_close(dist, ref_dist, rtol=1e-4, atol=1e-4)
+        assert (chosen == ref_idx.clamp(min=0)).double().mean().item() > 0.99

@@ -66,18 +66,14 @@ class _Cloud:
                 self.major = coordinate_major(points.detach())
 
 
-def _nearest(a: _Cloud, b: _Cloud, norm: int, kernels: bool) -> torch.Tensor:
-    """int64 ``[N, P1]`` index of each valid ``a`` point's nearest ``b`` point; -1 for padded points and empty
-    ``b`` clouds."""
-    x, y = a.points.detach(), b.points.detach()
-    if not kernels:
-        return nearest_neighbors_reference(x, y, a.lengths, b.lengths, norm)[1]
-    idx = nearest_indices(x, y, a.lengths, b.lengths, norm, a.major, b.major).long()
-    if y.shape[1] == 0:
+def _settle(idx: torch.Tensor, a: _Cloud, b: _Cloud) -> torch.Tensor:
+    """Kernel winners (int32, -1 unpaired) -> int64, with non-finite coordinates settled on the device and
+    without a host sync, as the reference has them: a NaN in ``b`` makes every distance to that point NaN, so the
+    first such point wins each row; a NaN or inf in the ``a`` point makes its whole row NaN or inf, a tie the
+    first point wins."""
+    idx = idx.long()
+    if b.points.shape[1] == 0:
         return idx
-    # Non-finite coordinates, on the device and without a host sync, as the reference has them: a NaN in b makes
-    # every distance to that point NaN, so the first such point wins each row; a NaN or inf in the a point makes
-    # its whole row NaN or inf, a tie the first point wins.
     has_nan = b.nan_rows.any(1, keepdim=True)
     first_nan = b.nan_rows.to(torch.int8).argmax(1, keepdim=True)
     paired = idx >= 0
@@ -85,10 +81,31 @@ def _nearest(a: _Cloud, b: _Cloud, norm: int, kernels: bool) -> torch.Tensor:
     return torch.where(paired & a.nonfinite_rows, 0, idx)
 
 
-def _directed(a: _Cloud, b: _Cloud, norm: int, deterministic: bool, kernels: bool, a_normals=None, b_normals=None):
+def _nearest(a: _Cloud, b: _Cloud, norm: int, kernels: bool) -> torch.Tensor:
+    """int64 ``[N, P1]`` index of each valid ``a`` point's nearest ``b`` point; -1 for padded points and empty
+    ``b`` clouds."""
+    x, y = a.points.detach(), b.points.detach()
+    if not kernels:
+        return nearest_neighbors_reference(x, y, a.lengths, b.lengths, norm)[1]
+    return _settle(nearest_indices(x, y, a.lengths, b.lengths, norm, a.major, b.major), a, b)
+
+
+def _nearest_both_ways(a: _Cloud, b: _Cloud, norm: int, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both directions' indices (``a`` to ``b``, ``b`` to ``a``); one pass over the pairs where the route has one."""
+    if not kernels:
+        return _nearest(a, b, norm, kernels), _nearest(b, a, norm, kernels)
+    x, y = a.points.detach(), b.points.detach()
+    idx_ab, idx_ba = nearest_indices(x, y, a.lengths, b.lengths, norm, a.major, b.major, both_ways=True)
+    return _settle(idx_ab, a, b), _settle(idx_ba, b, a)
+
+
+def _directed(a: _Cloud, b: _Cloud, norm: int, deterministic: bool, kernels: bool, a_normals=None, b_normals=None,
+              idx=None):
     """Distances ``[N, P1]`` from each ``a`` point to its nearest ``b`` point (0 at padded points and where ``b``
-    is empty) and, with normals, the ``[N, P1]`` cosine similarity of the paired normals."""
-    idx = _nearest(a, b, norm, kernels)
+    is empty) and, with normals, the ``[N, P1]`` cosine similarity of the paired normals. ``idx``: the winners,
+    when the caller found them already."""
+    if idx is None:
+        idx = _nearest(a, b, norm, kernels)
     paired = idx >= 0
     safe_idx = idx.clamp(min=0)
     if b.points.shape[1] == 0:
@@ -259,8 +276,12 @@ def chamfer_distance(
 
     x_cloud, y_cloud, kernels = _clouds(sets, norm)
 
-    def one_way(a: _Cloud, b: _Cloud, a_normals, b_normals):
-        dist, _, cosine = _directed(a, b, norm, deterministic, kernels, a_normals, b_normals)
+    idx_xy = idx_yx = None
+    if not single_directional:
+        idx_xy, idx_yx = _nearest_both_ways(x_cloud, y_cloud, norm, kernels)
+
+    def one_way(a: _Cloud, b: _Cloud, a_normals, b_normals, idx):
+        dist, _, cosine = _directed(a, b, norm, deterministic, kernels, a_normals, b_normals, idx)
         term_n = None
         if cosine is not None:
             term_n = torch.where(a.valid, 1 - (cosine.abs() if abs_cosine else cosine), 0)
@@ -273,11 +294,11 @@ def chamfer_distance(
             term_n = _point_reduce(term_n, a.lengths, point_reduction)
         return dist, term_n
 
-    cham_x, norm_x = one_way(x_cloud, y_cloud, x_normals, y_normals)
+    cham_x, norm_x = one_way(x_cloud, y_cloud, x_normals, y_normals, idx_xy)
     if single_directional:
         loss, loss_normals = cham_x, norm_x
     else:
-        cham_y, norm_y = one_way(y_cloud, x_cloud, y_normals, x_normals)
+        cham_y, norm_y = one_way(y_cloud, x_cloud, y_normals, x_normals, idx_yx)
         if point_reduction == "max":
             loss, loss_normals = torch.maximum(cham_x, cham_y), None
         elif point_reduction is None:

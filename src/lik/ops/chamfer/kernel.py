@@ -126,31 +126,47 @@ def nearest_dot_kernel(
 
 @triton.jit
 def add_coordinate(dist, x_base, y_base, k, rows, cols, row_ok, col_ok, stride_xk, stride_yk, NORM: tl.constexpr):
-    """Add coordinate ``k``'s term of every pair: ``(x_k - y_k)**2`` (``NORM`` 2) or ``|x_k - y_k|``."""
-    xk = tl.load(x_base + k * stride_xk + rows, mask=row_ok, other=0.0).to(tl.float32)
-    yk = tl.load(y_base + k * stride_yk + cols, mask=col_ok, other=0.0).to(tl.float32)
+    """Add coordinate ``k``'s term of every pair: ``(x_k - y_k)**2`` (``NORM`` 2) or ``|x_k - y_k|``. Padded points
+    read as +inf, so a pair with one padded point is +inf (never nearer than a real point) without a select."""
+    xk = tl.load(x_base + k * stride_xk + rows, mask=row_ok, other=float("inf")).to(tl.float32)
+    yk = tl.load(y_base + k * stride_yk + cols, mask=col_ok, other=float("inf")).to(tl.float32)
     diff = xk[:, None] - yk[None, :]
     if NORM == 1:
         return dist + tl.abs(diff)
     return dist + diff * diff
 
 
+@triton.jit
+def fold_reverse_tile(dist, row_start, cols, col_ok, y_key_ptr, ROW_BITS: tl.constexpr):
+    """The reverse direction of the same tile: each ``y`` point's nearest row of this ``x`` block, folded into
+    its global int64 key ``(distance bits << 31) | row`` with one atomic min (exact ties: the lowest row)."""
+    rows_in_tile = tl.arange(0, dist.shape[0])
+    keys = (dist.to(tl.int32, bitcast=True) & ~((1 << ROW_BITS) - 1)) | rows_in_tile[:, None]
+    tile_key = tl.min(keys, axis=0)
+    # Zero-extended: every key is non-negative, whatever the bits (NaN rows are settled by the caller).
+    value = (tile_key & ~((1 << ROW_BITS) - 1)).to(tl.uint32, bitcast=True).to(tl.int64)
+    key = (value << 31) | (row_start + (tile_key & ((1 << ROW_BITS) - 1)))
+    tl.atomic_min(y_key_ptr + cols, key, mask=col_ok, sem="relaxed")
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def nearest_direct_kernel(
-    xt_ptr, yt_ptr, x_len_ptr, y_len_ptr, idx_ptr,
-    stride_xn, stride_xk, stride_yn, stride_yk, stride_in, stride_ip,
+    xt_ptr, yt_ptr, x_len_ptr, y_len_ptr, idx_ptr, y_key_ptr,
+    stride_xn, stride_xk, stride_yn, stride_yk, stride_in, stride_ip, stride_kn,
     DIM: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COL_BITS: tl.constexpr,
+    BOTH_WAYS: tl.constexpr, ROW_BITS: tl.constexpr,
 ):
     cloud = tl.program_id(1)
     x_len = tl.load(x_len_ptr + cloud)
     y_len = tl.load(y_len_ptr + cloud)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_start = tl.program_id(0).to(tl.int64) * BLOCK_M
+    rows = row_start + tl.arange(0, BLOCK_M)
     row_ok = rows < x_len
     x_base = xt_ptr + cloud.to(tl.int64) * stride_xn
     y_base = yt_ptr + cloud.to(tl.int64) * stride_yn
     best_key = tl.full((BLOCK_M,), _NO_KEY, tl.int32)
     best_col = tl.full((BLOCK_M,), -1, tl.int32)
-    if tl.program_id(0) * BLOCK_M < x_len:
+    if row_start < x_len:
         for start in range(0, y_len, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < y_len
@@ -161,8 +177,9 @@ def nearest_direct_kernel(
             else:  # wide feature sets under norm=1: a runtime loop, not thousands of unrolled steps
                 for k in range(0, DIM):
                     dist = add_coordinate(dist, x_base, y_base, k, rows, cols, row_ok, col_ok, stride_xk, stride_yk, NORM)
-            dist = tl.where(col_ok[None, :], dist, float("inf"))
             best_key, best_col = fold_key_tile(dist, start, best_key, best_col, BLOCK_N, COL_BITS)
+            if BOTH_WAYS:
+                fold_reverse_tile(dist, row_start, cols, col_ok, y_key_ptr + cloud.to(tl.int64) * stride_kn, ROW_BITS)
     store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip)
 
 
@@ -242,36 +259,54 @@ def uses_direct_route(dim: int, norm: int, device: torch.device) -> bool:
     return nearest_config(dim=dim, norm=norm, device=device).route == "direct"
 
 
+def _decode_reverse(keys: torch.Tensor) -> torch.Tensor:
+    """int64 keys of the reverse direction -> int32 rows, -1 where no row was folded in."""
+    empty = keys == torch.iinfo(torch.int64).max
+    return torch.where(empty, -1, keys & 0x7FFFFFFF).to(torch.int32)
+
+
 def nearest_indices(
     x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor, y_lengths: torch.Tensor, norm: int,
-    xt: torch.Tensor | None = None, yt: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Winner of each valid ``x`` point: int32 ``[N, P1]``, -1 for padded points and empty ``y`` clouds.
+    xt: torch.Tensor | None = None, yt: torch.Tensor | None = None, both_ways: bool = False,
+):
+    """Winner of each valid ``x`` point: int32 ``[N, P1]``, -1 for padded points and empty ``y`` clouds; with
+    ``both_ways``, also each valid ``y`` point's winner in ``x`` (``[N, P2]``), as a pair.
 
     ``x [N, P1, D]`` and ``y [N, P2, D]`` on one device; ``xt`` / ``yt`` may pass their
     :func:`coordinate_major` copies (a Chamfer call makes them once for both directions). Padded points are
-    never read. Among non-finite distances the winner is unspecified (the caller settles NaN rows)."""
+    never read. Among non-finite distances the winner is unspecified (the caller settles NaN rows). The direct
+    route finds both directions in one pass over the pairs (:attr:`NearestConfig.one_pass`)."""
     n, p1, dim = x.shape
-    idx = torch.full((n, p1), -1, dtype=torch.int32, device=x.device)
-    if n == 0 or p1 == 0 or y.shape[1] == 0 or dim == 0:
-        return idx
-    x_len32 = x_lengths.to(torch.int32)
-    y_len32 = y_lengths.to(torch.int32)
+    p2 = y.shape[1]
     cfg = nearest_config(dim=dim, norm=norm, device=x.device)
     if cfg.route != "direct" and norm != 2:
         raise ValueError(f"the {cfg.route} route computes squared L2 distances only, not norm={norm}")
+    if both_ways and not (cfg.route == "direct" and cfg.one_pass):
+        return (nearest_indices(x, y, x_lengths, y_lengths, norm, xt, yt),
+                nearest_indices(y, x, y_lengths, x_lengths, norm, yt, xt))
+    if both_ways and p2 > p1:
+        # The grid runs over x blocks: the larger cloud there keeps more programs busy.
+        idx_yx, idx_xy = nearest_indices(y, x, y_lengths, x_lengths, norm, yt, xt, both_ways=True)
+        return idx_xy, idx_yx
+    idx = torch.full((n, p1), -1, dtype=torch.int32, device=x.device)
+    if n == 0 or p1 == 0 or p2 == 0 or dim == 0:
+        return (idx, torch.full((n, p2), -1, dtype=torch.int32, device=x.device)) if both_ways else idx
+    x_len32 = x_lengths.to(torch.int32)
+    y_len32 = y_lengths.to(torch.int32)
     grid = (cdiv(p1, cfg.block_m), n)
     col_bits = cfg.block_n.bit_length() - 1
     if cfg.route == "direct":
         xt = coordinate_major(x) if xt is None else xt
         yt = coordinate_major(y) if yt is None else yt
+        y_keys = torch.full((n, p2) if both_ways else (1, 1), torch.iinfo(torch.int64).max, dtype=torch.int64,
+                            device=x.device)
         nearest_direct_kernel[grid](
-            xt, yt, x_len32, y_len32, idx,
-            xt.stride(0), xt.stride(1), yt.stride(0), yt.stride(1), idx.stride(0), idx.stride(1),
+            xt, yt, x_len32, y_len32, idx, y_keys,
+            xt.stride(0), xt.stride(1), yt.stride(0), yt.stride(1), idx.stride(0), idx.stride(1), y_keys.stride(0),
             DIM=dim, NORM=norm, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, COL_BITS=col_bits,
-            num_warps=cfg.num_warps,
+            BOTH_WAYS=both_ways, ROW_BITS=cfg.block_m.bit_length() - 1, num_warps=cfg.num_warps,
         )
-        return idx
+        return (idx, _decode_reverse(y_keys)) if both_ways else idx
     split = cfg.precision == "tf32x3"
     if cfg.route == "core":
         return _core_nearest(x, y, x_lengths, y_lengths, split)
