@@ -154,9 +154,10 @@ def _cublas_rates():
 # (route, precision, block_m, block_n, warps, stages[, one_pass]); the direct route takes both directions of a
 # Chamfer call in one pass unless one_pass is False.
 SWEEP = {
-    3: [None, ("direct", "", 64, 64, 4, 1, False), ("direct", "", 64, 64, 4, 1), ("direct", "", 128, 64, 4, 1),
-        ("direct", "", 128, 64, 8, 1), ("direct", "", 64, 128, 4, 1), ("direct", "", 128, 128, 8, 1),
-        ("direct", "", 256, 64, 8, 1), ("direct", "", 32, 128, 4, 1), ("dot", "tf32x3", 128, 64, 4, 3)],
+    3: [None, ("direct", "", 128, 64, 4, 1), ("direct", "", 64, 64, 1, 1), ("direct", "", 32, 128, 1, 1),
+        ("direct", "", 32, 64, 1, 1), ("direct", "", 32, 32, 1, 1), ("direct", "", 64, 128, 2, 1),
+        ("direct", "", 64, 64, 2, 1), ("direct", "", 128, 32, 1, 1), ("direct", "", 128, 32, 4, 1),
+        ("direct", "", 64, 64, 4, 1, False)],
     128: [None, ("dot", "tf32x3", 128, 128, 8, 3), ("dot", "tf32x3", 128, 64, 4, 3), ("dot", "tf32x3", 128, 128, 8, 4),
           ("core", "tf32x3", 0, 0, 0, 0)],
 }

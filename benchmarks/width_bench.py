@@ -82,6 +82,8 @@ def main() -> None:
         results["shapes"].append(entry)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "width_bench.json").write_text(json.dumps(results, indent=1))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "width_bench.json").write_text(json.dumps(results, indent=1))
     print(table(results))
 
 

@@ -140,12 +140,24 @@ def test_streamed_tiles_follow_the_device_limit_given():
 
 
 def test_long_queries_at_wide_d_take_the_nested_gemm_loop():
-    # Compute-bound: 128 x 256 tiles, each tile's chunks pipelined on their own (flat_k False); from d = 256 on
-    # Hopper in 16 bits (the resident query block below that, and for short queries).
-    for dim in (256, 768, 4096):
-        cfg = heuristic(1024, 1, dim, torch.float16, False, (9, 0), False, False, False, 232_448)
+    # Compute-bound: 128 x 256 tiles, each tile's chunks pipelined on their own (flat_k False); past d = 256 on
+    # Hopper in 16 bits, and at 128 < d <= 256 for the training forward (the resident query block below that,
+    # and for short queries).
+    for dim, argmax in ((256, True), (384, False), (768, False), (4096, False)):
+        cfg = heuristic(1024, 1, dim, torch.float16, False, (9, 0), False, False, argmax, 232_448)
         assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.flat_k) == (128, 256, 64, False)
         assert cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2 <= 232_448
+
+
+def test_long_queries_at_d_up_to_256_keep_the_whole_depth_resident():
+    # Scoring a long query at 128 < d <= 256: 128 resident rows against 64-token tiles of the full depth,
+    # 3 stages; where the device's shared memory cannot hold them, the streamed tiles.
+    for dim in (200, 256):
+        cfg = heuristic(1024, 1, dim, torch.float16, False, (9, 0), False, False, False, 232_448)
+        assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (128, 64, 256, 8, 3)
+        assert _config.feature_chunks(dim, cfg.block_k) == (256, 1)
+    small = heuristic(1024, 1, 256, torch.float16, False, (9, 0), False, False, False, 99_000)
+    assert _config.feature_chunks(256, small.block_k)[1] > 1 and not small.flat_k
     resident = heuristic(1024, 1, 128, torch.float16, False, (9, 0), False, False, False, 232_448)
     assert resident.block_k == 128
     short = heuristic(32, 1, 768, torch.float16, False, (9, 0), False, False, False, 232_448)

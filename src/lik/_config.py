@@ -185,13 +185,19 @@ def maxsim_forward_config(
 def _maxsim_forward_heuristic(
     q_len, n_queries, dim, dtype, per_query, arch, interpreted, long_docs=False, argmax=False, smem=0,
 ) -> MaxSimForwardConfig:
-    if dim > MAX_RESIDENT_DIM or (
+    long_half_query = (
         dim > 128 and not interpreted and arch >= (9, 0) and dtype in (torch.float16, torch.bfloat16) and q_len >= 128
-    ):
-        # A long query at d > 128 is a GEMM: the streamed loop's tall tiles beat the resident query block
-        # (H100, d = 256: 0.310 against 0.368 ms; BENCHMARKS.md "Any embedding width").
-        return _streamed_forward_tiles(q_len, n_queries, dim, dtype, per_query, arch, interpreted, smem)
+    )
     block_d = max(16, next_power_of_2(dim))
+    if long_half_query and dim <= MAX_RESIDENT_DIM and not argmax and (128 + 3 * 64) * block_d * 2 <= smem:
+        # A long query at 128 < d <= 256 scored as a GEMM: 128 resident query rows against 64-token tiles of the
+        # full depth, 8 warps, 3 stages (H100 sweeps, Lq = Ld = 1024, B = 256, d = 256: 0.290 ms against the
+        # streamed 128 x 256 tiles' 0.307; BENCHMARKS.md "Any embedding width").
+        return MaxSimForwardConfig(128, 1, 64, block_d, 8, 3)
+    if dim > MAX_RESIDENT_DIM or long_half_query:
+        # A long query at d > 128 is a GEMM: the streamed loop's tall tiles beat the resident query block of the
+        # smaller tiles below (H100, d = 256: 0.310 against 0.368 ms; BENCHMARKS.md "Any embedding width").
+        return _streamed_forward_tiles(q_len, n_queries, dim, dtype, per_query, arch, interpreted, smem)
     if interpreted:
         max_rows, block_n, warps, stages = 32, 16, 4, 1
     else:
@@ -479,7 +485,7 @@ def nearest_config(*, dim: int, norm: int, device: torch.device) -> NearestConfi
     if forced is not None:
         return forced
     if norm == 1 or dim <= NEAREST_POINT_MAX_DIM:
-        return NearestConfig("direct", block_m=64, block_n=64, num_warps=4)
+        return NearestConfig("direct", block_m=128, block_n=64, num_warps=4)
     # TF32 needs Ampere's tensor cores; elsewhere (and in the interpreter) the products are plain float32.
     precision = "tf32x3" if not interpreting() and _arch(device) >= (8, 0) else "ieee"
     return NearestConfig("core", precision)
