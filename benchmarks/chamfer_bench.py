@@ -223,6 +223,7 @@ def main() -> None:
     parser.add_argument("--methods", default="lik,flash_chamfer,chamferdist,keops,naive_cdist",
                         help="comma-separated; run a peer that may crash its process (KeOps) in a call of its own")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument("--shapes", default="", help="N:P:D shapes (comma-separated) instead of the default list")
     parser.add_argument("--sweep", default="", help="N:P:D shapes (comma-separated) at which to time lik's launches "
                         "of SWEEP instead of the comparison")
     args = parser.parse_args()
@@ -245,6 +246,8 @@ def main() -> None:
               (1, 100_000, 128), (1, 1_000_000, 3)]
     if args.quick:
         shapes = [(1, 1000, 3), (2, 3000, 128)]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     for n, p, d in shapes:
         if time.perf_counter() - started > args.budget_s:
             record["skipped"].append([n, p, d])
