@@ -19,6 +19,11 @@ accuracy from one TF32 product three times as deep). The products only choose th
 gets is recomputed from the winner's coordinates (``function.py``), and rows that touch a non-finite coordinate
 are settled there as the reference settles them.
 
+A Chamfer call needs both directions: on the ``direct`` route one pass takes each pair's distance once for both
+(``BOTH_WAYS``); the reverse winners of a tile reduce over its rows and reach a global int64 key
+``(distance bits << 31) | row`` by one atomic min per ``y`` point and tile (exact ties: the lowest row; a min is
+the same in any order, so the result is deterministic).
+
 The ``dot`` and ``direct`` loops keep their running minimum as an integer min over *keys*: the distance's float
 bits with the low ``log2(BLOCK_N)`` mantissa bits replaced by the column in the tile. One integer min per distance
 yields both the minimum and the lowest column attaining it (exact ties go to the lowest index), where a separate
