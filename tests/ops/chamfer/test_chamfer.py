@@ -396,18 +396,23 @@ def test_bad_input_names_the_argument():
         lik.nearest_neighbors(x.numpy(), y)
 
 
+def _gpu_clouds(seed, dim, dtype, x_lengths, y_lengths):
+    """Three random clouds each side, padded to the longest length with NaN (x) and inf (y) garbage."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(3, max(x_lengths), dim, device="cuda", generator=g).to(dtype)
+    y = torch.randn(3, max(y_lengths), dim, device="cuda", generator=g).to(dtype)
+    for c in range(3):
+        x[c, x_lengths[c]:] = float("nan")
+        y[c, y_lengths[c]:] = float("inf")
+    return x, y, torch.tensor(x_lengths, device="cuda"), torch.tensor(y_lengths, device="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dim", [3, 8, 16, 128, 1000])
 @pytest.mark.parametrize("norm", [1, 2])
 def test_gpu_nearest_matches_reference(dtype, dim, norm):
-    g = torch.Generator(device="cuda").manual_seed(dim)
-    x = torch.randn(3, 777, dim, device="cuda", generator=g).to(dtype)
-    y = torch.randn(3, 1031, dim, device="cuda", generator=g).to(dtype)
-    xl = torch.tensor([777, 500, 0], device="cuda")
-    yl = torch.tensor([1031, 0, 9], device="cuda")
-    x[1, 500:] = float("nan")
-    y[2, 9:] = float("inf")
+    x, y, xl, yl = _gpu_clouds(dim, dim, dtype, [777, 500, 0], [1031, 0, 9])
     dist, idx = lik.nearest_neighbors(x, y, xl, yl, norm=norm)
     ref_dist, ref_idx = nearest_neighbors_reference(x.cpu().double(), y.cpu().double(), xl.cpu(), yl.cpu(), norm)
     # fp32 rounding may pick another point among near-ties: check the chosen point is as near as the best.
@@ -459,13 +464,7 @@ def test_gpu_forced_routes_match_reference(route, dim):
 def test_gpu_one_pass_equals_two_passes_and_reference(dtype, dim, norm):
     # The one pass folds the reverse winners in with int64 atomics: same keys as two passes with square tiles,
     # so the same winners, bit for bit.
-    g = torch.Generator(device="cuda").manual_seed(dim + norm)
-    x = torch.randn(3, 2900, dim, device="cuda", generator=g).to(dtype)
-    y = torch.randn(3, 2100, dim, device="cuda", generator=g).to(dtype)
-    xl = torch.tensor([2900, 1111, 0], device="cuda")
-    yl = torch.tensor([2100, 2099, 17], device="cuda")
-    x[1, 1111:] = float("nan")
-    y[1, 2099:] = float("inf")
+    x, y, xl, yl = _gpu_clouds(dim + norm, dim, dtype, [2900, 1111, 0], [2100, 2099, 17])
     y[0, :40] = y[0, 40:80]  # exact ties across tiles
     tiles = dict(block_m=64, block_n=64, num_warps=4)
     with _config.override(nearest=_config.NearestConfig("direct", **tiles)):
