@@ -276,7 +276,7 @@ def test_fast_and_triton_launch_give_the_same_bits(op, monkeypatch):
         torch.use_deterministic_algorithms(False)
     for a, b in zip(slow, fast):
         assert torch.equal(a, b)
-    from lik.ops.maxsim.forward import maxsim_fwd_kernel
+    from lik.ops.maxsim.forward_kernel import maxsim_fwd_kernel
     from lik.ops.msda.forward import msda_fwd_kernel
 
     kernel = maxsim_fwd_kernel if op == "maxsim" else msda_fwd_kernel

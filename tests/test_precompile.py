@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lik
-from lik.ops.maxsim.forward import maxsim_fwd_kernel
+from lik.ops.maxsim.forward_kernel import maxsim_fwd_kernel
 
 
 def test_warmup_counts_calls_per_variant():

@@ -11,7 +11,7 @@ import lik
 from lik import _config
 from lik.ops.maxsim.backward import maxsim_bwd_dd_atomic_kernel, maxsim_bwd_dq_kernel
 from lik.ops.maxsim.backward_sorted import maxsim_bwd_dd_sorted_kernel
-from lik.ops.maxsim.forward import maxsim_fwd_kernel
+from lik.ops.maxsim.forward_kernel import maxsim_fwd_kernel
 
 from .helpers import rel_err
 

@@ -15,7 +15,7 @@ import lik
 from lik import _config
 from lik.ops.maxsim import packing
 from lik.ops.maxsim.function import uses_kernels
-from lik.ops.maxsim.forward import maxsim_fwd_kernel as maxsim_varlen_fwd_kernel
+from lik.ops.maxsim.forward_kernel import maxsim_fwd_kernel as maxsim_varlen_fwd_kernel
 
 from .helpers import rel_err
 

@@ -9,7 +9,8 @@ from ..._config import cdiv, feature_chunks, maxsim_varlen_config
 from ..._launch import launch
 from ...core.quantized import loader_chunks, loader_of
 from ...core.segments import PACKED, PAIRS
-from .forward import dot_precision, maxsim_fwd_kernel, scale_pointers
+from .forward import dot_precision, scale_pointers
+from .forward_kernel import maxsim_fwd_kernel
 from .packing import PackedInputs
 
 __all__ = ["packed_forward"]

@@ -1,0 +1,367 @@
+"""Fused MaxSim forward kernels: query rows against streamed document tiles; only scores (and argmax) are written.
+
+Query rows are addressed as *groups*: a group is ``group_rows`` consecutive tokens of one query (the power-of-two
+bucket of ``Lq``, capped by the config), so a short query is one padded group and a long one is several groups
+whose partial sums are added afterwards (exact: the score is a sum over query tokens). A program owns ``groups``
+consecutive groups (several short queries stacked into one tall tile when documents are shared) and one document.
+With ``programs_per_sm`` set (a persistent launch), a program keeps its query rows and walks documents
+``doc``, ``doc + doc_programs``, ...: the query block is loaded once per program instead of once per document,
+and the documents' tiles follow each other in one pipelined loop.
+Lengths and batch sizes are runtime arguments and are not specialised on, so they never trigger a recompile.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...core.quantized import reset_similarity, row_scales, scale_similarity, zero_similarity
+from ...core.segments import PAIRS, document_scales, document_span
+from .pairs import score_pairs
+from .tile import (
+    NO_KEY, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, fresh_rows, query_rows,
+    store_group_sums, stream_document,
+)
+
+__all__ = ["maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "score_documents"]
+
+# Lengths, counts and the strides that follow them are not specialised on (Triton would otherwise compile a new
+# variant when one of them becomes 1 or changes its divisibility by 16). The embedding strides stay specialised:
+# Lq * d and Ld * d keep their divisibility for any length when d does, and knowing the rows are 16-byte aligned
+# is what lets Triton load them with wide vector loads (measured on the H200: the query block loaded element by
+# element cost ColPali 0.58 -> 0.70 ms).
+_RUNTIME_INTS = [
+    "n_queries", "q_len", "n_docs", "doc_len", "n_q_rows", "n_d_rows", "n_chunks", "n_row_blocks", "doc_programs",
+    "stride_qmn", "stride_dmn", "stride_dmb", "stride_pc", "stride_pn", "stride_an", "stride_ab",
+]
+
+
+@triton.jit
+def store_winners(
+    argmax_ptr, key, row_counts, store_mask, query, doc, token, stride_an, stride_ab, stride_al, row_offset,
+):
+    """Write each row's winning token for document ``doc`` (-1: no gradient; a masked winner gets none), as an
+    index into the document plus ``row_offset`` (packed documents store absolute rows)."""
+    has_grad = row_counts & (key != NO_KEY) & ((key & 1) == 0)
+    index = tl.where(has_grad, (key >> 1) + row_offset, -1)
+    tl.store(
+        argmax_ptr + query * stride_an + doc * stride_ab + token * stride_al,
+        index.to(argmax_ptr.dtype.element_ty),
+        mask=store_mask,
+    )
+
+
+@triton.jit
+def write_document(
+    best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, argmax_ptr, n_queries,
+    n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset,
+    GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr,
+):
+    """Write document ``doc``'s group sums (and winners, NaN rows not yet settled). Returns 1 for the rows whose
+    max is NaN."""
+    row_counts = counted_rows(row_valid, n_valid, EXCLUDE)
+    store_group_sums(
+        partial_ptr, tl.where(row_counts, best, 0.0), row_block, n_chunks, n_queries, doc,
+        stride_pc, stride_pn, stride_pb, GROUP_ROWS, GROUPS,
+    )
+    if STORE_ARGMAX:
+        store_winners(
+            argmax_ptr, key, row_counts, row_in_range, query, doc, token, stride_an, stride_ab, stride_al, row_offset,
+        )
+    return (best != best).to(tl.int32)
+
+
+@triton.jit
+def settle_nan_winners(
+    q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, doc_end, doc_step,
+    doc_base, doc_mask_base, cu_d_ptr, argmax_ptr, doc_len, n_d_rows, stride_qk,
+    stride_db, stride_dl, stride_dk, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
+    q_scale, doc_scale_base, stride_dsb, stride_dsl,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_K: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LAYOUT: tl.constexpr, LOADER: tl.constexpr,
+):
+    """Rewrite the stored winner of every row whose max over one of the program's documents is NaN with that
+    row's first NaN token, as ``torch.max`` picks it (the tile loop tests equality with the max only).
+
+    A program calls it once, after all its documents, and only when one of its rows saw a NaN max: testing after
+    each document costs a block-wide reduction per document (ColBERT's 3-tile documents: 2-6% slower on the
+    H200)."""
+    for doc in range(first_doc, doc_end, doc_step):
+        doc_ptr, doc_mask_ptr, length, row_offset = document_span(
+            doc, doc_base, doc_mask_base, cu_d_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb, LAYOUT,
+        )
+        doc_scale_ptr = document_scales(doc, doc_scale_base, row_offset, stride_dsb, stride_dsl, LAYOUT)
+        nan_key, n_valid = first_nan_keys(
+            q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, length, stride_dl, stride_dk, stride_dml,
+            q_scale, doc_scale_ptr, stride_dsl, DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
+            LOADER,
+        )
+        row_counts = counted_rows(row_valid, n_valid, EXCLUDE)
+        # A NaN similarity makes the row's max NaN: exactly the rows with a NaN key are rewritten.
+        store_winners(
+            argmax_ptr, nan_key, row_counts, row_in_range & (nan_key != NO_KEY), query, doc, token,
+            stride_an, stride_ab, stride_al, row_offset,
+        )
+
+
+@triton.jit
+def finish_tile(
+    sim, start, length, last_tile, doc, doc_mask_ptr, stride_dml, best, key, n_valid, nan_rows, row_valid,
+    row_in_range, query, token, row_block, partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn,
+    stride_pb, stride_an, stride_ab, stride_al, row_offset,
+    BLOCK_N: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_D_MASK: tl.constexpr,
+    EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, REDUCTION: tl.constexpr,
+):
+    """A streamed tile's similarities are complete: fold them in and, on the document's last tile, write the
+    document and start the next one afresh. Returns ``(best, key, n_valid, nan_rows)``."""
+    best, key, n_valid = fold_tile(
+        sim, start, length, doc_mask_ptr, stride_dml, best, key, n_valid, BLOCK_N, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
+        REDUCTION,
+    )
+    if last_tile:
+        nan_rows |= write_document(
+            best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, argmax_ptr,
+            n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset,
+            GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+        )
+        best, key, n_valid = fresh_rows(GROUP_ROWS * GROUPS)
+    return best, key, n_valid, nan_rows
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def maxsim_fwd_kernel(
+    q_ptr,
+    d_ptr,
+    q_mask_ptr,
+    d_mask_ptr,
+    cu_q_ptr,  # int32 [N + 1] (PAIRS) or unused
+    cu_d_ptr,  # int32 [B + 1] (PACKED, PAIRS) or unused
+    partial_ptr,  # fp32 [n_chunks, Nq, B] ([n_row_blocks, 1, N] for PAIRS)
+    argmax_ptr,  # int16 / int32 [Nq, B, Lq] (int32 absolute packed rows: PACKED [Nq, B, Lq], PAIRS [Tq])
+    q_scale_ptr,  # fp32 contiguous per-row scales of 8-bit queries ([Nq, Lq]; PAIRS [Tq]); unused for float rows
+    d_scale_ptr,  # fp32 contiguous scales of 8-bit documents ([n_sets, B, Ld]; packed [Td]); unused for float rows
+    n_queries,
+    q_len,
+    n_docs,
+    doc_len,  # PADDED only: packed documents have their own lengths
+    n_q_rows,  # PAIRS: rows of the packed queries
+    n_d_rows,  # PACKED, PAIRS: rows of the packed documents
+    n_chunks,
+    n_row_blocks,
+    doc_programs,  # programs per row block; each takes every doc_programs-th document
+    stride_qn, stride_ql, stride_qk,
+    stride_dn, stride_db, stride_dl, stride_dk,
+    stride_qmn, stride_qml,
+    stride_dmn, stride_dmb, stride_dml,
+    stride_pc, stride_pn, stride_pb,
+    stride_an, stride_ab, stride_al,
+    DIM: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_K: tl.constexpr,
+    HAS_Q_MASK: tl.constexpr,
+    HAS_D_MASK: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    STORE_ARGMAX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    LAYOUT: tl.constexpr = 0,  # PADDED, PACKED or PAIRS (lik.core.segments)
+    FLAT_K: tl.constexpr = 1,  # wide embeddings: one flat (tile, chunk) loop, or a chunk loop nested per tile
+    REDUCTION: tl.constexpr = 0,  # the running reduction (tile.py: REDUCE_MAX, MaxSim's max)
+    LOADER: tl.constexpr = 0,  # FLOAT, or INT8 / FP8 rows with per-row scales (lik.core.quantized)
+):
+    BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
+    pid = tl.program_id(0).to(tl.int64)
+    row_block = pid % n_row_blocks
+    if LAYOUT == PAIRS:
+        score_pairs(
+            q_ptr, d_ptr, cu_q_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, pid // n_row_blocks, n_row_blocks,
+            n_q_rows, n_d_rows, stride_ql, stride_qk, stride_dl, stride_dk, stride_pc, stride_pb, stride_al,
+            q_scale_ptr, d_scale_ptr,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION, REDUCTION, LOADER,
+        )
+    else:
+        score_documents(
+            q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, pid // n_row_blocks,
+            n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, n_row_blocks, doc_programs,
+            stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
+            stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+            q_scale_ptr, d_scale_ptr,
+            DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_Q_MASK, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
+            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER,
+        )
+
+
+@triton.jit
+def score_documents(
+    q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, first_doc,
+    n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, n_row_blocks, doc_programs,
+    stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
+    stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+    q_scale_ptr, d_scale_ptr,
+    DIM: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_Q_MASK: tl.constexpr, HAS_D_MASK: tl.constexpr,
+    EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    LAYOUT: tl.constexpr, FLAT_K: tl.constexpr, REDUCTION: tl.constexpr, LOADER: tl.constexpr,
+):
+    """A program's query rows (``row_block``) against its documents ``first_doc``, ``first_doc + doc_programs``,
+    ...: the documents come from :func:`~lik.core.segments.document_span` (padded or packed), the rest is one
+    loop whatever the layout."""
+    BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
+
+    query, token, row_in_range, row_valid = query_rows(
+        row_block, n_queries, q_len, n_chunks, q_mask_ptr, stride_qmn, stride_qml, GROUP_ROWS, GROUPS, HAS_Q_MASK,
+    )
+    q_row_ptrs = q_ptr + query * stride_qn + token * stride_ql
+    # 8-bit scales are contiguous (the launchers make them so), so their strides follow the shapes: the query's
+    # [Nq, Lq], the documents' [n_sets, B, Ld] (one set when shared: stride_dn == 0) or packed rows.
+    stride_dsb = doc_len
+    stride_dsl = 1
+    q_scale = row_scales(q_scale_ptr + query * q_len + token, row_valid, LOADER)
+    offs_k = tl.arange(0, BLOCK_K)
+    if NUM_K == 1:
+        q_rows = tl.load(
+            q_row_ptrs[:, None] + offs_k[None, :] * stride_qk,
+            mask=row_valid[:, None] & (offs_k[None, :] < DIM),
+            other=0.0,
+        )
+    else:
+        q_rows = tl.zeros((BLOCK_M, BLOCK_K), q_ptr.dtype.element_ty)
+
+    # Shared documents have stride_dn == 0; per-query documents run with GROUPS == 1, so the first group's
+    # query is every row's query.
+    doc_set = (row_block * GROUPS) // n_chunks
+    doc_base = d_ptr + doc_set * stride_dn
+    doc_mask_base = d_mask_ptr + doc_set * stride_dmn
+    doc_scale_base = d_scale_ptr + tl.where(stride_dn == 0, 0, doc_set * n_docs * doc_len)
+    # A program's documents share one length when padded; a packed program has one document (doc_programs ==
+    # n_docs), so the flat loops below see one length either way.
+    doc_ptr, doc_mask_ptr, length, row_offset = document_span(
+        first_doc, doc_base, doc_mask_base, cu_d_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb, LAYOUT,
+    )
+    doc_scale_ptr = document_scales(first_doc, doc_scale_base, row_offset, stride_dsb, stride_dsl, LAYOUT)
+    my_docs = tl.cdiv(n_docs - first_doc, doc_programs).to(tl.int32)
+    tiles = tl.cdiv(length, BLOCK_N)
+    best, key, n_valid = fresh_rows(BLOCK_M)
+    nan_rows = tl.zeros((BLOCK_M,), tl.int32)
+    doc = first_doc
+    start = 0
+    if NUM_K > 1:
+        # Wide embeddings: neither the query block nor a document tile fits on chip whole, so both stream through
+        # in feature chunks, one flat loop over (document, tile, chunk) steps (the pipeline never drains between
+        # tiles or documents); a tile is folded into the running max on its last chunk.
+        q_load_ptrs = (
+            q_ptr + tl.minimum(query, n_queries - 1) * stride_qn + tl.minimum(token, q_len - 1) * stride_ql
+        )
+        if not FLAT_K:  # a tile per outer step, its chunks in an inner pipelined loop (a GEMM's main loop)
+            for _ in tl.range(0, my_docs * tiles, num_stages=1):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_ptrs = (
+                    doc_ptr + (doc - first_doc) * stride_db + tl.minimum(cols, length - 1).to(tl.int64) * stride_dl
+                )
+                sim = zero_similarity(BLOCK_M, BLOCK_N, LOADER)
+                for kc in tl.range(0, NUM_K):
+                    sim = chunk_similarity(
+                        sim, q_load_ptrs, stride_qk, col_ptrs, stride_dk, kc * BLOCK_K, DIM, BLOCK_K, DOT_PRECISION,
+                        LOADER,
+                    )
+                sim = scale_similarity(
+                    sim, q_scale, doc_scale_ptr + (doc - first_doc) * stride_dsb + cols.to(tl.int64) * stride_dsl,
+                    cols < length, LOADER,
+                )
+                last_tile = start + BLOCK_N >= length
+                best, key, n_valid, nan_rows = finish_tile(
+                    sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb, stride_dml,
+                    best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block, partial_ptr,
+                    argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+                    row_offset, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, REDUCTION,
+                )
+                doc = tl.where(last_tile, doc + doc_programs, doc)
+                start = tl.where(last_tile, 0, start + BLOCK_N)
+        else:
+            sim = zero_similarity(BLOCK_M, BLOCK_N, LOADER)
+            chunk = 0
+            for _ in tl.range(0, my_docs * tiles * NUM_K):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_ptrs = (
+                    doc_ptr + (doc - first_doc) * stride_db + tl.minimum(cols, length - 1).to(tl.int64) * stride_dl
+                )
+                sim = chunk_similarity(
+                    sim, q_load_ptrs, stride_qk, col_ptrs, stride_dk, chunk * BLOCK_K, DIM, BLOCK_K, DOT_PRECISION,
+                    LOADER,
+                )
+                last_chunk = chunk == NUM_K - 1
+                last_tile = start + BLOCK_N >= length
+                if last_chunk:
+                    tile_sim = scale_similarity(
+                        sim, q_scale,
+                        doc_scale_ptr + (doc - first_doc) * stride_dsb + cols.to(tl.int64) * stride_dsl,
+                        cols < length, LOADER,
+                    )
+                    best, key, n_valid, nan_rows = finish_tile(
+                        tile_sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb,
+                        stride_dml, best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block,
+                        partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an,
+                        stride_ab, stride_al, row_offset, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE,
+                        STORE_ARGMAX, REDUCTION,
+                    )
+                sim = reset_similarity(sim, last_chunk, LOADER)
+                doc = tl.where(last_chunk & last_tile, doc + doc_programs, doc)
+                start = tl.where(last_chunk, tl.where(last_tile, 0, start + BLOCK_N), start)
+                chunk = tl.where(last_chunk, 0, chunk + 1)
+        if tiles == 0:  # an empty packed document: scores 0, no winner
+            nan_rows = write_document(
+                best, key, n_valid, row_valid, row_in_range, query, token, row_block, first_doc, partial_ptr,
+                argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+                row_offset, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+            )
+    elif PERSISTENT:
+        # One flat loop over (document, tile) steps: the pipeliner then prefetches the next document's first
+        # tiles while the current one finishes, instead of draining and refilling at every document (short
+        # documents are a few tiles long). A document is written from inside the loop, on its last tile only.
+        for _ in tl.range(0, my_docs * tiles):
+            first_tile = start == 0
+            best = tl.where(first_tile, float("-inf"), best)
+            key = tl.where(first_tile, NO_KEY, key)
+            n_valid = tl.where(first_tile, 0, n_valid)
+            # (Padded only: packed launches are never persistent, so documents are strided, one length.)
+            best, key, n_valid = document_tile(
+                q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb,
+                start, doc_len, stride_dl, stride_dk, stride_dml, best, key, n_valid,
+                q_scale, doc_scale_base + doc * stride_dsb, stride_dsl,
+                DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
+                REDUCTION, LOADER,
+            )
+            last_tile = start + BLOCK_N >= doc_len
+            if last_tile:
+                nan_rows |= write_document(
+                    best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
+                    argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+                    0, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+                )
+            doc = tl.where(last_tile, doc + doc_programs, doc)
+            start = tl.where(last_tile, 0, start + BLOCK_N)
+    else:
+        best, key, n_valid = stream_document(
+            q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, length, stride_dl, stride_dk, stride_dml,
+            best, key, q_scale, doc_scale_ptr, stride_dsl,
+            DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
+            REDUCTION, LOADER,
+        )
+        nan_rows = write_document(
+            best, key, n_valid, row_valid, row_in_range, query, token, row_block, first_doc, partial_ptr, argmax_ptr,
+            n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset,
+            GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+        )
+    if STORE_ARGMAX:
+        if tl.max(nan_rows, axis=0) != 0:
+            settle_nan_winners(
+                q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, n_docs, doc_programs,
+                doc_base, doc_mask_base, cu_d_ptr, argmax_ptr, doc_len, n_d_rows, stride_qk,
+                stride_db, stride_dl, stride_dk, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
+                q_scale, doc_scale_base, stride_dsb, stride_dsl,
+                DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LAYOUT, LOADER,
+            )
