@@ -189,11 +189,13 @@ def _maxsim_forward_heuristic(
         dim > 128 and not interpreted and arch >= (9, 0) and dtype in (torch.float16, torch.bfloat16) and q_len >= 128
     )
     block_d = max(16, next_power_of_2(dim))
-    if long_half_query and dim <= MAX_RESIDENT_DIM and not argmax and (128 + 3 * 64) * block_d * 2 <= smem:
-        # A long query at 128 < d <= 256 scored as a GEMM: 128 resident query rows against 64-token tiles of the
-        # full depth, 8 warps, 3 stages (H100 sweeps, Lq = Ld = 1024, B = 256, d = 256: 0.290 ms against the
-        # streamed 128 x 256 tiles' 0.307; BENCHMARKS.md "Any embedding width").
-        return MaxSimForwardConfig(128, 1, 64, block_d, 8, 3)
+    # A long query at 128 < d <= 256 scored as a GEMM: 128 resident query rows against 64-token tiles of the
+    # full depth, 8 warps, 3 stages (H100 sweeps, Lq = Ld = 1024, B = 256, d = 256: 0.290 ms against the
+    # streamed 128 x 256 tiles' 0.307; BENCHMARKS.md "Any embedding width"), where the shared memory holds it.
+    resident = MaxSimForwardConfig(128, 1, 64, block_d, 8, 3)
+    resident_bytes = (resident.block_m + resident.num_stages * resident.block_n) * block_d * 2
+    if long_half_query and dim <= MAX_RESIDENT_DIM and not argmax and resident_bytes <= smem:
+        return resident
     if dim > MAX_RESIDENT_DIM or long_half_query:
         # A long query at d > 128 is a GEMM: the streamed loop's tall tiles beat the resident query block of the
         # smaller tiles below (H100, d = 256: 0.310 against 0.368 ms; BENCHMARKS.md "Any embedding width").

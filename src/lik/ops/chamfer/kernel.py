@@ -57,17 +57,25 @@ BLOCK_N = NearestConfig.block_n
 UNROLLED_MAX_DIM = tl.constexpr(16)
 _NO_KEY = tl.constexpr(2147483647)
 
+# Strides that follow the cloud sizes (the coordinate-major copies' coordinate stride is P) are not specialised
+# on: a new P must not compile a new variant.
 _RUNTIME_INTS = [
     "stride_xn", "stride_xp", "stride_yn", "stride_yp", "stride_sn", "stride_in", "stride_ip", "stride_tn",
+    "stride_xk", "stride_yk", "stride_kn",
 ]
+
+
+@triton.jit
+def distance_keys(dist, index, BITS: tl.constexpr):
+    """Winner keys: each distance's float bits with the low ``BITS`` mantissa bits replaced by ``index`` (its
+    column or row in the tile, broadcast against ``dist``)."""
+    return (dist.to(tl.int32, bitcast=True) & ~((1 << BITS) - 1)) | index
 
 
 @triton.jit
 def fold_key_tile(dist, start, best_key, best_col, BLOCK_N: tl.constexpr, COL_BITS: tl.constexpr):
     """Fold a tile of distances (invalid columns: +inf) into the running (key, column) per row."""
-    cols = tl.arange(0, BLOCK_N)
-    keys = (dist.to(tl.int32, bitcast=True) & ~((1 << COL_BITS) - 1)) | cols[None, :]
-    tile_key = tl.min(keys, axis=1)
+    tile_key = tl.min(distance_keys(dist, tl.arange(0, BLOCK_N)[None, :], COL_BITS), axis=1)
     tile_value = tile_key & ~((1 << COL_BITS) - 1)
     # Strictly smaller keeps the earlier tile on ties.
     take = tile_value < best_key
@@ -145,9 +153,7 @@ def add_coordinate(dist, x_base, y_base, k, rows, cols, row_ok, col_ok, stride_x
 def fold_reverse_tile(dist, row_start, cols, col_ok, y_key_ptr, ROW_BITS: tl.constexpr):
     """The reverse direction of the same tile: each ``y`` point's nearest row of this ``x`` block, folded into
     its global int64 key ``(distance bits << 31) | row`` with one atomic min (exact ties: the lowest row)."""
-    rows_in_tile = tl.arange(0, dist.shape[0])
-    keys = (dist.to(tl.int32, bitcast=True) & ~((1 << ROW_BITS) - 1)) | rows_in_tile[:, None]
-    tile_key = tl.min(keys, axis=0)
+    tile_key = tl.min(distance_keys(dist, tl.arange(0, dist.shape[0])[:, None], ROW_BITS), axis=0)
     # Zero-extended: every key is non-negative, whatever the bits (NaN rows are settled by the caller).
     value = (tile_key & ~((1 << ROW_BITS) - 1)).to(tl.uint32, bitcast=True).to(tl.int64)
     key = (value << 31) | (row_start + (tile_key & ((1 << ROW_BITS) - 1)))
@@ -303,8 +309,9 @@ def nearest_indices(
     if cfg.route == "direct":
         xt = coordinate_major(x) if xt is None else xt
         yt = coordinate_major(y) if yt is None else yt
-        y_keys = torch.full((n, p2) if both_ways else (1, 1), torch.iinfo(torch.int64).max, dtype=torch.int64,
-                            device=x.device)
+        # One direction never touches the reverse keys: ``idx`` stands in for the pointer (no allocation).
+        y_keys = torch.full((n, p2), torch.iinfo(torch.int64).max, dtype=torch.int64, device=x.device) \
+            if both_ways else idx
         nearest_direct_kernel[grid](
             xt, yt, x_len32, y_len32, idx, y_keys,
             xt.stride(0), xt.stride(1), yt.stride(0), yt.stride(1), idx.stride(0), idx.stride(1), y_keys.stride(0),
