@@ -14,6 +14,7 @@ empty stand-ins where they are not installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.machinery
 import importlib.util
 import json
@@ -113,6 +114,15 @@ def pylate_step(minilm: str, batch: int, q_len: int = 32, d_len: int = 180):
         loss.backward()
         return loss
 
+    def encoder_step():
+        # The same step with no scoring at all (a sum of the embeddings as the loss): the peak any scoring adds to.
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = sum(model(f)["token_embeddings"].float().sum() for f in features)
+        loss.backward()
+        return loss
+
+    step.encoder_only = encoder_step
     return step, lik_pylate
 
 
@@ -131,12 +141,15 @@ def bench_pylate(minilm: str, batch_sizes, q_len=32, d_len=180):
             finally:
                 lik_pylate.disable()
             results[method] = {"ms": ms, "peak_mib": peak, "loss": loss_value}
-        rows.append({"batch": batch, "q_len": q_len, "d_len": d_len, "negatives": 1, **{
+        encoder_peak = _peak(step.encoder_only)
+        rows.append({"batch": batch, "q_len": q_len, "d_len": d_len, "negatives": 1,
+                     "encoder_only_peak_mib": encoder_peak, **{
             f"{m}_{k}": v for m, r in results.items() for k, v in r.items()},
             "speedup": results["stock"]["ms"] / results["lik"]["ms"],
             "peak_ratio": results["lik"]["peak_mib"] / results["stock"]["peak_mib"]})
         print(f"pylate step B={batch}: stock {results['stock']['ms']:.2f} ms {results['stock']['peak_mib']:.0f} MiB"
-              f" | lik {results['lik']['ms']:.2f} ms {results['lik']['peak_mib']:.0f} MiB | loss "
+              f" | lik {results['lik']['ms']:.2f} ms {results['lik']['peak_mib']:.0f} MiB | no scoring "
+              f"{encoder_peak:.0f} MiB | loss "
               f"{results['stock']['loss']:.5f} vs {results['lik']['loss']:.5f}", flush=True)
     return rows
 
@@ -177,6 +190,58 @@ def bench_colpali(n_pages=1000, page_len=1030, query_counts=(16, 128), dim=128):
                   f"{result['lik_peak_mib']:.0f} MiB | {result['speedup']:.1f}x | max err vs fp32: stock "
                   f"{result['stock_max_err_vs_fp32']:.3g}, lik {result['lik_max_err_vs_fp32']:.3g}", flush=True)
     return rows
+
+
+def sweep_colpali_rows(n_pages=1000, page_len=1030, n_queries=128, dim=128):
+    """Tiles of the per-row path ``score_multi_vector`` takes (every query token a row against shared pages) at
+    the benchmark's 128-query shape, against the padded-query path and the bf16 cuBLAS rate of the session."""
+    import lik
+    from lik import _config
+    from lik._config import MaxSimForwardConfig
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pages = torch.nn.functional.normalize(torch.randn(n_pages, page_len, dim, device="cuda", generator=g), dim=-1)
+    pages = pages.bfloat16()
+    lengths = torch.randint(18, 23, (n_queries,), generator=torch.Generator().manual_seed(n_queries)).tolist()
+    queries = [torch.nn.functional.normalize(torch.randn(n, dim, device="cuda", generator=g), dim=-1).bfloat16()
+               for n in lengths]
+    rows = torch.cat(queries).unsqueeze(1)
+    padded = torch.nn.utils.rnn.pad_sequence(queries, batch_first=True)
+    flops = 2.0 * rows.shape[0] * n_pages * page_len * dim
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    cublas = 2 * 8192**3 / (triton.testing.do_bench(lambda: a @ a, warmup=10, rep=200) * 1e-3) / 1e12
+    reference = lik.maxsim(padded, pages)
+    out = {"rows": rows.shape[0], "n_pages": n_pages, "page_len": page_len, "cublas_bf16_tflops": cublas,
+           "heuristic": repr(_config.maxsim_forward_config(q_len=1, n_queries=rows.shape[0], dim=dim,
+                                                            dtype=rows.dtype, per_query=False,
+                                                            device=rows.device, doc_len=page_len)),
+           "padded_queries_ms": triton.testing.do_bench(lambda: lik.maxsim(padded, pages), warmup=5, rep=100),
+           "stack_1000_pages_ms": triton.testing.do_bench(lambda: torch.stack(list(pages.unbind(0))), warmup=5,
+                                                          rep=100),
+           "configs": []}
+    configs = [None] + [MaxSimForwardConfig(1, groups, block_n, 128, warps, stages, per_sm, regs)
+                        for groups, block_n, warps, stages, per_sm, regs in (
+                            (256, 64, 8, 3, 0, 0), (256, 64, 8, 3, 1, 0), (256, 64, 8, 4, 0, 0),
+                            (256, 128, 8, 3, 0, 0), (128, 128, 4, 4, 2, 0), (128, 128, 4, 3, 0, 0),
+                            (128, 64, 4, 4, 0, 0), (256, 64, 8, 3, 2, 128), (128, 256, 8, 3, 0, 0))]
+    for cfg in configs:
+        forced = _config.override(maxsim_forward=cfg) if cfg is not None else contextlib.nullcontext()
+        with forced:
+            try:
+                got = lik.maxsim(rows, pages)
+                summed = torch.stack([part.sum(0) for part in got.split(lengths)])
+                err = (summed - reference).abs().max().item()
+                ms = triton.testing.do_bench(lambda: lik.maxsim(rows, pages), warmup=5, rep=100)
+            except Exception as error:  # a config the device cannot run
+                out["configs"].append({"config": repr(cfg), "error": str(error)[:300]})
+                continue
+        out["configs"].append({"config": repr(cfg) if cfg else "heuristic", "ms": ms, "tflops": flops / ms / 1e9,
+                               "max_err_vs_padded": err})
+        print(f"rows sweep {cfg or 'heuristic'}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+              f"({flops / ms / 1e9 / cublas:.0%} of cuBLAS {cublas:.0f}) err {err:.2g}", flush=True)
+    print(f"padded queries {out['padded_queries_ms']:.3f} ms; stack of 1000 pages {out['stack_1000_pages_ms']:.3f} ms",
+          flush=True)
+    return out
 
 
 def check_peers(peers_dir: str) -> dict:
@@ -250,7 +315,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batches", default="32,128")
     parser.add_argument("--peers", default=None, help="folder holding flash_maxsim and late_interaction_kernels")
-    parser.add_argument("--parts", default="colpali,pylate", help="comma-separated: colpali, pylate")
+    parser.add_argument("--parts", default="colpali,pylate", help="comma-separated: colpali, colpali-rows, pylate")
     args = parser.parse_args()
     stubbed = _stub_missing(["datasets", "ujson", "voyager", "sqlitedict", "fast_plaid", "fastkmeans", "pandas",
                              "accelerate"])
@@ -259,6 +324,10 @@ def main() -> None:
         "commit": os.environ.get("LIK_COMMIT", "unknown"), "stubbed_modules": stubbed,
     }
     parts = args.parts.split(",")
+    if "colpali-rows" in parts:
+        record["colpali_rows"] = sweep_colpali_rows()
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
     if "colpali" in parts:
         record["colpali"] = bench_colpali()
         with open(args.out, "w") as f:

@@ -31,6 +31,16 @@ def test_short_queries_are_stacked_only_for_shared_documents():
     assert (per_query.group_rows, per_query.groups, per_query.num_warps) == (32, 1, 4)
 
 
+def test_single_token_queries_stack_one_row_each():
+    rows = heuristic(1, 2560, 128, torch.float16, False, (9, 0), False)
+    assert (rows.group_rows, rows.block_m) == (1, 256)
+    assert heuristic(1, 1, 128, torch.float16, False, (9, 0), False).group_rows == 16  # one query: a tile of 16
+    assert heuristic(1, 8, 128, torch.float16, True, (9, 0), False).group_rows == 16  # per-query documents
+    assert heuristic(1, 64, 512, torch.float16, False, (9, 0), False).block_m == 64  # streamed widths too
+    assert heuristic(1, 64, 128, torch.int8, False, (9, 0), False).block_m == 64
+    assert heuristic(1, 300, 128, torch.int8, False, (9, 0), False).block_m == 128
+
+
 def test_persistent_launch_for_stacked_short_queries_and_fp32_long_queries():
     stacked = heuristic(32, 32, 128, torch.float16, False, (9, 0), False)
     single = heuristic(32, 1, 128, torch.float16, False, (9, 0), False)

@@ -213,7 +213,7 @@ def _maxsim_forward_heuristic(
         wide = block_d > 128 or (dtype == torch.float32 and not hopper)
         max_rows = 64 if wide else (256 if hopper else 128)
         block_n, stages = (32 if block_d > 256 else 64), (2 if wide else 3)
-    group_rows = min(max(16, next_power_of_2(q_len)), max_rows)
+    group_rows = _group_rows(q_len, n_queries, max_rows, per_query)
     groups = 1
     if not per_query:
         # Stack several short queries against one document tile: fuller tensor-core tiles, fewer doc re-reads.
@@ -264,6 +264,16 @@ def _maxsim_forward_heuristic(
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm, max_registers)
 
 
+def _group_rows(q_len: int, n_queries: int, max_rows: int, per_query: bool) -> int:
+    """Rows per query group: the power-of-two bucket of ``Lq`` (at least 16, the smallest tensor-core tile),
+    capped. Single-token queries against shared documents stack one row each instead (a group of 16 would
+    compute 15 dead rows per query); this is how a ragged query set is scored row by row (per-row maxima,
+    summed per query afterwards: ``lik.integrations.colpali``)."""
+    if q_len == 1 and n_queries > 1 and not per_query:
+        return 1
+    return min(max(16, next_power_of_2(q_len)), max_rows)
+
+
 def _stacked_groups(q_len: int, n_queries: int, group_rows: int, max_rows: int, per_query: bool) -> int:
     """Row groups per program: several short queries stacked against one document tile (shared documents)."""
     if per_query:
@@ -288,12 +298,12 @@ def _streamed_forward_tiles(q_len, n_queries, dim, dtype, per_query, arch, inter
     least 2), and where even 2 do not fit the chunk is halved."""
     element = 4 if dtype == torch.float32 else 2
     if interpreted:
-        group_rows = min(max(16, next_power_of_2(q_len)), 32)
+        group_rows = _group_rows(q_len, n_queries, 32, per_query)
         groups = _stacked_groups(q_len, n_queries, group_rows, 32, per_query)
         return MaxSimForwardConfig(group_rows, groups, 16, 64, 4, 1)
     hopper = arch >= (9, 0)
     max_rows = 128 if hopper else 64
-    group_rows = min(max(16, next_power_of_2(q_len)), max_rows)
+    group_rows = _group_rows(q_len, n_queries, max_rows, per_query)
     groups = _stacked_groups(q_len, n_queries, group_rows, max_rows, per_query)
     block_m = group_rows * groups
     tall = block_m >= 128

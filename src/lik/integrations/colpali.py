@@ -46,8 +46,9 @@ from . import _patching
 
 __all__ = ["score_multi_vector", "maxsim_inbatch", "maxsim_kd", "enable", "disable", "enabled", "is_enabled"]
 
-# Pages packed and scored together in score_multi_vector: bounds the packed copy (bytes), not the result.
-_PACK_BUDGET_BYTES = 128 * 1024 * 1024
+# score_multi_vector's bounds: the packed copy of a list of pages, and the per-token maxima of one call (bytes).
+_PACK_BUDGET_BYTES = 256 * 1024 * 1024
+_ROW_SCORES_BUDGET_BYTES = 256 * 1024 * 1024
 
 
 def _auto_device() -> str:
@@ -132,6 +133,36 @@ def _pack_group(pages: list[torch.Tensor], padded: list[bool], device) -> tuple[
     return d, cu.to(torch.int32).to(device, non_blocking=True), max(lengths)
 
 
+def _query_rows(queries, device) -> tuple[torch.Tensor, list[int]]:
+    """Every query token as one row ``[Tq, 1, d]`` on ``device`` (no padding) and the queries' lengths.
+
+    A zero-padded tensor keeps its padding rows: a zero token adds exactly 0, as in colpali-engine."""
+    if isinstance(queries, torch.Tensor):
+        n, length, dim = queries.shape
+        return queries.to(device).reshape(n * length, 1, dim), [length] * n
+    lengths = [q.shape[0] for q in queries]
+    dims = {q.shape[1] for q in queries}
+    if len(dims) > 1:
+        raise ValueError(f"qs: every query must have the same embedding width, got {sorted(dims)}")
+    return torch.cat([q.to(device) for q in queries]).unsqueeze(1), lengths
+
+
+def _sum_rows(row_scores: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Per-query sums of per-row scores ``[Tq, B]`` (rows in query order) -> ``[n_queries, B]``, in a fixed
+    order (deterministic: no atomics)."""
+    n_pages = row_scores.shape[1]
+    longest = max(lengths)
+    if min(lengths) == longest:
+        return row_scores.view(len(lengths), longest, n_pages).sum(dim=1)
+    lengths_t = torch.tensor(lengths, device=row_scores.device)
+    query = torch.repeat_interleave(torch.arange(len(lengths), device=row_scores.device), lengths_t)
+    starts = torch.cumsum(lengths_t, 0) - lengths_t
+    position = torch.arange(row_scores.shape[0], device=row_scores.device) - starts[query]
+    padded = row_scores.new_zeros(len(lengths) * longest, n_pages)
+    padded[query * longest + position] = row_scores
+    return padded.view(len(lengths), longest, n_pages).sum(dim=1)
+
+
 def score_multi_vector(
     qs: torch.Tensor | list[torch.Tensor],
     ps: torch.Tensor | list[torch.Tensor],
@@ -140,12 +171,16 @@ def score_multi_vector(
 ) -> torch.Tensor:
     """colpali-engine's ``score_multi_vector`` on lik: late-interaction scores of every query against every page.
 
+    Query tokens are scored as rows, without padding (ragged queries cost only their own tokens): the kernel
+    gives each token's maximum over a page, and the tokens of each query are summed afterwards in fp32.
+
     Args:
         qs: query embeddings, a list of ``[Lq_i, d]`` tensors or one zero-padded ``[n_queries, Lq, d]`` tensor.
         ps: page embeddings, a list of ``[Ld_j, d]`` tensors or one zero-padded ``[n_pages, Ld, d]`` tensor;
             same dtype as ``qs`` (bfloat16, float16, float32).
         batch_size: the block size whose zero padding colpali-engine's scores reflect (see the module doc); it
-            does not bound memory here (pages are scored in packed chunks of at most 128 MiB).
+            does not bound memory here: a list of pages is copied into packed chunks of at most 256 MiB, a
+            padded tensor is read in place, and the per-token maxima are bounded to 256 MiB per chunk of pages.
         device: where to score; default: the first CUDA GPU, else MPS, else the CPU (colpali-engine's rule).
 
     Returns:
@@ -169,44 +204,46 @@ def score_multi_vector(
         raise ValueError("No queries provided")
     if len(pages) == 0:
         raise ValueError("No passages provided")
-    # Zero query tokens add exactly 0, so one padding for all queries equals colpali-engine's per-block padding.
-    if isinstance(queries, torch.Tensor):
-        q = queries.to(device)
-    else:
-        q = torch.nn.utils.rnn.pad_sequence([t.to(device) for t in queries], batch_first=True, padding_value=0)
-    if isinstance(pages, torch.Tensor):
-        # One padded tensor: every block's longest page is the tensor's width, so nothing is added.
-        pages = pages.to(device)
-        if pages.dtype != q.dtype:
-            raise TypeError(f"ps has dtype {pages.dtype} but qs has {q.dtype}: pass both in one dtype")
-        per_page = max(1, pages.shape[1] * pages.shape[2] * pages.element_size())
-        chunk = max(1, _PACK_BUDGET_BYTES // per_page)
-        with torch.no_grad():
-            scores = [maxsim(q, pages[i:i + chunk]) for i in range(0, pages.shape[0], chunk)]
-        return torch.cat(scores, dim=1).cpu().float()
-    lengths = [page.shape[0] for page in pages]
-    padded = _needs_zero_token(lengths, batch_size)
-    row_bytes = pages[0].shape[1] * pages[0].element_size()
+    q, q_lengths = _query_rows(queries, device)
+    n_queries = len(q_lengths)
+    # Pages per kernel call so that the per-token maxima (and their padded copy for the sums) stay bounded.
+    rows_per_page = 4 * (q.shape[0] + n_queries * max(q_lengths))
+    pages_per_call = max(1, _ROW_SCORES_BUDGET_BYTES // max(1, rows_per_page))
+
+    def score(docs, cu=None, longest=None):
+        if docs.dtype != q.dtype:
+            raise TypeError(f"ps has dtype {docs.dtype} but qs has {q.dtype}: pass both in one dtype")
+        if q.shape[0] == 0:  # every query empty: each scores 0
+            n_docs = docs.shape[0] if cu is None else cu.shape[0] - 1
+            return torch.zeros(n_queries, n_docs, device=device)
+        rows = maxsim(q, docs) if cu is None else maxsim_packed(q, docs, cu, max_seqlen_d=longest)
+        return _sum_rows(rows, q_lengths)
+
     scores = []
     with torch.no_grad():
+        if isinstance(pages, torch.Tensor):
+            # One padded tensor, read in place: every block's longest page is its width, so nothing is added.
+            pages = pages.to(device)
+            for start in range(0, pages.shape[0], pages_per_call):
+                scores.append(score(pages[start:start + pages_per_call]))
+            return torch.cat(scores, dim=1).cpu().float()
+        lengths = [page.shape[0] for page in pages]
+        padded = _needs_zero_token(lengths, batch_size)
+        row_bytes = pages[0].shape[1] * pages[0].element_size()
         start = 0
         while start < len(pages):
             stop, size = start + 1, (lengths[start] + 1) * row_bytes
-            while stop < len(pages) and size + (lengths[stop] + 1) * row_bytes <= _PACK_BUDGET_BYTES:
+            while (stop < len(pages) and stop - start < pages_per_call
+                   and size + (lengths[stop] + 1) * row_bytes <= _PACK_BUDGET_BYTES):
                 size += (lengths[stop] + 1) * row_bytes
                 stop += 1
             group_lengths = lengths[start:stop]
             if not any(padded[start:stop]) and min(group_lengths) == max(group_lengths):
                 # Equal pages (the usual ColPali case): one dense [n, L, d] batch for the padded kernels.
-                d = torch.stack(pages[start:stop]).to(device)
-                if d.dtype != q.dtype:
-                    raise TypeError(f"ps has dtype {d.dtype} but qs has {q.dtype}: pass both in one dtype")
-                scores.append(maxsim(q, d))
+                scores.append(score(torch.stack(pages[start:stop]).to(device)))
             else:
                 d, cu, longest = _pack_group(pages[start:stop], padded[start:stop], device)
-                if d.dtype != q.dtype:
-                    raise TypeError(f"ps has dtype {d.dtype} but qs has {q.dtype}: pass both in one dtype")
-                scores.append(maxsim_packed(q, d, cu, max_seqlen_d=longest))
+                scores.append(score(d, cu, longest))
             start = stop
     return torch.cat(scores, dim=1).cpu().float()
 

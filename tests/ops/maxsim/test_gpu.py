@@ -48,7 +48,8 @@ TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(3, 32, 50, 300, 128), (2, 300, 7, 1030, 128), (5, 7, 9, 65, 96)])
+@pytest.mark.parametrize("shape", [(3, 32, 50, 300, 128), (2, 300, 7, 1030, 128), (5, 7, 9, 65, 96),
+                                   (300, 1, 9, 1030, 128)])  # the last: single-token queries, one row each
 @pytest.mark.parametrize("backward", ["fast", "deterministic"])
 @pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
 def test_kernels_match_float64(dtype, shape, backward, mask_mode):

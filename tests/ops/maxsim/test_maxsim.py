@@ -15,13 +15,15 @@ from lik.ops.maxsim.function import uses_kernels
 from .helpers import check_against_reference, kernel_with_grads, rand_problem, reference_with_grads, rel_err
 
 # (Nq, Lq, B, Ld, d): odd sizes, size 1, a query longer than one row group (split into exact partial sums),
-# several short queries stacked in one tile, d not a power of two.
+# several short queries stacked in one tile, d not a power of two, single-token queries stacked one row each
+# over two row blocks.
 SHAPES = [
     (1, 1, 1, 1, 1),
     (1, 7, 3, 13, 8),
     (3, 5, 4, 17, 24),
     (2, 70, 3, 40, 16),
     (5, 3, 2, 33, 33),
+    (37, 1, 3, 19, 16),
 ]
 
 
