@@ -65,6 +65,21 @@ def _import_colpali_scoring():
     return processing
 
 
+def _with_env(name: str, value: str, fn):
+    """``fn`` run with the environment variable ``name`` set to ``value`` (restored afterwards)."""
+    def call():
+        saved = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = saved
+    return call
+
+
 def _peak(fn) -> float:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -85,7 +100,8 @@ def pylate_step(minilm: str, batch: int, q_len: int = 32, d_len: int = 180):
 
     folder = tempfile.mkdtemp()
     for name in os.listdir(minilm):
-        shutil.copy(os.path.join(minilm, name), folder)
+        source = os.path.join(minilm, name)
+        (shutil.copytree if os.path.isdir(source) else shutil.copy)(source, os.path.join(folder, name))
     torch.manual_seed(0)
     BertModel(BertConfig.from_pretrained(minilm)).save_pretrained(folder)
     model = models.ColBERT(
@@ -170,24 +186,33 @@ def bench_colpali(n_pages=1000, page_len=1030, query_counts=(16, 128), dim=128):
         queries = [torch.nn.functional.normalize(torch.randn(n, dim, device="cuda", generator=g), dim=-1)
                    .bfloat16() for n in lengths]
         exact = lik_colpali.score_multi_vector([q.float() for q in queries], [p.float() for p in pages[:50]])
-        stock_small = stock(queries, pages[:50], device="cuda")
+        stock_small = _with_env("COLPALI_SCORES_BACKEND", "torch", lambda: stock(queries, pages[:50], device="cuda"))()
         lik_small = lik_colpali.score_multi_vector(queries, pages[:50], device="cuda")
         for form in ("list", "tensor"):
             corpus = pages if form == "list" else torch.stack(pages)
             result = {"n_queries": n_queries, "n_pages": n_pages, "page_len": page_len, "dim": dim, "pages": form,
                       "stock_max_err_vs_fp32": (stock_small - exact).abs().max().item(),
                       "lik_max_err_vs_fp32": (lik_small - exact).abs().max().item()}
-            for method in ("stock", "lik"):
-                fn = (lambda: stock(queries, corpus, device="cuda")) if method == "stock" else (
-                    lambda: lik_colpali.score_multi_vector(queries, corpus, device="cuda"))
+            methods = {
+                # colpali-engine's own path (what `pip install colpali-engine` runs: its einsum backend)
+                "stock": _with_env("COLPALI_SCORES_BACKEND", "torch", lambda: stock(queries, corpus, device="cuda")),
+                "lik": lambda: lik_colpali.score_multi_vector(queries, corpus, device="cuda"),
+            }
+            if importlib.util.find_spec("late_interaction_kernels") is not None:
+                # colpali-engine's "auto" backend once late-interaction-kernels is installed
+                methods["stock_lik_peer"] = _with_env("COLPALI_SCORES_BACKEND", "auto",
+                                                      lambda: stock(queries, corpus, device="cuda"))
+            for method, fn in methods.items():
                 fn()
                 result[f"{method}_ms"] = triton.testing.do_bench(fn, warmup=3, rep=200 if method == "lik" else 400)
                 result[f"{method}_peak_mib"] = _peak(fn)
             result["speedup"] = result["stock_ms"] / result["lik_ms"]
             rows.append(result)
+            peer = (f" | stock with the late-interaction-kernels backend {result['stock_lik_peer_ms']:.2f} ms"
+                    if "stock_lik_peer_ms" in result else "")
             print(f"colpali score_multi_vector Nq={n_queries} x {n_pages} pages ({form}): stock "
                   f"{result['stock_ms']:.2f} ms {result['stock_peak_mib']:.0f} MiB | lik {result['lik_ms']:.2f} ms "
-                  f"{result['lik_peak_mib']:.0f} MiB | {result['speedup']:.1f}x | max err vs fp32: stock "
+                  f"{result['lik_peak_mib']:.0f} MiB | {result['speedup']:.1f}x{peer} | max err vs fp32: stock "
                   f"{result['stock_max_err_vs_fp32']:.3g}, lik {result['lik_max_err_vs_fp32']:.3g}", flush=True)
     return rows
 
@@ -221,9 +246,8 @@ def sweep_colpali_rows(n_pages=1000, page_len=1030, n_queries=128, dim=128):
            "configs": []}
     configs = [None] + [MaxSimForwardConfig(1, groups, block_n, 128, warps, stages, per_sm, regs)
                         for groups, block_n, warps, stages, per_sm, regs in (
-                            (256, 64, 8, 3, 0, 0), (256, 64, 8, 3, 1, 0), (256, 64, 8, 4, 0, 0),
-                            (256, 128, 8, 3, 0, 0), (128, 128, 4, 4, 2, 0), (128, 128, 4, 3, 0, 0),
-                            (128, 64, 4, 4, 0, 0), (256, 64, 8, 3, 2, 128), (128, 256, 8, 3, 0, 0))]
+                            (256, 64, 8, 3, 1, 0), (256, 64, 8, 2, 2, 128), (256, 32, 8, 4, 2, 128),
+                            (256, 32, 8, 3, 2, 128), (128, 64, 8, 4, 2, 0))]
     for cfg in configs:
         forced = _config.override(maxsim_forward=cfg) if cfg is not None else contextlib.nullcontext()
         with forced:

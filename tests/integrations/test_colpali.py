@@ -33,6 +33,46 @@ def test_score_multi_vector_matches_block_padding(colpali_scoring, rng):
                                stock(torch.stack(qs[:1]), padded, device="cpu"), rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("budgets", [None, (1500, 500)])
+def test_score_multi_vector_rows_of_ragged_queries(colpali_scoring, rng, monkeypatch, budgets):
+    """Query tokens are scored as rows and summed per query: empty queries, one-token queries, the tensor form,
+    and several calls when the packed copy or the per-row maxima exceed their budgets."""
+    _, processing, _ = colpali_scoring
+    stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
+    stock = getattr(stock, "lik_stock", stock)
+    if budgets is not None:
+        monkeypatch.setattr(lik_colpali, "_PACK_BUDGET_BYTES", budgets[0])  # two pages per packed copy
+        monkeypatch.setattr(lik_colpali, "_ROW_SCORES_BUDGET_BYTES", budgets[1])  # two pages per call
+    qs = _ragged(rng, (3, 0, 1, 7, 3))
+    for ps in (_ragged(rng, (9, 9, 9, 9, 9)), _ragged(rng, (4, 9, 2, 7, 7, 3, 1))):
+        torch.testing.assert_close(lik_colpali.score_multi_vector(qs, ps, batch_size=3, device="cpu"),
+                                   stock(qs, ps, batch_size=3, device="cpu"), rtol=1e-6, atol=1e-5)
+        padded_q = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True)
+        torch.testing.assert_close(lik_colpali.score_multi_vector(padded_q, ps, batch_size=3, device="cpu"),
+                                   stock(padded_q, ps, batch_size=3, device="cpu"), rtol=1e-6, atol=1e-5)
+    empty = _ragged(rng, (0, 0))
+    got = lik_colpali.score_multi_vector(empty, _ragged(rng, (5, 2)), device="cpu")
+    assert torch.equal(got, torch.zeros(2, 2))
+    assert torch.equal(lik_colpali.score_multi_vector(torch.zeros(2, 0, 16), _ragged(rng, (5, 2)), device="cpu"),
+                       torch.zeros(2, 2))
+
+
+def test_score_multi_vector_garbage_pages_match_colpali(colpali_scoring, rng):
+    """inf / NaN in a page reach exactly the scores they reach in colpali-engine (its zero padding of shorter
+    queries meets an inf as 0 * inf = NaN; lik's padding row does the same)."""
+    _, processing, _ = colpali_scoring
+    stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
+    stock = getattr(stock, "lik_stock", stock)
+    qs = _ragged(rng, (4, 2, 4))
+    ps = _ragged(rng, (6, 6, 6, 6))
+    ps[1][2, 3] = float("inf")
+    ps[2][0, 0] = float("nan")
+    expected = stock(qs, ps, device="cpu")
+    got = lik_colpali.score_multi_vector(qs, ps, device="cpu")
+    assert torch.equal(got.isnan(), expected.isnan()) and expected.isnan().any()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5, equal_nan=True)
+
+
 def test_score_multi_vector_bf16_sums_in_fp32(colpali_scoring, rng):
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.score_multi_vector

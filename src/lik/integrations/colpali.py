@@ -38,7 +38,9 @@ Example:
 from __future__ import annotations
 
 import os
+from itertools import repeat
 
+import numpy as np
 import torch
 
 from ..ops.maxsim import maxsim, maxsim_packed
@@ -100,10 +102,13 @@ def _items(name: str, x) -> list[torch.Tensor] | torch.Tensor:
                              f"{list(x.shape)}")
         return x
     if isinstance(x, (list, tuple)):
-        for i, item in enumerate(x):
-            if not isinstance(item, torch.Tensor) or item.dim() != 2:
-                raise ValueError(f"{name}[{i}] must be a [L, d] tensor, got "
-                                 f"{getattr(item, 'shape', type(item).__name__)}")
+        # One C-level pass per property (a list holds ~1 000 pages: a Python loop per page is host time); the
+        # loop that names the first bad item runs only when a check fails.
+        if not all(map(isinstance, x, repeat(torch.Tensor))) or any(n != 2 for n in map(torch.Tensor.dim, x)):
+            for i, item in enumerate(x):
+                if not isinstance(item, torch.Tensor) or item.dim() != 2:
+                    raise ValueError(f"{name}[{i}] must be a [L, d] tensor, got "
+                                     f"{getattr(item, 'shape', type(item).__name__)}")
         return list(x)
     raise TypeError(f"{name} must be a tensor or a list of tensors, got {type(x).__name__}")
 
@@ -128,39 +133,45 @@ def _pack_group(pages: list[torch.Tensor], padded: list[bool], device) -> tuple[
     else:
         pieces = pages
     d = torch.cat(pieces).to(device)  # one copy (on the pages' device), then at most one transfer
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return d, cu.to(torch.int32).to(device, non_blocking=True), max(lengths)
+    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    return d, torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True), max(lengths)
 
 
-def _query_rows(queries, device) -> tuple[torch.Tensor, list[int]]:
-    """Every query token as one row ``[Tq, 1, d]`` on ``device`` (no padding) and the queries' lengths.
+class _QueryRows:
+    """Every query token as one row ``[rows, 1, d]`` on ``device`` (no padding), and how the per-row maxima
+    ``[rows, B]`` become per-query sums.
 
-    A zero-padded tensor keeps its padding rows: a zero token adds exactly 0, as in colpali-engine."""
-    if isinstance(queries, torch.Tensor):
-        n, length, dim = queries.shape
-        return queries.to(device).reshape(n * length, 1, dim), [length] * n
-    lengths = [q.shape[0] for q in queries]
-    dims = {q.shape[1] for q in queries}
-    if len(dims) > 1:
-        raise ValueError(f"qs: every query must have the same embedding width, got {sorted(dims)}")
-    return torch.cat([q.to(device) for q in queries]).unsqueeze(1), lengths
+    A zero-padded tensor keeps its padding rows (a zero token adds exactly what it adds in colpali-engine). A
+    list gets one zero row after its tokens, and the sums gather each query's rows padded to the longest query
+    with that zero row: exactly the padding colpali-engine adds, summed in a fixed order (no atomics). The gather
+    index is built on the host before any kernel runs."""
 
+    def __init__(self, queries, device):
+        if isinstance(queries, torch.Tensor):
+            n, length, dim = queries.shape
+            self.rows = queries.to(device).reshape(n * length, 1, dim)
+            self.n_queries, self.length, self.gather = n, length, None
+            return
+        widths = set(map(lambda q: q.shape[1], queries))
+        if len(widths) > 1:
+            raise ValueError(f"qs: every query must have the same embedding width, got {sorted(widths)}")
+        lengths = np.fromiter(map(len, queries), dtype=np.int64, count=len(queries))
+        n_tokens, longest = int(lengths.sum()), int(lengths.max())
+        zero = queries[0].new_zeros(1, queries[0].shape[1])
+        self.rows = torch.cat([*queries, zero]).to(device).unsqueeze(1)
+        self.n_queries, self.length = len(queries), longest
+        gather = np.full((len(queries), longest), n_tokens, dtype=np.int64)  # the zero row
+        query = np.repeat(np.arange(len(queries)), lengths)
+        position = np.arange(n_tokens) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        gather[query, position] = np.arange(n_tokens)
+        self.gather = torch.from_numpy(gather).to(device, non_blocking=True)
 
-def _sum_rows(row_scores: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Per-query sums of per-row scores ``[Tq, B]`` (rows in query order) -> ``[n_queries, B]``, in a fixed
-    order (deterministic: no atomics)."""
-    n_pages = row_scores.shape[1]
-    longest = max(lengths)
-    if min(lengths) == longest:
-        return row_scores.view(len(lengths), longest, n_pages).sum(dim=1)
-    lengths_t = torch.tensor(lengths, device=row_scores.device)
-    query = torch.repeat_interleave(torch.arange(len(lengths), device=row_scores.device), lengths_t)
-    starts = torch.cumsum(lengths_t, 0) - lengths_t
-    position = torch.arange(row_scores.shape[0], device=row_scores.device) - starts[query]
-    padded = row_scores.new_zeros(len(lengths) * longest, n_pages)
-    padded[query * longest + position] = row_scores
-    return padded.view(len(lengths), longest, n_pages).sum(dim=1)
+    def sums(self, row_scores: torch.Tensor) -> torch.Tensor:
+        """``[rows, B]`` per-row maxima -> ``[n_queries, B]`` per-query sums (fp32)."""
+        if self.gather is None:
+            return row_scores.view(self.n_queries, self.length, -1).sum(dim=1)
+        return row_scores[self.gather].sum(dim=1)
 
 
 def score_multi_vector(
@@ -204,20 +215,18 @@ def score_multi_vector(
         raise ValueError("No queries provided")
     if len(pages) == 0:
         raise ValueError("No passages provided")
-    q, q_lengths = _query_rows(queries, device)
-    n_queries = len(q_lengths)
-    # Pages per kernel call so that the per-token maxima (and their padded copy for the sums) stay bounded.
-    rows_per_page = 4 * (q.shape[0] + n_queries * max(q_lengths))
-    pages_per_call = max(1, _ROW_SCORES_BUDGET_BYTES // max(1, rows_per_page))
+    q = _QueryRows(queries, device)
+    # Pages per kernel call so that the per-row maxima (and the gathered sums) stay bounded.
+    bytes_per_page = 4 * (q.rows.shape[0] + q.n_queries * q.length)
+    pages_per_call = max(1, _ROW_SCORES_BUDGET_BYTES // max(1, bytes_per_page))
 
     def score(docs, cu=None, longest=None):
-        if docs.dtype != q.dtype:
-            raise TypeError(f"ps has dtype {docs.dtype} but qs has {q.dtype}: pass both in one dtype")
-        if q.shape[0] == 0:  # every query empty: each scores 0
-            n_docs = docs.shape[0] if cu is None else cu.shape[0] - 1
-            return torch.zeros(n_queries, n_docs, device=device)
-        rows = maxsim(q, docs) if cu is None else maxsim_packed(q, docs, cu, max_seqlen_d=longest)
-        return _sum_rows(rows, q_lengths)
+        if docs.dtype != q.rows.dtype:
+            raise TypeError(f"ps has dtype {docs.dtype} but qs has {q.rows.dtype}: pass both in one dtype")
+        if q.rows.shape[0] == 0:  # a padded tensor of empty queries: each scores 0
+            return torch.zeros(q.n_queries, docs.shape[0] if cu is None else cu.shape[0] - 1, device=device)
+        rows = maxsim(q.rows, docs) if cu is None else maxsim_packed(q.rows, docs, cu, max_seqlen_d=longest)
+        return q.sums(rows)
 
     scores = []
     with torch.no_grad():
@@ -226,26 +235,27 @@ def score_multi_vector(
             pages = pages.to(device)
             for start in range(0, pages.shape[0], pages_per_call):
                 scores.append(score(pages[start:start + pages_per_call]))
-            return torch.cat(scores, dim=1).cpu().float()
-        lengths = [page.shape[0] for page in pages]
-        padded = _needs_zero_token(lengths, batch_size)
-        row_bytes = pages[0].shape[1] * pages[0].element_size()
-        start = 0
-        while start < len(pages):
-            stop, size = start + 1, (lengths[start] + 1) * row_bytes
-            while (stop < len(pages) and stop - start < pages_per_call
-                   and size + (lengths[stop] + 1) * row_bytes <= _PACK_BUDGET_BYTES):
-                size += (lengths[stop] + 1) * row_bytes
-                stop += 1
-            group_lengths = lengths[start:stop]
-            if not any(padded[start:stop]) and min(group_lengths) == max(group_lengths):
-                # Equal pages (the usual ColPali case): one dense [n, L, d] batch for the padded kernels.
-                scores.append(score(torch.stack(pages[start:stop]).to(device)))
-            else:
-                d, cu, longest = _pack_group(pages[start:stop], padded[start:stop], device)
-                scores.append(score(d, cu, longest))
-            start = stop
-    return torch.cat(scores, dim=1).cpu().float()
+        else:
+            lengths = list(map(len, pages))
+            padded = _needs_zero_token(lengths, batch_size)
+            row_bytes = pages[0].shape[1] * pages[0].element_size()
+            start = 0
+            while start < len(pages):
+                stop, size = start + 1, (lengths[start] + 1) * row_bytes
+                while (stop < len(pages) and stop - start < pages_per_call
+                       and size + (lengths[stop] + 1) * row_bytes <= _PACK_BUDGET_BYTES):
+                    size += (lengths[stop] + 1) * row_bytes
+                    stop += 1
+                group = pages[start:stop]
+                if not any(padded[start:stop]) and min(lengths[start:stop]) == max(lengths[start:stop]):
+                    # Equal pages (the usual ColPali case): one dense [n, L, d] batch for the padded kernels
+                    # (a cat of the 2-D pages: no per-page view, as a stack would make).
+                    dense = torch.cat(group).to(device).view(len(group), lengths[start], group[0].shape[1])
+                    scores.append(score(dense))
+                else:
+                    scores.append(score(*_pack_group(group, padded[start:stop], device)))
+                start = stop
+    return (scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)).cpu().float()
 
 
 # ---------------------------------------------------------------------------------------------------------------
