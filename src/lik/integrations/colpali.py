@@ -113,15 +113,27 @@ def _items(name: str, x) -> list[torch.Tensor] | torch.Tensor:
     raise TypeError(f"{name} must be a tensor or a list of tensors, got {type(x).__name__}")
 
 
-def _needs_zero_token(lengths: list[int], batch_size: int) -> list[bool]:
+def _needs_zero_token(lengths: np.ndarray, batch_size: int) -> np.ndarray:
     """Which pages colpali-engine's per-block padding gives at least one zero token (a longer page shares their
-    block of ``batch_size``)."""
-    out = []
-    for start in range(0, len(lengths), batch_size):
-        block = lengths[start:start + batch_size]
-        longest = max(block)
-        out.extend(n < longest for n in block)
-    return out
+    block of ``batch_size``): bool ``[n_pages]``."""
+    n_blocks = -(-len(lengths) // batch_size)
+    blocks = np.full(n_blocks * batch_size, -1, dtype=np.int64)
+    blocks[:len(lengths)] = lengths
+    longest = np.repeat(blocks.reshape(n_blocks, batch_size).max(axis=1), batch_size)[:len(lengths)]
+    return lengths < longest
+
+
+def _page_groups(lengths: np.ndarray, row_bytes: int, max_pages: int):
+    """``(start, stop)`` runs of pages copied and scored together: at most ``_PACK_BUDGET_BYTES`` packed (one row
+    of room per page for a zero token) and at most ``max_pages`` pages; a page larger than the budget goes alone."""
+    ends = np.cumsum((lengths + 1) * row_bytes)
+    start = 0
+    while start < len(lengths):
+        before = ends[start - 1] if start else 0
+        stop = int(np.searchsorted(ends, before + _PACK_BUDGET_BYTES, side="right"))
+        stop = max(start + 1, min(stop, start + max_pages))
+        yield start, stop
+        start = stop
 
 
 def _pack_group(pages: list[torch.Tensor], padded: list[bool], device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -236,25 +248,19 @@ def score_multi_vector(
             for start in range(0, pages.shape[0], pages_per_call):
                 scores.append(score(pages[start:start + pages_per_call]))
         else:
-            lengths = list(map(len, pages))
+            lengths = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
             padded = _needs_zero_token(lengths, batch_size)
             row_bytes = pages[0].shape[1] * pages[0].element_size()
-            start = 0
-            while start < len(pages):
-                stop, size = start + 1, (lengths[start] + 1) * row_bytes
-                while (stop < len(pages) and stop - start < pages_per_call
-                       and size + (lengths[stop] + 1) * row_bytes <= _PACK_BUDGET_BYTES):
-                    size += (lengths[stop] + 1) * row_bytes
-                    stop += 1
+            for start, stop in _page_groups(lengths, row_bytes, pages_per_call):
                 group = pages[start:stop]
-                if not any(padded[start:stop]) and min(lengths[start:stop]) == max(lengths[start:stop]):
+                group_lengths = lengths[start:stop]
+                if not padded[start:stop].any() and group_lengths.min() == group_lengths.max():
                     # Equal pages (the usual ColPali case): one dense [n, L, d] batch for the padded kernels
                     # (a cat of the 2-D pages: no per-page view, as a stack would make).
-                    dense = torch.cat(group).to(device).view(len(group), lengths[start], group[0].shape[1])
+                    dense = torch.cat(group).to(device).view(len(group), int(group_lengths[0]), group[0].shape[1])
                     scores.append(score(dense))
                 else:
-                    scores.append(score(*_pack_group(group, padded[start:stop], device)))
-                start = stop
+                    scores.append(score(*_pack_group(group, padded[start:stop].tolist(), device)))
     return (scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)).cpu().float()
 
 
