@@ -150,10 +150,12 @@ def bench_pylate(minilm: str, batch_sizes, q_len=32, d_len=180):
         for method in ("stock", "lik", "stock", "lik"):  # interleaved; the second round is the one kept
             if method == "lik":
                 lik_pylate.enable()
+            # stock: PyLate's own torch backend (its "auto" picks a peer kernel whenever one is installed)
+            run = _with_env("PYLATE_SCORES_BACKEND", "torch", step) if method == "stock" else step
             try:
-                loss_value = step().item()
-                ms = triton.testing.do_bench(step, warmup=50, rep=300)
-                peak = _peak(step)
+                loss_value = run().item()
+                ms = triton.testing.do_bench(run, warmup=50, rep=300)
+                peak = _peak(run)
             finally:
                 lik_pylate.disable()
             results[method] = {"ms": ms, "peak_mib": peak, "loss": loss_value}
