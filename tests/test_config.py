@@ -41,6 +41,19 @@ def test_single_token_queries_stack_one_row_each():
     assert heuristic(1, 300, 128, torch.int8, False, (9, 0), False).block_m == 128
 
 
+def test_stacked_tiles_halve_where_that_cuts_a_quarter_of_the_padded_rows():
+    def rows(q_len, n_queries, dtype=torch.float16):
+        return heuristic(q_len, n_queries, 128, dtype, False, (9, 0), False).block_m
+
+    assert rows(1, 320) == 128  # 384 rows computed instead of 512
+    assert rows(32, 10) == 128  # ten stacked 32-token queries: the same 320 rows
+    assert rows(1, 257) == rows(1, 384) == 128
+    assert rows(1, 256) == rows(1, 385) == rows(1, 2560) == 256  # no padding, or 640 against 768 rows
+    assert rows(32, 32) == rows(1, 200) == 256
+    assert rows(1, 320, torch.float32) == 128
+    assert heuristic(32, 10, 128, torch.float16, True, (9, 0), False).block_m == 32  # per-query: never stacked
+
+
 def test_persistent_launch_for_stacked_short_queries_and_fp32_long_queries():
     stacked = heuristic(32, 32, 128, torch.float16, False, (9, 0), False)
     single = heuristic(32, 1, 128, torch.float16, False, (9, 0), False)

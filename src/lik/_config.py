@@ -218,7 +218,7 @@ def _maxsim_forward_heuristic(
     if not per_query:
         # Stack several short queries against one document tile: fuller tensor-core tiles, fewer doc re-reads.
         n_groups_total = n_queries * -(-q_len // group_rows)
-        groups = max(1, min(max_rows // group_rows, next_power_of_2(n_groups_total)))
+        groups = _stacked_groups(q_len, n_queries, group_rows, max_rows, per_query)
     block_k = block_d if interpreted else min(block_d, 256)
     warps = 4 if interpreted or group_rows * groups < 128 else 8
     programs_per_sm = max_registers = 0
@@ -275,11 +275,20 @@ def _group_rows(q_len: int, n_queries: int, max_rows: int, per_query: bool) -> i
 
 
 def _stacked_groups(q_len: int, n_queries: int, group_rows: int, max_rows: int, per_query: bool) -> int:
-    """Row groups per program: several short queries stacked against one document tile (shared documents)."""
+    """Row groups per program: several short queries stacked against one document tile (shared documents).
+
+    Tiles of 256 rows or more are halved where that cuts the padded rows by a quarter (320 rows: 384 in 128-row
+    tiles instead of 512 in 256-row ones); row blocks of one document run side by side, so its tiles come from L2
+    for all but the first."""
     if per_query:
         return 1
     n_groups_total = n_queries * -(-q_len // group_rows)
-    return max(1, min(max_rows // group_rows, next_power_of_2(n_groups_total)))
+    groups = max(1, min(max_rows // group_rows, next_power_of_2(n_groups_total)))
+    rows = n_groups_total * group_rows
+    tile = groups * group_rows
+    if tile >= 256 and groups > 1 and 4 * cdiv(rows, tile // 2) * (tile // 2) <= 3 * cdiv(rows, tile) * tile:
+        groups //= 2
+    return groups
 
 
 # Shared memory the streamed loop uses outside its pipeline stages (the row-wise reductions' scratch and the

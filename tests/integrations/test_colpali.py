@@ -13,7 +13,15 @@ def _ragged(rng, lengths, dim=16, dtype=torch.float32):
     return [torch.randn(n, dim, generator=rng).to(dtype) for n in lengths]
 
 
-def test_score_multi_vector_matches_block_padding(colpali_scoring, rng):
+@pytest.fixture(params=[False, True], ids=["join-after-checks", "join-early"])
+def join_early(request, monkeypatch):
+    """Both orders of a page list's join: after the shape checks (the CPU's), or launched before them (an
+    accelerator's, forced here on the CPU)."""
+    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: request.param)
+    return request.param
+
+
+def test_score_multi_vector_matches_block_padding(colpali_scoring, rng, join_early):
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
     stock = getattr(stock, "lik_stock", stock)
@@ -34,7 +42,7 @@ def test_score_multi_vector_matches_block_padding(colpali_scoring, rng):
 
 
 @pytest.mark.parametrize("budgets", [None, (1500, 500)])
-def test_score_multi_vector_rows_of_ragged_queries(colpali_scoring, rng, monkeypatch, budgets):
+def test_score_multi_vector_rows_of_ragged_queries(colpali_scoring, rng, monkeypatch, budgets, join_early):
     """Query tokens are scored as rows and summed per query: empty queries, one-token queries, the tensor form,
     and several calls when the packed copy or the per-row maxima exceed their budgets."""
     _, processing, _ = colpali_scoring
@@ -86,6 +94,37 @@ def test_score_multi_vector_bf16_sums_in_fp32(colpali_scoring, rng):
     assert (got.double() - exact).abs().max() <= (stock_bf16.double() - exact).abs().max()
 
 
+@pytest.mark.parametrize("lengths, batch_size, budget, joins", [
+    ((6, 6, 6, 6), 128, None, 1),  # equal pages: the early join is the dense batch
+    ((6, 4, 6, 6), 1, None, 1),  # ragged, no page padded (blocks of one): the early join is the packed copy
+    ((6, 4, 5, 6), 128, None, 2),  # ragged and padded: dropped, the packed copy with zero tokens made after checks
+    ((6, 4), 128, None, 1),  # first and last differ: no early join
+    ((2, 40, 2), 1, 1000, 1),  # joined early, but the long middle page splits the copy budget: dropped
+])
+def test_score_multi_vector_joins_pages_once(colpali_scoring, rng, monkeypatch, lengths, batch_size, budget, joins):
+    _, processing, _ = colpali_scoring
+    stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
+    stock = getattr(stock, "lik_stock", stock)
+    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: True)
+    if budget is not None:
+        monkeypatch.setattr(lik_colpali, "_PACK_BUDGET_BYTES", budget)
+    ps = _ragged(rng, lengths)
+    qs = _ragged(rng, (3, 2))
+    cat = torch.cat
+    joined = []
+
+    def counting_cat(tensors, *args, **kwargs):
+        if len(tensors) >= len(ps) and all(any(t is p for p in ps) for t in tensors if t.shape[0] > 1):
+            joined.append(len(tensors))
+        return cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", counting_cat)
+    got = lik_colpali.score_multi_vector(qs, ps, batch_size=batch_size, device="cpu")
+    monkeypatch.setattr(torch, "cat", cat)
+    torch.testing.assert_close(got, stock(qs, ps, batch_size=batch_size, device="cpu"), rtol=1e-6, atol=1e-5)
+    assert len(joined) == joins
+
+
 def test_score_multi_vector_errors(rng):
     with pytest.raises(ValueError, match="No queries provided"):
         lik_colpali.score_multi_vector([], _ragged(rng, (3,)), device="cpu")
@@ -93,6 +132,17 @@ def test_score_multi_vector_errors(rng):
         lik_colpali.score_multi_vector(_ragged(rng, (3,)), [], device="cpu")
     with pytest.raises(ValueError, match=r"ps\[0\]"):
         lik_colpali.score_multi_vector(_ragged(rng, (3,)), [torch.randn(3)], device="cpu")
+    with pytest.raises(ValueError, match=r"ps\[1\] must be a \[L, d\] tensor, got torch.Size\(\[3\]\)"):
+        lik_colpali.score_multi_vector(_ragged(rng, (3,)), [torch.randn(3, 16), torch.randn(3), torch.randn(3, 16)],
+                                       device="cpu")
+    with pytest.raises(ValueError, match=r"ps\[1\] must be a \[L, d\] tensor, got list"):
+        lik_colpali.score_multi_vector(_ragged(rng, (3,)), [torch.randn(3, 16), [1.0]], device="cpu")
+    with pytest.raises(ValueError, match=r"qs: every item must have the same embedding width, got \[8, 16\]"):
+        lik_colpali.score_multi_vector(_ragged(rng, (3,)) + _ragged(rng, (2,), dim=8), _ragged(rng, (3,)),
+                                       device="cpu")
+    with pytest.raises(ValueError, match=r"ps: every item must have the same embedding width"):
+        lik_colpali.score_multi_vector(_ragged(rng, (3,)), _ragged(rng, (3, 4)) + _ragged(rng, (2,), dim=8),
+                                       device="cpu")
 
 
 def test_inbatch_and_kd_match_and_train(colpali_scoring, rng):
@@ -168,3 +218,25 @@ def test_enable_is_reversible_and_covers_every_binding(colpali_scoring, monkeypa
             == torch.bfloat16  # colpali-engine's own path
     assert [getattr(m, n) for m, n in sites] == before
     assert processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"] is stock_score
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_score_multi_vector_on_gpu_matches_colpali(colpali_scoring, rng, device):
+    """On the GPU a page list is joined while its shapes are checked: equal pages (the dense batch), ragged pages
+    with colpali-engine's zero tokens, and a padded tensor, against colpali-engine on fp32 copies."""
+    _, processing, _ = colpali_scoring
+    stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
+    stock = getattr(stock, "lik_stock", stock)
+    qs = [t.cuda() for t in _ragged(rng, (20, 1, 33, 7), dim=128, dtype=torch.bfloat16)]
+    for lengths in ((300,) * 40, (300, 120, 300, 57, 300, 1)):
+        ps = [t.cuda() for t in _ragged(rng, lengths, dim=128, dtype=torch.bfloat16)]
+        for batch_size in (128, 2):
+            expected = stock([q.float() for q in qs], [p.float() for p in ps], batch_size=batch_size,
+                             device="cuda")
+            got = lik_colpali.score_multi_vector(qs, ps, batch_size=batch_size, device=device)
+            assert got.device.type == "cpu" and got.dtype == torch.float32
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+    padded = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True)
+    torch.testing.assert_close(lik_colpali.score_multi_vector(qs, padded, device=device),
+                               stock([q.float() for q in qs], padded.float(), device="cuda"), rtol=1e-4, atol=1e-3)

@@ -96,21 +96,77 @@ def maxsim_kd(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
 
 
 def _items(name: str, x) -> list[torch.Tensor] | torch.Tensor:
+    """A ``[n, L, d]`` tensor as is, or a list's items once every one is a tensor (their shapes: :func:`_sizes`)."""
     if isinstance(x, torch.Tensor):
         if x.dim() != 3:
             raise ValueError(f"{name} must be a [n, L, d] tensor or a list of [L_i, d] tensors, got shape "
                              f"{list(x.shape)}")
         return x
     if isinstance(x, (list, tuple)):
-        # One C-level pass per property (a list holds ~1 000 pages: a Python loop per page is host time); the
-        # loop that names the first bad item runs only when a check fails.
-        if not all(map(isinstance, x, repeat(torch.Tensor))) or any(n != 2 for n in map(torch.Tensor.dim, x)):
-            for i, item in enumerate(x):
-                if not isinstance(item, torch.Tensor) or item.dim() != 2:
-                    raise ValueError(f"{name}[{i}] must be a [L, d] tensor, got "
-                                     f"{getattr(item, 'shape', type(item).__name__)}")
+        if not all(map(isinstance, x, repeat(torch.Tensor))):
+            _name_bad_item(name, x)
         return list(x)
     raise TypeError(f"{name} must be a tensor or a list of tensors, got {type(x).__name__}")
+
+
+def _sizes(name: str, items: list[torch.Tensor]) -> list[torch.Size]:
+    """Every item's size, checked to be ``[L_i, d]`` with one ``d``.
+
+    One C-level pass per property (a list holds ~1 000 pages: a Python loop per page, or ``len`` of a tensor,
+    which is a Python method, costs host time); the loop naming the first bad item runs only when a check fails."""
+    sizes = list(map(torch.Tensor.size, items))
+    distinct = set(sizes)
+    if not all(len(size) == 2 for size in distinct):
+        _name_bad_item(name, items)
+    widths = {size[1] for size in distinct}
+    if len(widths) > 1:
+        raise ValueError(f"{name}: every item must have the same embedding width, got {sorted(widths)}")
+    return sizes
+
+
+def _name_bad_item(name: str, items) -> None:
+    for i, item in enumerate(items):
+        if not isinstance(item, torch.Tensor) or item.dim() != 2:
+            raise ValueError(f"{name}[{i}] must be a [L, d] tensor, got {getattr(item, 'shape', type(item).__name__)}")
+
+
+def _lengths(sizes: list[torch.Size]) -> np.ndarray:
+    """int64 ``[n]`` first dimensions of ``sizes`` (all equal: no per-item pass)."""
+    distinct = set(sizes)
+    if len(distinct) == 1:
+        return np.full(len(sizes), next(iter(distinct))[0], dtype=np.int64)
+    return np.fromiter((size[0] for size in sizes), dtype=np.int64, count=len(sizes))
+
+
+def _overlaps_host(device: torch.device) -> bool:
+    """Whether a copy launched on ``device`` runs while the host goes on (an accelerator, not the CPU)."""
+    return device.type != "cpu"
+
+
+def _on_device(x: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``x.to(device)`` is ``x`` itself ("cuda" without an index is the current CUDA device)."""
+    if x.device == device:
+        return True
+    return (device.type == "cuda" and device.index is None and x.device.type == "cuda"
+            and x.device.index == torch.cuda.current_device())
+
+
+def _join_early(pages: list[torch.Tensor], device: torch.device, max_pages: int) -> torch.Tensor | None:
+    """The pages joined by one ``cat``, launched before their shapes are checked so that the copy overlaps the
+    per-page pass on the host, where it will most likely be the one group scored: pages already on ``device``,
+    first and last of one shape, all within the copy budget if every page had that shape, no more than one
+    call's pages. ``None`` otherwise, or when the ``cat`` fails (the checks then name the bad page)."""
+    first, last = pages[0], pages[-1]
+    if not _overlaps_host(device) or len(pages) > max_pages or first.dim() != 2 or first.shape != last.shape:
+        return None
+    if not _on_device(first, device):
+        return None
+    if len(pages) * (first.shape[0] + 1) * first.shape[1] * first.element_size() > _PACK_BUDGET_BYTES:
+        return None
+    try:
+        return torch.cat(pages)
+    except RuntimeError:
+        return None
 
 
 def _needs_zero_token(lengths: np.ndarray, batch_size: int) -> np.ndarray:
@@ -136,15 +192,18 @@ def _page_groups(lengths: np.ndarray, row_bytes: int, max_pages: int):
         start = stop
 
 
-def _pack_group(pages: list[torch.Tensor], padded: list[bool], device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Pages packed on ``device`` (one zero token after each flagged page), their int32 offsets, the longest."""
+def _pack_group(pages: list[torch.Tensor], padded: list[bool], device, joined: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pages packed on ``device`` (one zero token after each flagged page), their int32 offsets, the longest;
+    ``joined``: the pages already joined (only when no page is flagged)."""
     lengths = [page.shape[0] + int(pad) for page, pad in zip(pages, padded)]
     if any(padded):
         zero = pages[0].new_zeros(1, pages[0].shape[1])
         pieces = [piece for page, pad in zip(pages, padded) for piece in ((page, zero) if pad else (page,))]
     else:
         pieces = pages
-    d = torch.cat(pieces).to(device)  # one copy (on the pages' device), then at most one transfer
+    # One copy (on the pages' device), then at most one transfer.
+    d = (joined if joined is not None else torch.cat(pieces)).to(device)
     cu = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     return d, torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True), max(lengths)
@@ -159,16 +218,13 @@ class _QueryRows:
     with that zero row: exactly the padding colpali-engine adds, summed in a fixed order (no atomics). The gather
     index is built on the host before any kernel runs."""
 
-    def __init__(self, queries, device):
+    def __init__(self, queries, sizes, device):
         if isinstance(queries, torch.Tensor):
             n, length, dim = queries.shape
             self.rows = queries.to(device).reshape(n * length, 1, dim)
             self.n_queries, self.length, self.gather = n, length, None
             return
-        widths = set(map(lambda q: q.shape[1], queries))
-        if len(widths) > 1:
-            raise ValueError(f"qs: every query must have the same embedding width, got {sorted(widths)}")
-        lengths = np.fromiter(map(len, queries), dtype=np.int64, count=len(queries))
+        lengths = _lengths(sizes)
         n_tokens, longest = int(lengths.sum()), int(lengths.max())
         zero = queries[0].new_zeros(1, queries[0].shape[1])
         self.rows = torch.cat([*queries, zero]).to(device).unsqueeze(1)
@@ -227,7 +283,8 @@ def score_multi_vector(
         raise ValueError("No queries provided")
     if len(pages) == 0:
         raise ValueError("No passages provided")
-    q = _QueryRows(queries, device)
+    # Before any page copy: the gather index's host-to-device copy waits for the work already queued.
+    q = _QueryRows(queries, None if isinstance(queries, torch.Tensor) else _sizes("qs", queries), device)
     # Pages per kernel call so that the per-row maxima (and the gathered sums) stay bounded.
     bytes_per_page = 4 * (q.rows.shape[0] + q.n_queries * q.length)
     pages_per_call = max(1, _ROW_SCORES_BUDGET_BYTES // max(1, bytes_per_page))
@@ -248,19 +305,25 @@ def score_multi_vector(
             for start in range(0, pages.shape[0], pages_per_call):
                 scores.append(score(pages[start:start + pages_per_call]))
         else:
-            lengths = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
+            joined = _join_early(pages, device, pages_per_call)
+            lengths = _lengths(_sizes("ps", pages))
             padded = _needs_zero_token(lengths, batch_size)
             row_bytes = pages[0].shape[1] * pages[0].element_size()
-            for start, stop in _page_groups(lengths, row_bytes, pages_per_call):
+            groups = list(_page_groups(lengths, row_bytes, pages_per_call))
+            if len(groups) > 1:
+                joined = None  # the early copy guessed one group wrong (a late page is longer): dropped
+            for start, stop in groups:
                 group = pages[start:stop]
                 group_lengths = lengths[start:stop]
-                if not padded[start:stop].any() and group_lengths.min() == group_lengths.max():
+                flagged = padded[start:stop]
+                if not flagged.any() and group_lengths.min() == group_lengths.max():
                     # Equal pages (the usual ColPali case): one dense [n, L, d] batch for the padded kernels
                     # (a cat of the 2-D pages: no per-page view, as a stack would make).
-                    dense = torch.cat(group).to(device).view(len(group), int(group_lengths[0]), group[0].shape[1])
-                    scores.append(score(dense))
+                    dense = (joined if joined is not None else torch.cat(group)).to(device)
+                    scores.append(score(dense.view(len(group), int(group_lengths[0]), group[0].shape[1])))
                 else:
-                    scores.append(score(*_pack_group(group, padded[start:stop].tolist(), device)))
+                    scores.append(score(*_pack_group(group, flagged.tolist(), device,
+                                                     joined if not flagged.any() else None)))
     return (scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)).cpu().float()
 
 
