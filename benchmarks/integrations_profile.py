@@ -194,21 +194,42 @@ def colpali_phases(n_pages=1000, page_len=1030, dim=128, query_counts=(16, 128),
         lengths = torch.randint(18, 23, (n_queries,), generator=torch.Generator().manual_seed(n_queries)).tolist()
         queries = [torch.nn.functional.normalize(torch.randn(n, dim, device="cuda", generator=g), dim=-1)
                    .bfloat16() for n in lengths]
-        _, query_sizes = lik_colpali._items("qs", queries)
+        query_sizes = lik_colpali._sizes("qs", queries)
         rows = lik_colpali._QueryRows(queries, query_sizes, "cuda")
         dense = torch.cat(pages).view(n_pages, page_len, dim)
         row_scores = maxsim(rows.rows, dense)
         row = {"n_queries": n_queries, "n_pages": n_pages,
-               "check_pages_ms": timed(lambda: lik_colpali._items("ps", pages)),
+               "check_pages_ms": timed(lambda: lik_colpali._sizes("ps", lik_colpali._items("ps", pages))),
                "lengths_ms": timed(lambda: lik_colpali._needs_zero_token(
-                   lik_colpali._lengths(lik_colpali._items("ps", pages)[1]), 128)),
+                   lik_colpali._lengths(lik_colpali._sizes("ps", pages)), 128)),
                "query_rows_ms": timed(lambda: lik_colpali._QueryRows(queries, query_sizes, "cuda")),
                "cat_ms": timed(lambda: torch.cat(pages)),
                "kernel_ms": timed(lambda: maxsim(rows.rows, dense)),
                "sums_ms": timed(lambda: rows.sums(row_scores)),
                "to_cpu_ms": timed(lambda: rows.sums(row_scores).cpu()),
-               "call_list_ms": timed(lambda: lik_colpali.score_multi_vector(queries, pages, device="cuda")),
                "call_tensor_ms": timed(lambda: lik_colpali.score_multi_vector(queries, dense, device="cuda"))}
+        # The page list joined before or after the host's shape pass, alternating (the host's speed drifts).
+        calls = {True: [], False: []}
+        saved = lik_colpali._overlaps_host
+        try:
+            for _ in range(5):
+                for early in (True, False):
+                    lik_colpali._overlaps_host = lambda device, early=early: early and device.type != "cpu"
+                    calls[early].append(timed(lambda: lik_colpali.score_multi_vector(queries, pages,
+                                                                                     device="cuda")))
+        finally:
+            lik_colpali._overlaps_host = saved
+        row["call_list_join_early_ms"] = statistics.median(calls[True])
+        row["call_list_join_after_ms"] = statistics.median(calls[False])
+        if n_queries == query_counts[0]:
+            # One list call under the profiler: host operations and device kernels, with their times.
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    lik_colpali.score_multi_vector(queries, pages, device="cuda")
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=50))
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8,
+                                            max_name_column_width=50))
         out.append(row)
         print("colpali phases Nq=%d: " % n_queries + " | ".join(
             f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)

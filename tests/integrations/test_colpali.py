@@ -99,6 +99,7 @@ def test_score_multi_vector_bf16_sums_in_fp32(colpali_scoring, rng):
     ((6, 4, 6, 6), 1, None, 1),  # ragged, no page padded (blocks of one): the early join is the packed copy
     ((6, 4, 5, 6), 128, None, 2),  # ragged and padded: dropped, the packed copy with zero tokens made after checks
     ((6, 4), 128, None, 1),  # first and last differ: no early join
+    ((5, 3, 7, 5), 128, None, 2),  # as many rows as four pages of 5: scored early, dropped after the shape pass
     ((2, 40, 2), 1, 1000, 1),  # joined early, but the long middle page splits the copy budget: dropped
 ])
 def test_score_multi_vector_joins_pages_once(colpali_scoring, rng, monkeypatch, lengths, batch_size, budget, joins):

@@ -152,8 +152,9 @@ def _on_device(x: torch.Tensor, device: torch.device) -> bool:
 
 
 def _join_early(pages: list[torch.Tensor], device: torch.device, max_pages: int) -> torch.Tensor | None:
-    """The pages joined by one ``cat``, launched before their shapes are checked so that the copy overlaps the
-    per-page pass on the host, where it will most likely be the one group scored: pages already on ``device``,
+    """The pages joined by one ``cat``, launched before their shapes are checked so that the copy (and the
+    scoring, when every page is as long as the first) overlaps the per-page pass on the host, where it will most
+    likely be the one group scored: pages already on ``device``,
     first and last of one shape, all within the copy budget if every page had that shape, no more than one
     call's pages. ``None`` otherwise, or when the ``cat`` fails (the checks then name the bad page)."""
     first, last = pages[0], pages[-1]
@@ -306,19 +307,28 @@ def score_multi_vector(
                 scores.append(score(pages[start:start + pages_per_call]))
         else:
             joined = _join_early(pages, device, pages_per_call)
+            early_scores = None
+            if joined is not None and joined.shape[0] == len(pages) * pages[0].shape[0]:
+                # Scored too before the shape pass, on the guess that every page is as long as the first (the
+                # usual ColPali case): the kernel then runs while the host checks, and its result is kept only
+                # if the pass below proves the guess.
+                early_scores = score(joined.view(len(pages), *pages[0].shape))
             lengths = _lengths(_sizes("ps", pages))
             padded = _needs_zero_token(lengths, batch_size)
             row_bytes = pages[0].shape[1] * pages[0].element_size()
             groups = list(_page_groups(lengths, row_bytes, pages_per_call))
             if len(groups) > 1:
-                joined = None  # the early copy guessed one group wrong (a late page is longer): dropped
+                joined = early_scores = None  # the early copy guessed one group wrong (a page is longer): dropped
             for start, stop in groups:
                 group = pages[start:stop]
                 group_lengths = lengths[start:stop]
                 flagged = padded[start:stop]
                 if not flagged.any() and group_lengths.min() == group_lengths.max():
-                    # Equal pages (the usual ColPali case): one dense [n, L, d] batch for the padded kernels
-                    # (a cat of the 2-D pages: no per-page view, as a stack would make).
+                    if early_scores is not None:  # one group of pages all as long as the first: the guess held
+                        scores.append(early_scores)
+                        continue
+                    # Equal pages: one dense [n, L, d] batch for the padded kernels (a cat of the 2-D pages: no
+                    # per-page view, as a stack would make).
                     dense = (joined if joined is not None else torch.cat(group)).to(device)
                     scores.append(score(dense.view(len(group), int(group_lengths[0]), group[0].shape[1])))
                 else:
