@@ -221,6 +221,9 @@ def colpali_phases(n_pages=1000, page_len=1030, dim=128, query_counts=(16, 128),
             lik_colpali._overlaps_host = saved
         row["call_list_join_early_ms"] = statistics.median(calls[True])
         row["call_list_join_after_ms"] = statistics.median(calls[False])
+        row["host_timeline_us"] = _host_timeline(lik_colpali, queries, pages)
+        print(f"host timeline Nq={n_queries} (us from the call's start: name start-end):",
+              " | ".join(f"{name} {a:.0f}-{b:.0f}" for name, a, b in row["host_timeline_us"]), flush=True)
         if n_queries == query_counts[0]:
             # One list call under the profiler: host operations and device kernels, with their times.
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -234,6 +237,46 @@ def colpali_phases(n_pages=1000, page_len=1030, dim=128, query_counts=(16, 128),
         print("colpali phases Nq=%d: " % n_queries + " | ".join(
             f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
     return out
+
+
+def _host_timeline(module, queries, pages, repeats=20):
+    """When, on the host, each step of one ``score_multi_vector`` list call starts and ends (median over calls,
+    microseconds from the call's start; no synchronisation added, so device work overlaps as in a real call)."""
+    names = ["_items", "_QueryRows", "_join_early", "_sizes", "_lengths", "_needs_zero_token", "maxsim",
+             "maxsim_packed"]
+    saved = {name: getattr(module, name) for name in names}
+    marks = []
+
+    def wrap(name, fn):
+        def call(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks.append((name, begin, time.perf_counter()))
+        return call
+
+    runs = []
+    try:
+        for name in names:
+            setattr(module, name, wrap(name, saved[name]))
+        cpu = torch.Tensor.cpu
+        torch.Tensor.cpu = wrap("cpu (waits for the device)", cpu)
+        try:
+            for _ in range(repeats):
+                marks.clear()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                module.score_multi_vector(queries, pages, device="cuda")
+                runs.append([(name, (a - start) * 1e6, (b - start) * 1e6) for name, a, b in marks]
+                            + [("end", (time.perf_counter() - start) * 1e6, (time.perf_counter() - start) * 1e6)])
+        finally:
+            torch.Tensor.cpu = cpu
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+    return [(runs[0][i][0], statistics.median(r[i][1] for r in runs), statistics.median(r[i][2] for r in runs))
+            for i in range(len(runs[0]))]
 
 
 def main() -> None:

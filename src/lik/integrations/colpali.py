@@ -109,8 +109,8 @@ def _items(name: str, x) -> list[torch.Tensor] | torch.Tensor:
     raise TypeError(f"{name} must be a tensor or a list of tensors, got {type(x).__name__}")
 
 
-def _sizes(name: str, items: list[torch.Tensor]) -> list[torch.Size]:
-    """Every item's size, checked to be ``[L_i, d]`` with one ``d``.
+def _sizes(name: str, items: list[torch.Tensor]) -> tuple[list[torch.Size], set[torch.Size]]:
+    """Every item's size, checked to be ``[L_i, d]`` with one ``d``, and the set of distinct sizes.
 
     One C-level pass per property (a list holds ~1 000 pages: a Python loop per page, or ``len`` of a tensor,
     which is a Python method, costs host time); the loop naming the first bad item runs only when a check fails."""
@@ -121,7 +121,7 @@ def _sizes(name: str, items: list[torch.Tensor]) -> list[torch.Size]:
     widths = {size[1] for size in distinct}
     if len(widths) > 1:
         raise ValueError(f"{name}: every item must have the same embedding width, got {sorted(widths)}")
-    return sizes
+    return sizes, distinct
 
 
 def _name_bad_item(name: str, items) -> None:
@@ -130,9 +130,9 @@ def _name_bad_item(name: str, items) -> None:
             raise ValueError(f"{name}[{i}] must be a [L, d] tensor, got {getattr(item, 'shape', type(item).__name__)}")
 
 
-def _lengths(sizes: list[torch.Size]) -> np.ndarray:
-    """int64 ``[n]`` first dimensions of ``sizes`` (all equal: no per-item pass)."""
-    distinct = set(sizes)
+def _lengths(checked: tuple[list[torch.Size], set[torch.Size]]) -> np.ndarray:
+    """int64 ``[n]`` first dimensions of :func:`_sizes`' sizes (all equal: no per-item pass)."""
+    sizes, distinct = checked
     if len(distinct) == 1:
         return np.full(len(sizes), next(iter(distinct))[0], dtype=np.int64)
     return np.fromiter((size[0] for size in sizes), dtype=np.int64, count=len(sizes))
@@ -173,6 +173,8 @@ def _join_early(pages: list[torch.Tensor], device: torch.device, max_pages: int)
 def _needs_zero_token(lengths: np.ndarray, batch_size: int) -> np.ndarray:
     """Which pages colpali-engine's per-block padding gives at least one zero token (a longer page shares their
     block of ``batch_size``): bool ``[n_pages]``."""
+    if len(lengths) == 0 or lengths[0] == lengths.min() == lengths.max():
+        return np.zeros(len(lengths), dtype=bool)
     n_blocks = -(-len(lengths) // batch_size)
     blocks = np.full(n_blocks * batch_size, -1, dtype=np.int64)
     blocks[:len(lengths)] = lengths
@@ -217,29 +219,34 @@ class _QueryRows:
     A zero-padded tensor keeps its padding rows (a zero token adds exactly what it adds in colpali-engine). A
     list gets one zero row after its tokens, and the sums gather each query's rows padded to the longest query
     with that zero row: exactly the padding colpali-engine adds, summed in a fixed order (no atomics). The gather
-    index is built on the host before any kernel runs."""
+    index is built on the host at the first sum, once the first kernel is queued (the host work overlaps it)."""
 
     def __init__(self, queries, sizes, device):
         if isinstance(queries, torch.Tensor):
             n, length, dim = queries.shape
             self.rows = queries.to(device).reshape(n * length, 1, dim)
-            self.n_queries, self.length, self.gather = n, length, None
+            self.n_queries, self.length, self.lengths = n, length, None
             return
-        lengths = _lengths(sizes)
-        n_tokens, longest = int(lengths.sum()), int(lengths.max())
+        self.lengths = _lengths(sizes)
         zero = queries[0].new_zeros(1, queries[0].shape[1])
         self.rows = torch.cat([*queries, zero]).to(device).unsqueeze(1)
-        self.n_queries, self.length = len(queries), longest
-        gather = np.full((len(queries), longest), n_tokens, dtype=np.int64)  # the zero row
-        query = np.repeat(np.arange(len(queries)), lengths)
+        self.n_queries, self.length = len(queries), int(self.lengths.max())
+        self.gather = None
+
+    def _gather_index(self) -> torch.Tensor:
+        lengths, n_tokens = self.lengths, self.rows.shape[0] - 1
+        gather = np.full((self.n_queries, self.length), n_tokens, dtype=np.int64)  # the zero row
+        query = np.repeat(np.arange(self.n_queries), lengths)
         position = np.arange(n_tokens) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         gather[query, position] = np.arange(n_tokens)
-        self.gather = torch.from_numpy(gather).to(device, non_blocking=True)
+        return torch.from_numpy(gather).to(self.rows.device, non_blocking=True)
 
     def sums(self, row_scores: torch.Tensor) -> torch.Tensor:
         """``[rows, B]`` per-row maxima -> ``[n_queries, B]`` per-query sums (fp32)."""
-        if self.gather is None:
+        if self.lengths is None:
             return row_scores.view(self.n_queries, self.length, -1).sum(dim=1)
+        if self.gather is None:
+            self.gather = self._gather_index()
         return row_scores[self.gather].sum(dim=1)
 
 
