@@ -222,6 +222,16 @@ def test_enable_is_reversible_and_covers_every_binding(colpali_scoring, monkeypa
 
 
 @pytest.mark.gpu
+def test_score_multi_vector_names_a_list_spread_over_devices(rng):
+    cpu, gpu = _ragged(rng, (3,), dim=16)[0], _ragged(rng, (3,), dim=16)[0].cuda()
+    with pytest.raises(ValueError, match=r"qs: every item must be on one device, got \['cpu', 'cuda:0'\]"):
+        lik_colpali.score_multi_vector([gpu, cpu], [gpu, gpu], device="cuda")
+    for pages in ([gpu, cpu, gpu], [gpu, cpu]):
+        with pytest.raises(ValueError, match=r"ps: every item must be on one device, got \['cpu', 'cuda:0'\]"):
+            lik_colpali.score_multi_vector([gpu], pages, device="cuda")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_score_multi_vector_on_gpu_matches_colpali(colpali_scoring, rng, device):
     """On the GPU a page list is joined while its shapes are checked: equal pages (the dense batch), ragged pages

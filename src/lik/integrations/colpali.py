@@ -138,6 +138,17 @@ def _lengths(checked: tuple[list[torch.Size], set[torch.Size]]) -> np.ndarray:
     return np.fromiter((size[0] for size in sizes), dtype=np.int64, count=len(sizes))
 
 
+def _join(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(tensors)``; a list spread over several devices is named (checked only when the join fails)."""
+    try:
+        return torch.cat(tensors)
+    except RuntimeError as error:
+        devices = sorted({str(t.device) for t in tensors})
+        if len(devices) > 1:
+            raise ValueError(f"{name}: every item must be on one device, got {devices}") from error
+        raise
+
+
 def _overlaps_host(device: torch.device) -> bool:
     """Whether a copy launched on ``device`` runs while the host goes on (an accelerator, not the CPU)."""
     return device.type != "cpu"
@@ -206,7 +217,7 @@ def _pack_group(pages: list[torch.Tensor], padded: list[bool], device, joined: t
     else:
         pieces = pages
     # One copy (on the pages' device), then at most one transfer.
-    d = (joined if joined is not None else torch.cat(pieces)).to(device)
+    d = (joined if joined is not None else _join("ps", pieces)).to(device)
     cu = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     return d, torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True), max(lengths)
@@ -229,7 +240,7 @@ class _QueryRows:
             return
         self.lengths = _lengths(sizes)
         zero = queries[0].new_zeros(1, queries[0].shape[1])
-        self.rows = torch.cat([*queries, zero]).to(device).unsqueeze(1)
+        self.rows = _join("qs", [*queries, zero]).to(device).unsqueeze(1)
         self.n_queries, self.length = len(queries), int(self.lengths.max())
         self.gather = None
 
@@ -336,7 +347,7 @@ def score_multi_vector(
                         continue
                     # Equal pages: one dense [n, L, d] batch for the padded kernels (a cat of the 2-D pages: no
                     # per-page view, as a stack would make).
-                    dense = (joined if joined is not None else torch.cat(group)).to(device)
+                    dense = (joined if joined is not None else _join("ps", group)).to(device)
                     scores.append(score(dense.view(len(group), int(group_lengths[0]), group[0].shape[1])))
                 else:
                     scores.append(score(*_pack_group(group, flagged.tolist(), device,
