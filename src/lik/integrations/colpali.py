@@ -164,10 +164,11 @@ def _on_device(x: torch.Tensor, device: torch.device) -> bool:
 
 def _join_early(pages: list[torch.Tensor], device: torch.device, max_pages: int) -> torch.Tensor | None:
     """The pages joined by one ``cat``, launched before their shapes are checked so that the copy (and the
-    scoring, when every page is as long as the first) overlaps the per-page pass on the host, where it will most
-    likely be the one group scored: pages already on ``device``,
-    first and last of one shape, all within the copy budget if every page had that shape, no more than one
-    call's pages. ``None`` otherwise, or when the ``cat`` fails (the checks then name the bad page)."""
+    scoring, when every page is as long as the first) overlaps the per-page pass on the host.
+
+    Only where the join will most likely be the one group scored: pages already on ``device``, first and last of
+    one shape, all within the copy budget if every page had that shape, no more than one call's pages. ``None``
+    otherwise, or when the ``cat`` fails (the checks then name the bad page)."""
     first, last = pages[0], pages[-1]
     if not _overlaps_host(device) or len(pages) > max_pages or first.dim() != 2 or first.shape != last.shape:
         return None
