@@ -10,6 +10,8 @@ writes everything as JSON. Usage on the device::
     # the heuristic alone (an A/B of two source trees), or a few forced tiles (with fp32: also cuBLAS's TF32 rate):
     PYTHONPATH=src python3 benchmarks/tune_maxsim.py --tiles none --out $OUT
     PYTHONPATH=src python3 benchmarks/tune_maxsim.py --dtype fp32 --tiles "256,1,64,8,3;128,1,128,8,2" --out $OUT
+    # 8-bit corpora (Q and D quantized per token once, outside the timing; the floor counts 1-byte rows):
+    PYTHONPATH=src python3 benchmarks/tune_maxsim.py --dtype int8 --shapes colpali,textual-10k --tiles "..." --out $OUT
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ SHAPES = {  # name: (Nq, Lq, B, Ld)
     "multi-long-doc": (32, 32, 1024, 1024),
     "multi-colpali": (32, 1024, 128, 1024),
     "colpali-10k": (1, 1024, 10000, 1024),
+    "textual-10k": (1, 32, 10000, 300),
+    "long-doc-10k": (1, 32, 10000, 1024),
 }
 DIM = 128
 
@@ -57,7 +61,9 @@ def ceilings() -> tuple[float, float]:
     return bandwidth, 2 * 8192**3 / (ms * 1e-3)
 
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
+          "fp8": torch.float8_e4m3fn}
+EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 
 
 def floor_ms(shape, bandwidth, flops, element_bytes=2) -> float:
@@ -137,23 +143,32 @@ def main() -> None:
     for name in args.shapes.split(","):
         n_q, l_q, n_docs, l_d = shape = SHAPES[name]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        Q = torch.nn.functional.normalize(torch.randn(n_q, l_q, DIM, device="cuda", generator=gen), dim=-1).to(dtype)
-        D = torch.nn.functional.normalize(torch.randn(n_docs, l_d, DIM, device="cuda", generator=gen), dim=-1).to(dtype)
-        floor = floor_ms(shape, bandwidth, flops, torch.finfo(dtype).bits // 8)
-        ref = lik.maxsim(Q, D)
+        Q = torch.nn.functional.normalize(torch.randn(n_q, l_q, DIM, device="cuda", generator=gen), dim=-1)
+        D = torch.nn.functional.normalize(torch.randn(n_docs, l_d, DIM, device="cuda", generator=gen), dim=-1)
+        if dtype in EIGHT_BIT:
+            (Q, q_scale), (D, d_scale) = lik.quantize(Q, dtype), lik.quantize(D, dtype)
+            scales = {"q_scale": q_scale, "d_scale": d_scale}
+            # (the floor counts the 1-byte rows, not their fp32 scales: 3% more bytes at d = 128)
+            floor = floor_ms(shape, bandwidth, float("inf"), 1)  # the memory floor only (no fp16 rate)
+        else:
+            Q, D, scales = Q.to(dtype), D.to(dtype), {}
+            floor = floor_ms(shape, bandwidth, flops, torch.finfo(dtype).bits // 8)
+        ref = lik.maxsim(Q, D, **scales)
 
         def bench(fn):
             return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
 
-        heuristic = bench(lambda: lik.maxsim(Q, D))
+        heuristic = bench(lambda: lik.maxsim(Q, D, **scales))
         # Device time alone (host launch overhead removed): replay of a captured graph of the same call.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            lik.maxsim(Q, D)
+            lik.maxsim(Q, D, **scales)
         heuristic_graph = bench(graph.replay)
         try:
+            if dtype in EIGHT_BIT:
+                raise RuntimeError("no 8-bit einsum")
             einsum = bench(lambda: torch.einsum("nsh,bth->nbst", Q, D).amax(-1).float().sum(-1))
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, RuntimeError):  # (no 8-bit einsum)
             einsum = float("nan")
         rows = []
         shipped = _config.maxsim_forward_config(q_len=l_q, n_queries=n_q, dim=DIM, dtype=dtype, per_query=False,
@@ -168,9 +183,9 @@ def main() -> None:
         for cfg in (dataclasses.replace(t, programs_per_sm=p) if p else t for t in tiles for p in programs):
             with _config.override(maxsim_forward=cfg):
                 try:
-                    out = lik.maxsim(Q, D)
+                    out = lik.maxsim(Q, D, **scales)
                     ok = torch.allclose(out, ref, rtol=1e-3, atol=1e-2)
-                    ms = bench(lambda: lik.maxsim(Q, D))
+                    ms = bench(lambda: lik.maxsim(Q, D, **scales))
                 except Exception as exc:  # out of shared memory / registers: record and go on
                     rows.append({"config": cfg.__dict__, "error": type(exc).__name__})
                     continue

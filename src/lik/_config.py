@@ -252,9 +252,10 @@ def _maxsim_forward_heuristic(
             groups = max(1, min(128 // group_rows, next_power_of_2(n_groups_total)))
             warps = 8
     if not interpreted and hopper and not wide and dtype in EIGHT_BIT_DTYPES and groups == 1 and group_rows >= 128:
-        # 8-bit long queries: half the bytes per tile, so 128 x 128 tiles of 4 warps, 4 stages (H100 sweep,
-        # BENCHMARKS.md "8-bit corpora": ColPali B = 1 000 int8 0.461 -> 0.394 ms, fp8 0.450 -> 0.373 ms).
-        group_rows, block_n, warps, stages = 128, 128, 4, 4
+        # 8-bit long queries: half the bytes per tile, so 128 x 128 tiles of 4 warps (H100 sweep, BENCHMARKS.md
+        # "8-bit corpora"); 3 stages let three programs share an SM (168 registers, 66 KB each), one's epilogue
+        # under another's products (benchmarks/NOTES.md "8-bit epilogue": ColPali fp8 0.367 -> 0.311 ms).
+        group_rows, block_n, warps, stages = 128, 128, 4, 3
     elif not interpreted and hopper and not wide and dtype in EIGHT_BIT_DTYPES and groups > 1:
         # 8-bit stacked short queries: 128 stacked rows against 128-token tiles, 4 warps, 2 persistent programs per
         # SM with no register cap (H100 sweep, BENCHMARKS.md "8-bit corpora": multi long-doc int8 0.741 -> 0.415 ms,

@@ -1,10 +1,15 @@
 """The 8-bit loader of the tile loop: int8 / float8 operands with per-row fp32 scales applied to the product.
 
-Quantized rows enter the tensor cores as they are stored (no dequantized copy anywhere); the similarity of query
-row ``i`` and document row ``t`` is ``(float32(dot(q_q[i], d_q[t])) * q_scale[i]) * d_scale[t]``, in that order,
-which the PyTorch reference repeats. int8 products accumulate exactly in int32 (``|dot| <= 127^2 * 8192 < 2^31``)
-and are converted once per tile; float8 products accumulate in fp32. The flag ``LOADER`` chooses, and is
-``FLOAT`` (0) for fp16 / bf16 / fp32 operands, whose code is then exactly the float loop.
+Quantized rows enter the tensor cores as they are stored (no dequantized copy anywhere). The similarity of query
+row ``i`` and document row ``t`` is ``float32(dot(q_q[i], d_q[t])) * d_scale[t]``, and a query row's maximum over
+the tokens is multiplied by ``q_scale[i]`` once, after the max, all in fp32; the PyTorch reference repeats it.
+Scaling after the max is exact: multiplying by one non-negative fp32 number is monotone, so it picks the same token
+and gives the same bits as scaling every similarity (whenever the similarities are finite), and it takes one
+multiply per similarity out of the loop. Scales are non-negative (``lik.quantize`` makes them so); a negative query
+scale, which would turn the max into a min, makes its row's contribution NaN instead of a wrong number. int8
+products accumulate exactly in int32 (``|dot| <= 127^2 * 8192 < 2^31``) and are converted once per tile; float8
+products accumulate in fp32. The flag ``LOADER`` chooses, and is ``FLOAT`` (0) for fp16 / bf16 / fp32 operands,
+whose code is then exactly the float loop.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import triton.language as tl
 
 __all__ = [
     "FLOAT", "INT8", "FP8", "MIN_8BIT_BLOCK_K", "loader_of", "loader_chunks", "zero_similarity", "scale_similarity",
-    "row_scales", "reset_similarity",
+    "row_scales", "scale_rows", "reset_similarity",
 ]
 
 FLOAT = tl.constexpr(0)  # fp16 / bf16 / fp32 rows, no scales
@@ -76,10 +81,20 @@ def row_scales(scale_ptrs, valid, LOADER: tl.constexpr):
 
 
 @triton.jit
-def scale_similarity(sim, q_scale, col_scale_ptrs, col_valid, LOADER: tl.constexpr):
-    """The 8-bit loader's step after the product: ``(float32(sim) * q_scale[i]) * d_scale[t]``. A column that is
-    not ``col_valid`` gets scale 0 (a masked column's products are 0 already). Float tiles pass through."""
+def scale_similarity(sim, col_scale_ptrs, col_valid, LOADER: tl.constexpr):
+    """The 8-bit loader's step after the product: ``float32(sim) * d_scale[t]`` (the query row's scale comes after
+    the max: :func:`scale_rows`). A column that is not ``col_valid`` gets scale 0 (a masked column's products are
+    0 already). Float tiles pass through."""
     if LOADER != FLOAT:
         col_scale = tl.load(col_scale_ptrs, mask=col_valid, other=0.0)
-        sim = (sim.to(tl.float32) * q_scale[:, None]) * col_scale[None, :]
+        sim = sim.to(tl.float32) * col_scale[None, :]
     return sim
+
+
+@triton.jit
+def scale_rows(best, q_scale, LOADER: tl.constexpr):
+    """A block's row maxima of 8-bit similarities times the query rows' scales; NaN where a scale is negative
+    (the max would have to be a min). Float rows pass through."""
+    if LOADER != FLOAT:
+        best = best * tl.where(q_scale < 0, float("nan"), q_scale)
+    return best

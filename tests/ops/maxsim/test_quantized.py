@@ -3,9 +3,9 @@
 int8 runs the real kernels through Triton's interpreter; float8 runs the reference on the CPU (the interpreter's
 float8 conversion flushes small values) and its kernels are covered by ``test_quantized_gpu.py``. The contract:
 the scores equal MaxSim of the dequantized operands, a float query being quantized per token to the documents'
-dtype first. Each similarity is ``(float32(dot) * q_scale[s]) * d_scale[t]`` on every path, so a one-token query
-scores bit for bit the same on the kernel and the reference; longer queries differ only by the fp32 order of the
-sum over query tokens.
+dtype first. Each similarity is ``float32(dot) * d_scale[t]`` and a query token's max over them is multiplied by
+``q_scale[s]`` on every path (NaN for a negative ``q_scale[s]``), so a one-token query scores bit for bit the same
+on the kernel and the reference; longer queries differ only by the fp32 order of the sum over query tokens.
 """
 
 from __future__ import annotations
@@ -110,19 +110,54 @@ def test_one_token_queries_score_bit_for_bit_like_the_reference(rng, dim, dtype)
 
 @pytest.mark.parametrize("dim", [16, 100, 300])
 def test_int8_accumulation_is_exact_for_the_whole_int8_range(rng, dim):
-    """Arbitrary int8 rows (-128 included) and arbitrary scales: the kernel's int32 sum is exact, so each
-    one-token score equals the reference's (an exact float64 sum rounded once) bit for bit."""
+    """Arbitrary int8 rows (-128 included) and arbitrary non-negative scales: the kernel's int32 sum is exact, so
+    each one-token score equals the reference's (an exact float64 sum rounded once) bit for bit, and equals every
+    similarity scaled by both scales in fp32 before the max (scaling after the max is exact)."""
     D_q = torch.randint(-128, 128, (4, 21, dim), generator=rng, dtype=torch.int8)
     Q_q = torch.randint(-128, 128, (5, 1, dim), generator=rng, dtype=torch.int8)
     d_scale = torch.rand(4, 21, generator=rng) * 3
     q_scale = torch.rand(5, 1, generator=rng) * 3
+    q_scale[1] = 0.0
     scores = lik.maxsim(Q_q, D_q, q_scale=q_scale, d_scale=d_scale)
     reference = lik.maxsim_reference(Q_q, D_q, q_scale=q_scale, d_scale=d_scale)
     assert torch.equal(scores, reference)
-    exact = (torch.einsum("nsk,btk->nbst", Q_q.double(), D_q.double()).float() * q_scale[:, None, :, None]) * (
-        d_scale[None, :, None, :]
-    )
+    dots = torch.einsum("nsk,btk->nbst", Q_q.double(), D_q.double()).float()
+    exact = (dots * d_scale[None, :, None, :]) * q_scale[:, None, :, None]
     assert torch.equal(scores, exact.amax(dim=-1).sum(dim=-1))
+    assert torch.equal(scores[1], torch.zeros(4))
+
+
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+@pytest.mark.parametrize("dim", [40, 300])
+def test_a_negative_query_scale_makes_its_query_nan(rng, dtype, dim, kernel_calls):
+    """Scales are non-negative (lik.quantize's are): a negative query scale would turn its row's max into a min, so
+    the kernels give that query NaN instead of a wrong number, on every layout; masked, it changes nothing."""
+    Q, D_q, d_scale, _, d_mask = _problem(rng, (3, 9, dim), (5, 19, dim), dtype, masks=True)
+    Q_q, q_scale = lik.quantize(Q, dtype)
+    q_scale[1, 4] = -q_scale[1, 4]
+    for mask_mode in MODES:
+        scores = lik.maxsim(Q_q, D_q, None, d_mask, mask_mode=mask_mode, q_scale=q_scale, d_scale=d_scale)
+        assert scores[1].isnan().all() and torch.isfinite(scores[[0, 2]]).all()
+        reference = lik.maxsim_reference(Q_q, D_q, None, d_mask, mask_mode=mask_mode, q_scale=q_scale,
+                                         d_scale=d_scale)
+        _close(scores, reference, 9)
+    q_mask = torch.ones(3, 9, dtype=torch.bool)
+    q_mask[1, 4] = False
+    masked = lik.maxsim(Q_q, D_q, q_mask, d_mask, q_scale=q_scale, d_scale=d_scale)
+    assert torch.isfinite(masked).all()
+    _close(masked, _dequantized_maxsim(Q_q, D_q, d_scale, q_mask, d_mask, q_scale=q_scale.clamp(min=0)), 9)
+    # Packed corpus and pairs take the same path.
+    d, cu_d, max_d = lik.pack([torch.randn(n, dim, generator=rng) for n in (5, 17, 0)])
+    d_q, d_scale_packed = lik.quantize(d, dtype)
+    corpus = lik.maxsim_packed(Q_q, d_q, cu_d, max_seqlen_d=max_d, q_scale=q_scale, d_scale=d_scale_packed)
+    assert corpus[1, :2].isnan().all() and torch.isfinite(corpus[[0, 2]]).all()
+    assert corpus[1, 2] == 0  # an empty document scores 0 whatever the query
+    q, cu_q, max_q = lik.pack([Q_q[0, :4], Q_q[1], Q_q[2, :0]])
+    q_scale_packed = torch.cat([q_scale[0, :4], q_scale[1]])
+    pairs = lik.maxsim_varlen(q, d_q, cu_q, cu_d, max_q, max_d, q_scale=q_scale_packed, d_scale=d_scale_packed)
+    assert torch.isfinite(pairs[0]) and pairs[1].isnan() and pairs[2] == 0
+    _close(pairs, maxsim_varlen_reference(q, d_q, cu_q, cu_d, q_scale=q_scale_packed, d_scale=d_scale_packed), 9)
+    assert len(kernel_calls) == (3 if dtype == INT8 else 0)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """8-bit scoring on the GPU (`pytest -m gpu`): the int8 and float8 kernels compiled for real, against the
 reference run on the CPU with the same quantized operands.
 
-int8: each similarity is bit-equal to the reference's (exact int32 sums, the same fp32 scaling), so one-token
+int8: each row maximum is bit-equal to the reference's (exact int32 sums, the same fp32 scaling), so one-token
 queries score bit for bit alike and longer ones differ only by the fp32 order of the sum over query tokens.
 float8: fp32 sums (Hopper's partial fp8 products promoted to fp32 once per 128-deep chunk), so the scores differ
 from the reference's exact sum by fp32 rounding of the running sum plus whatever precision the tensor cores keep
@@ -53,7 +53,7 @@ def _check(scores, Q_q, q_scale, D_q, d_scale, q_mask, d_mask, mask_mode):
     )
     scores = scores.cpu()
     assert torch.isnan(scores).equal(torch.isnan(expected))
-    scale = expected.abs().max().clamp_min(1.0).item()
+    scale = expected.nan_to_num().abs().max().clamp_min(1.0).item()  # (NaN scores are compared above)
     error = (scores - expected).nan_to_num().abs().max().item() / scale
     print(f"{D_q.dtype} d={D_q.shape[-1]} {mask_mode}: max relative error {error:.2e}")
     bound = 4e-6 * Q_q.shape[-2] if D_q.dtype == INT8 else FP8_RTOL
@@ -87,6 +87,21 @@ def test_int8_one_token_queries_are_bit_exact(dim):
         expected = lik.maxsim_reference(Q_q.cpu(), D_q.cpu(), None, d_mask.cpu(), mask_mode=mask_mode,
                                         q_scale=q_scale.cpu(), d_scale=d_scale.cpu())
         assert torch.equal(scores.cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("dim", [64, 128, 768])
+@pytest.mark.parametrize("shape", [(1, 32, 40, 300), (32, 32, 20, 180), (1, 1024, 4, 1024)],
+                         ids=["textual", "stacked", "colpali"])
+def test_8bit_negative_query_scale_gives_nan_on_gpu(dtype, dim, shape):
+    """The query scale multiplies the row's max after the loop: a negative one makes its query NaN (as in the
+    reference), every other query keeps its score."""
+    Q, D_q, d_scale, _, d_mask = _problem(*shape, dim, dtype)
+    Q_q, q_scale = lik.quantize(Q, dtype)
+    q_scale[0, shape[1] // 2] *= -1
+    scores = lik.maxsim(Q_q, D_q, None, d_mask, q_scale=q_scale, d_scale=d_scale)
+    assert scores[0].isnan().all() and torch.isfinite(scores[1:]).all()
+    _check(scores, Q_q, q_scale, D_q, d_scale, None, d_mask, "exclude")
 
 
 @pytest.mark.parametrize("dtype", _dtypes())

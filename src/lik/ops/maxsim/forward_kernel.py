@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...core.quantized import reset_similarity, row_scales, scale_similarity, zero_similarity
+from ...core.quantized import reset_similarity, row_scales, scale_rows, scale_similarity, zero_similarity
 from ...core.segments import PAIRS, document_scales, document_span
 from .pairs import score_pairs
 from .tile import (
@@ -54,15 +54,16 @@ def store_winners(
 @triton.jit
 def write_document(
     best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, argmax_ptr, n_queries,
-    n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset,
+    n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
     GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr,
+    LOADER: tl.constexpr,
 ):
-    """Write document ``doc``'s group sums (and winners, NaN rows not yet settled). Returns 1 for the rows whose
-    max is NaN."""
+    """Write document ``doc``'s group sums (and winners, NaN rows not yet settled); 8-bit row maxima are scaled
+    by their query rows' ``q_scale`` here. Returns 1 for the rows whose max is NaN."""
     row_counts = counted_rows(row_valid, n_valid, EXCLUDE)
     store_group_sums(
-        partial_ptr, tl.where(row_counts, best, 0.0), row_block, n_chunks, n_queries, doc,
-        stride_pc, stride_pn, stride_pb, GROUP_ROWS, GROUPS,
+        partial_ptr, tl.where(row_counts, scale_rows(best, q_scale, LOADER), 0.0), row_block, n_chunks, n_queries,
+        doc, stride_pc, stride_pn, stride_pb, GROUP_ROWS, GROUPS,
     )
     if STORE_ARGMAX:
         store_winners(
@@ -76,7 +77,7 @@ def settle_nan_winners(
     q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, doc_end, doc_step,
     doc_base, doc_mask_base, cu_d_ptr, argmax_ptr, doc_len, n_d_rows, stride_qk,
     stride_db, stride_dl, stride_dk, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
-    q_scale, doc_scale_base, stride_dsb, stride_dsl,
+    doc_scale_base, stride_dsb, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_K: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LAYOUT: tl.constexpr, LOADER: tl.constexpr,
@@ -94,8 +95,7 @@ def settle_nan_winners(
         doc_scale_ptr = document_scales(doc, doc_scale_base, row_offset, stride_dsb, stride_dsl, LAYOUT)
         nan_key, n_valid = first_nan_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, length, stride_dl, stride_dk, stride_dml,
-            q_scale, doc_scale_ptr, stride_dsl, DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION,
-            LOADER,
+            doc_scale_ptr, stride_dsl, DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LOADER,
         )
         row_counts = counted_rows(row_valid, n_valid, EXCLUDE)
         # A NaN similarity makes the row's max NaN: exactly the rows with a NaN key are rewritten.
@@ -109,9 +109,9 @@ def settle_nan_winners(
 def finish_tile(
     sim, start, length, last_tile, doc, doc_mask_ptr, stride_dml, best, key, n_valid, nan_rows, row_valid,
     row_in_range, query, token, row_block, partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn,
-    stride_pb, stride_an, stride_ab, stride_al, row_offset,
+    stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
     BLOCK_N: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_D_MASK: tl.constexpr,
-    EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, REDUCTION: tl.constexpr,
+    EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, REDUCTION: tl.constexpr, LOADER: tl.constexpr,
 ):
     """A streamed tile's similarities are complete: fold them in and, on the document's last tile, write the
     document and start the next one afresh. Returns ``(best, key, n_valid, nan_rows)``."""
@@ -122,8 +122,8 @@ def finish_tile(
     if last_tile:
         nan_rows |= write_document(
             best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, argmax_ptr,
-            n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset,
-            GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+            n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
+            GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
         )
         best, key, n_valid = fresh_rows(GROUP_ROWS * GROUPS)
     return best, key, n_valid, nan_rows
@@ -269,7 +269,7 @@ def score_documents(
                         LOADER,
                     )
                 sim = scale_similarity(
-                    sim, q_scale, doc_scale_ptr + (doc - first_doc) * stride_dsb + cols.to(tl.int64) * stride_dsl,
+                    sim, doc_scale_ptr + (doc - first_doc) * stride_dsb + cols.to(tl.int64) * stride_dsl,
                     cols < length, LOADER,
                 )
                 last_tile = start + BLOCK_N >= length
@@ -277,7 +277,8 @@ def score_documents(
                     sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb, stride_dml,
                     best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block, partial_ptr,
                     argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
-                    row_offset, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, REDUCTION,
+                    row_offset, q_scale, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, REDUCTION,
+                    LOADER,
                 )
                 doc = tl.where(last_tile, doc + doc_programs, doc)
                 start = tl.where(last_tile, 0, start + BLOCK_N)
@@ -297,7 +298,7 @@ def score_documents(
                 last_tile = start + BLOCK_N >= length
                 if last_chunk:
                     tile_sim = scale_similarity(
-                        sim, q_scale,
+                        sim,
                         doc_scale_ptr + (doc - first_doc) * stride_dsb + cols.to(tl.int64) * stride_dsl,
                         cols < length, LOADER,
                     )
@@ -305,8 +306,8 @@ def score_documents(
                         tile_sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb,
                         stride_dml, best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block,
                         partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an,
-                        stride_ab, stride_al, row_offset, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE,
-                        STORE_ARGMAX, REDUCTION,
+                        stride_ab, stride_al, row_offset, q_scale, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE,
+                        STORE_ARGMAX, REDUCTION, LOADER,
                     )
                 sim = reset_similarity(sim, last_chunk, LOADER)
                 doc = tl.where(last_chunk & last_tile, doc + doc_programs, doc)
@@ -316,7 +317,7 @@ def score_documents(
             nan_rows = write_document(
                 best, key, n_valid, row_valid, row_in_range, query, token, row_block, first_doc, partial_ptr,
                 argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
-                row_offset, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+                row_offset, q_scale, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
             )
     elif PERSISTENT:
         # One flat loop over (document, tile) steps: the pipeliner then prefetches the next document's first
@@ -331,7 +332,7 @@ def score_documents(
             best, key, n_valid = document_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb,
                 start, doc_len, stride_dl, stride_dk, stride_dml, best, key, n_valid,
-                q_scale, doc_scale_base + doc * stride_dsb, stride_dsl,
+                doc_scale_base + doc * stride_dsb, stride_dsl,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
                 REDUCTION, LOADER,
             )
@@ -340,21 +341,21 @@ def score_documents(
                 nan_rows |= write_document(
                     best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
                     argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
-                    0, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+                    0, q_scale, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
                 )
             doc = tl.where(last_tile, doc + doc_programs, doc)
             start = tl.where(last_tile, 0, start + BLOCK_N)
     else:
         best, key, n_valid = stream_document(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, length, stride_dl, stride_dk, stride_dml,
-            best, key, q_scale, doc_scale_ptr, stride_dsl,
+            best, key, doc_scale_ptr, stride_dsl,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
             REDUCTION, LOADER,
         )
         nan_rows = write_document(
             best, key, n_valid, row_valid, row_in_range, query, token, row_block, first_doc, partial_ptr, argmax_ptr,
-            n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset,
-            GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX,
+            n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
+            GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
         )
     if STORE_ARGMAX:
         if tl.max(nan_rows, axis=0) != 0:
@@ -362,6 +363,6 @@ def score_documents(
                 q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, n_docs, doc_programs,
                 doc_base, doc_mask_base, cu_d_ptr, argmax_ptr, doc_len, n_d_rows, stride_qk,
                 stride_db, stride_dl, stride_dk, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
-                q_scale, doc_scale_base, stride_dsb, stride_dsl,
+                doc_scale_base, stride_dsb, stride_dsl,
                 DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LAYOUT, LOADER,
             )

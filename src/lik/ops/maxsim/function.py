@@ -137,9 +137,11 @@ def maxsim(
             needs its fp32 per-token ``d_scale`` (``D.shape[:-1]``); ``Q`` of the same dtype needs ``q_scale``
             (``Q.shape[:-1]``), a float ``Q`` is quantized per token to ``D``'s dtype first. The scores equal
             MaxSim of the dequantized operands: the 8-bit products are summed exactly in int32 (int8) or in
-            fp32 (float8), then scaled, ``(dot * q_scale[s]) * d_scale[t]`` in fp32, on every path (CPU int8
-            scores equal the kernels' bit for bit up to the fp32 order of the sum over query tokens). float8
-            needs a GPU with FP8 (compute capability >= 8.9; use int8 elsewhere).
+            fp32 (float8), scaled by ``d_scale[t]``, and each query token's max is multiplied by ``q_scale[s]``,
+            in fp32, on every path (CPU int8 scores equal the kernels' bit for bit up to the fp32 order of the
+            sum over query tokens). Scales are non-negative, as :func:`lik.quantize` makes them: a negative
+            ``q_scale`` gives its query NaN. float8 needs a GPU with FP8 (compute capability >= 8.9; use int8
+            elsewhere).
 
     Returns:
         float32 scores, ``[B]`` for 2-D ``Q`` and ``[Nq, B]`` for 3-D ``Q`` (float64 for float64 inputs).

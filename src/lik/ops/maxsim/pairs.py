@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...core.quantized import row_scales
+from ...core.quantized import row_scales, scale_rows
 from ...core.segments import segment
 from .tile import NO_KEY, counted_rows, maxsim_doc_rows
 
@@ -50,12 +50,12 @@ def score_pairs(
         # document has no valid token and scores 0).
         best, key, n_valid = maxsim_doc_rows(
             q_rows, q_row_ptrs, in_range, stride_qk, d_ptr + doc_start * stride_dl, d_ptr, doc_len, stride_dl,
-            stride_dk, 0, q_scale, d_scale_ptr + doc_start, 1,
+            stride_dk, 0, d_scale_ptr + doc_start, 1,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, False, True, STORE_ARGMAX, DOT_PRECISION, REDUCTION, LOADER,
         )
         counted = counted_rows(in_range, n_valid, True)
         if STORE_ARGMAX:
             winner = tl.where(counted & (key != NO_KEY), doc_start + (key >> 1), -1)
             tl.store(argmax_ptr + token * stride_al, winner.to(tl.int32), mask=in_range)
-        total += tl.where(counted, best, 0.0)
+        total += tl.where(counted, scale_rows(best, q_scale, LOADER), 0.0)
     tl.store(partial_ptr + row_block * stride_pc + pair * stride_pb, tl.sum(total, axis=0))

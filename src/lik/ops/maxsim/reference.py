@@ -7,9 +7,11 @@ gradient of ``torch.max`` goes to the first maximal index, the tie rule of the k
 positions get exactly zero gradient because they are replaced by zeros before any product is taken.
 
 8-bit operands (with ``q_scale`` / ``d_scale``) follow the kernels' arithmetic step for step: the integer (or
-float8) products summed exactly (in float64: ``|dot| <= 127^2 * 8192 < 2^53``), rounded once to float32, then
-``(dot * q_scale[i]) * d_scale[t]`` in float32. int8 scores therefore equal the kernel's bit for bit; float8
-ones differ only by the kernel's fp32 rounding of the running sum (``lik.core.quantized``).
+float8) products summed exactly (in float64: ``|dot| <= 127^2 * 8192 < 2^53``), rounded once to float32, times
+``d_scale[t]`` in float32; each query row's max over the tokens is then multiplied by ``q_scale[i]`` (NaN where
+``q_scale[i] < 0``: ``lik.core.quantized``). int8 scores therefore equal the kernel's bit for bit up to
+the fp32 order of the sum over query tokens; float8 ones differ also by the kernel's fp32 rounding of the running
+dot product.
 """
 
 from __future__ import annotations
@@ -73,11 +75,13 @@ def maxsim_reference_canonical(
             d_scale = inputs.d_scale[:, start:stop]  # [n_sets, b, Ld]
             if d_valid is not None:  # a masked token's products are 0 and so is its scale (garbage stays out)
                 d_scale = torch.where(d_valid[:, start:stop], d_scale, 0)
-            sim = (sim.float() * q_scale[:, None, :, None]) * d_scale[:, :, None, :]
+            sim = sim.float() * d_scale[:, :, None, :]
         if exclude and d_valid is not None:
             valid = d_valid[:, start:stop, None, :]  # [n_sets, b, 1, Ld]
             sim = torch.where(valid, sim, float("-inf"))
         best = sim.max(dim=-1).values  # [Nq, b, Lq]
+        if quantized:  # the query scale after the max; a negative one (a min, not a max) gives NaN
+            best = best * torch.where(q_scale < 0, float("nan"), q_scale)[:, None, :]
         if exclude and d_valid is not None:
             has_token = d_valid[:, start:stop].any(dim=-1)[..., None]  # [n_sets, b, 1]
             best = torch.where(has_token, best, 0)

@@ -237,7 +237,7 @@ def absorb_nan_tile(sim, col_key, key):
 @triton.jit
 def document_tile(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk, stride_dml,
-    best, key, n_valid, q_scale, doc_scale_ptr, stride_dsl,
+    best, key, n_valid, doc_scale_ptr, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX, LOADER: tl.constexpr = FLOAT,
@@ -246,8 +246,8 @@ def document_tile(
     folded into ``(best, key)`` by :func:`absorb_tile` (or by :func:`absorb_nan_tile` in the NaN pass), and the
     tile's valid tokens added to ``n_valid``. Returns ``(best, key, n_valid)``.
 
-    With an 8-bit ``LOADER``, ``q_scale`` holds the query rows' scales and ``doc_scale_ptr`` (row stride
-    ``stride_dsl``) the document's; both are unused for float rows."""
+    With an 8-bit ``LOADER``, ``doc_scale_ptr`` (row stride ``stride_dsl``) holds the document's scales (the
+    query rows' scales multiply the row maxima afterwards); it is unused for float rows."""
     cols = start + tl.arange(0, BLOCK_N)
     in_range = cols < doc_len
     if HAS_D_MASK:
@@ -257,7 +257,7 @@ def document_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, col_valid,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION, LOADER,
         )
-        sim = scale_similarity(sim, q_scale, doc_scale_ptr + cols.to(tl.int64) * stride_dsl, col_valid, LOADER)
+        sim = scale_similarity(sim, doc_scale_ptr + cols.to(tl.int64) * stride_dsl, col_valid, LOADER)
         # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
         if EXCLUDE:
             sim = tl.where(col_valid[None, :], sim, float("-inf"))
@@ -280,7 +280,7 @@ def document_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, in_range,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION, LOADER,
             )
-        sim = scale_similarity(sim, q_scale, doc_scale_ptr + cols.to(tl.int64) * stride_dsl, in_range, LOADER)
+        sim = scale_similarity(sim, doc_scale_ptr + cols.to(tl.int64) * stride_dsl, in_range, LOADER)
         col_key = (cols * 2).to(tl.int32)
         if start + BLOCK_N > doc_len:  # only the last tile pays for the select
             if not NAN_PASS:  # (that pass ignores the clamped columns by their key alone)
@@ -297,7 +297,7 @@ def document_tile(
 @triton.jit
 def stream_document(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
-    best, key, q_scale, doc_scale_ptr, stride_dsl,
+    best, key, doc_scale_ptr, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX, LOADER: tl.constexpr = FLOAT,
@@ -309,7 +309,7 @@ def stream_document(
     for start in tl.range(0, doc_len, BLOCK_N, num_stages=STAGES):
         best, key, n_valid = document_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
-            stride_dml, best, key, n_valid, q_scale, doc_scale_ptr, stride_dsl,
+            stride_dml, best, key, n_valid, doc_scale_ptr, stride_dsl,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, NAN_PASS, DOT_PRECISION,
             REDUCTION, LOADER,
         )
@@ -319,7 +319,7 @@ def stream_document(
 @triton.jit
 def first_nan_keys(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
-    q_scale, doc_scale_ptr, stride_dsl,
+    doc_scale_ptr, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOAT,
 ):
@@ -328,7 +328,7 @@ def first_nan_keys(
     _, nan_key, n_valid = stream_document(
         q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
         tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32),
-        q_scale, doc_scale_ptr, stride_dsl,
+        doc_scale_ptr, stride_dsl,
         DIM, BLOCK_M, NAN_PASS_BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, True, True, DOT_PRECISION,
         REDUCE_MAX, LOADER,
     )
@@ -338,7 +338,7 @@ def first_nan_keys(
 @triton.jit
 def nan_winner_keys(
     q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
-    best, key, q_scale, doc_scale_ptr, stride_dsl,
+    best, key, doc_scale_ptr, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOAT,
 ):
@@ -350,7 +350,7 @@ def nan_winner_keys(
     if tl.max(is_nan.to(tl.int32), axis=0) != 0:
         nan_key, _ = first_nan_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk,
-            stride_dml, q_scale, doc_scale_ptr, stride_dsl, DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE,
+            stride_dml, doc_scale_ptr, stride_dsl, DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE,
             DOT_PRECISION, LOADER,
         )
         key = tl.where(is_nan, nan_key, key)
@@ -369,7 +369,6 @@ def maxsim_doc_rows(
     stride_dl,
     stride_dk,
     stride_dml,
-    q_scale,  # [BLOCK_M] fp32 scales of the query rows (8-bit LOADER only)
     doc_scale_ptr,  # pointer to the document's first row scale (8-bit LOADER only)
     stride_dsl,
     DIM: tl.constexpr,
@@ -393,14 +392,14 @@ def maxsim_doc_rows(
     best, key, _ = fresh_rows(BLOCK_M)
     best, key, n_valid = stream_document(
         q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk, stride_dml,
-        best, key, q_scale, doc_scale_ptr, stride_dsl,
+        best, key, doc_scale_ptr, stride_dsl,
         DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, False, DOT_PRECISION,
         REDUCTION, LOADER,
     )
     if TRACK_ARGMAX:
         key = nan_winner_keys(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, doc_len, stride_dl, stride_dk,
-            stride_dml, best, key, q_scale, doc_scale_ptr, stride_dsl,
+            stride_dml, best, key, doc_scale_ptr, stride_dsl,
             DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LOADER,
         )
     return best, key, n_valid
