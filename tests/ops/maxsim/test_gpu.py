@@ -308,3 +308,56 @@ def test_torch_compile_inductor_packed():
             results.append((out.detach(), *torch.autograd.grad(out, (a, b), torch.ones_like(out))))
         for g, w in zip(*results):
             assert rel_err(g, w) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "shape", [(1, 32, 333, 300, False), (32, 32, 100, 180, False), (3, 20, 50, 130, True)],
+    ids=["textual", "stacked", "per-query"],
+)
+def test_documents_streamed_end_to_end_equal_the_per_document_loop(monkeypatch, dtype, shape):
+    """Compiled for real, tiles that run across document boundaries give the per-document loop's scores bit for
+    bit (the same maxima, summed in the same order): NaN in some documents, and NaN, inf or random bytes at
+    masked tokens, in both mask modes."""
+    from lik.ops.maxsim import forward
+
+    if dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 tensor cores need compute capability 8.9")
+    n_q, l_q, n_docs, l_d, per_query = shape
+    Q, D, q_mask, d_mask = _problem(n_q, l_q, n_docs, l_d, 128, torch.float32, per_query=per_query)
+    D[..., ::7, 3, :] = float("nan")  # every 7th document has a NaN token
+    clean, kw = {}, {}
+    if dtype in (torch.int8, torch.float8_e4m3fn):
+        D, d_scale = lik.quantize(D, dtype)
+        clean["d_scale"] = d_scale
+        kw["d_scale"] = d_scale.masked_fill(~d_mask, float("inf"))
+        garbage = D.clone()
+        garbage.view(torch.int8)[~d_mask] = torch.randint(
+            -128, 128, (int((~d_mask).sum()), 128), device=CUDA, dtype=torch.int8, generator=None
+        )
+    else:
+        Q, D = Q.to(dtype), D.to(dtype)
+        garbage = D.masked_fill(~d_mask[..., None], float("inf"))
+    heuristic = _config.maxsim_forward_config(
+        q_len=l_q, n_queries=n_q, dim=128, dtype=D.dtype, per_query=per_query, device=Q.device, doc_len=l_d
+    )
+    overrides = {}
+    if heuristic.programs_per_sm == 0 or heuristic.max_registers:  # force an uncapped persistent launch
+        overrides["maxsim_forward"] = _config.MaxSimForwardConfig(
+            group_rows=32, groups=1, block_n=128, block_k=128, num_warps=4, num_stages=3, programs_per_sm=2
+        )
+    flags = []
+    real = forward.streams_documents
+    results = {}
+    for stream in (True, False):
+        monkeypatch.setattr(
+            forward, "streams_documents", lambda *a, **k: flags.append(real(*a, **k) and stream) or flags[-1]
+        )
+        with _config.override(**overrides):
+            results[stream] = [
+                lik.maxsim(Q, garbage, q_mask, d_mask, mask_mode=mode, **kw) for mode in ("exclude", "zero")
+            ] + [lik.maxsim(Q, D, **clean)]
+    assert flags == [True] * 3 + [False] * 3
+    for a, b in zip(results[True], results[False]):
+        assert a.isnan().any() and not a.isnan().all()
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
