@@ -11,7 +11,6 @@ import torch
 import lik
 from lik import _config
 from lik.ops.maxsim.function import uses_kernels
-from lik.ops.maxsim.reference import maxsim_reference
 
 from .helpers import check_against_reference, kernel_with_grads, rand_problem, reference_with_grads, rel_err
 
@@ -396,71 +395,3 @@ def test_torch_compile_traces_without_graph_break(rng, per_query, squeeze, masks
         assert torch.equal(g, w)
     with torch.no_grad():
         assert torch.equal(compiled(Q, D, qm, dm), want[0])
-
-
-@pytest.fixture
-def stream_flags(monkeypatch):
-    """Records, per forward launch, whether it read its documents as one token stream."""
-    from lik.ops.maxsim import forward
-
-    flags = []
-    real = forward.streams_documents
-
-    def recorded(*args, **kwargs):
-        flags.append(real(*args, **kwargs))
-        return flags[-1]
-
-    monkeypatch.setattr(forward, "streams_documents", recorded)
-    return flags
-
-
-@pytest.mark.parametrize("doc_len", [16, 17, 37, 50])
-@pytest.mark.parametrize("programs_per_sm", [1, 3, 27])
-@pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
-def test_documents_streamed_end_to_end_score_as_the_reference(rng, stream_flags, doc_len, programs_per_sm, mask_mode):
-    """A persistent scoring launch reads end-to-end documents in tiles that cross their boundaries: nothing of one
-    document leaks into its neighbour (a strong document first, NaN in one document, garbage and an all-masked
-    document under a mask), and programs with 7, 3 or 2, and 1 documents agree with the float64 reference.
-    Whole-tile documents (16 tokens, 16-token tiles) keep the per-document loop."""
-    Q, D, qm, dm = rand_problem(rng, 3, 19, 7, doc_len, 24)
-    D[0] = 4 * D[0]  # larger similarities than any later document: a max carried over would show
-    D[3, doc_len - 1, 5] = float("nan")  # document 3's last token: its neighbour 4 must stay finite
-    D[5, 0, 2] = float("nan")  # document 5's first token: document 4 must stay finite
-    forced = _config.MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=32, programs_per_sm=programs_per_sm)
-    with _config.override(maxsim_forward=forced):
-        plain = lik.maxsim(Q, D, mask_mode=mask_mode)
-        dm[1] = False  # an all-masked document
-        dm[2, :5] = False
-        garbage = D.clone()
-        garbage[~dm] = torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(int((~dm).sum()))[
-            : int((~dm).sum())
-        ].unsqueeze(-1)
-        masked = lik.maxsim(Q, garbage, qm, dm, mask_mode=mask_mode)
-    expected_plain = maxsim_reference(Q.double(), D.double(), mask_mode=mask_mode)
-    expected_masked = maxsim_reference(Q.double(), D.double(), qm, dm, mask_mode=mask_mode)
-    assert stream_flags == [doc_len % 16 != 0] * 2
-    for scores, expected in ((plain, expected_plain), (masked, expected_masked)):
-        torch.testing.assert_close(scores.double(), expected, rtol=2e-6, atol=2e-6, equal_nan=True)
-    assert plain[:, 3].isnan().all() and plain[:, 5].isnan().all()
-    assert torch.isfinite(plain[:, [0, 1, 2, 4, 6]]).all()
-    if mask_mode == "exclude":
-        assert torch.all(masked[:, 1] == 0)
-
-
-def test_streamed_documents_per_query_and_views_that_do_not_lie_end_to_end(rng, stream_flags):
-    """Per-query document sets stream set by set; a view whose documents are not end to end (the first tokens
-    of longer documents, or a mask sliced the same way) takes the per-document loop, with the same numbers; every
-    other token of a tensor is still end to end (tokens and documents share one spacing)."""
-    Q, D, qm, dm = rand_problem(rng, 3, 9, 5, 21, 24, per_query=True)
-    forced = _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=32, programs_per_sm=2)
-    longer, longer_mask = torch.cat([D, D[:, :, :9]], dim=2), torch.cat([dm, dm[:, :, :9]], dim=2)
-    wide, wide_mask = D.repeat_interleave(2, dim=2), dm.repeat_interleave(2, dim=2)
-    with _config.override(maxsim_forward=forced):
-        streamed = lik.maxsim(Q, D, qm, dm)
-        cut = lik.maxsim(Q, longer[:, :, :21], qm, dm)
-        cut_mask = lik.maxsim(Q, D, qm, longer_mask[:, :, :21])
-        every_other = lik.maxsim(Q, wide[:, :, ::2], qm, wide_mask[:, :, ::2])
-    assert stream_flags == [True, False, False, True]
-    expected = maxsim_reference(Q.double(), D.double(), qm, dm)
-    for scores in (streamed, cut, cut_mask, every_other):
-        torch.testing.assert_close(scores.double(), expected, rtol=2e-6, atol=2e-6)

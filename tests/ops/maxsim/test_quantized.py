@@ -419,35 +419,3 @@ def test_torch_compile_traces_8bit_scoring_as_one_graph(rng):
     )
     assert torch.equal(compiled(Q_q, D_q, q_scale, d_scale), lik.maxsim(Q_q, D_q, None, d_mask, q_scale=q_scale,
                                                                          d_scale=d_scale))
-
-
-@pytest.mark.parametrize("mask_mode", MODES)
-@pytest.mark.parametrize("programs_per_sm", [1, 4])
-def test_int8_documents_streamed_end_to_end(rng, monkeypatch, mask_mode, programs_per_sm):
-    """int8 documents read as one token stream (tiles across document boundaries): the dequantized reference's
-    numbers, garbage bytes and scales at masked tokens kept out, a negative query scale still NaN."""
-    from lik.ops.maxsim import forward
-
-    flags = []
-    real = forward.streams_documents
-    monkeypatch.setattr(forward, "streams_documents", lambda *a, **k: flags.append(real(*a, **k)) or flags[-1])
-    Q, D_q, d_scale, q_mask, d_mask = _problem(rng, (3, 9, 40), (6, 23, 40), INT8, masks=True)
-    d_mask[2] = False
-    Q_q, q_scale = lik.quantize(Q, INT8)
-    bad_d, bad_ds = D_q.clone(), d_scale.clone()
-    noise = torch.randint(-128, 128, D_q.shape, generator=rng, dtype=torch.int8)
-    bad_d[~d_mask] = noise[~d_mask]
-    bad_ds[~d_mask] = torch.tensor([float("nan"), float("inf"), 1e30]).repeat(d_mask.numel())[: int((~d_mask).sum())]
-    negative = q_scale.clone()
-    negative[1, 0] = -1.0
-    config = _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=64, programs_per_sm=programs_per_sm)
-    with _config.override(maxsim_forward=config):
-        plain = lik.maxsim(Q_q, D_q, mask_mode=mask_mode, q_scale=q_scale, d_scale=d_scale)
-        masked = lik.maxsim(Q_q, bad_d, q_mask, d_mask, mask_mode=mask_mode, q_scale=q_scale, d_scale=bad_ds)
-        flipped = lik.maxsim(Q_q, D_q, mask_mode=mask_mode, q_scale=negative, d_scale=d_scale)
-    assert flags == [True, True, True]
-    _close(plain, _dequantized_maxsim(Q_q, D_q, d_scale, mask_mode=mask_mode, q_scale=q_scale), 9)
-    _close(masked, _dequantized_maxsim(Q_q, D_q, d_scale, q_mask, d_mask, mask_mode, q_scale=q_scale), 9)
-    assert flipped[1].isnan().all() and torch.equal(flipped[[0, 2]], plain[[0, 2]])
-    if mask_mode == "exclude":
-        assert torch.all(masked[:, 2] == 0)

@@ -12,7 +12,7 @@ from ...core.quantized import loader_chunks, loader_of
 from .forward_kernel import maxsim_fwd_kernel
 from .validation import MaxSimInputs
 
-__all__ = ["maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "streams_documents"]
+__all__ = ["maxsim_forward", "dot_precision", "set_strides", "scale_pointers"]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -37,23 +37,6 @@ def scale_pointers(q_scale: torch.Tensor, d_scale: torch.Tensor) -> tuple[torch.
     """The kernel's two scale arguments of 8-bit rows, contiguous (the kernel derives their strides from the
     shapes; a scale is 1/d of its rows' bytes, so a strided one is copied)."""
     return q_scale.contiguous(), d_scale.contiguous()
-
-
-def streams_documents(
-    cfg, num_k: int, store_argmax: bool, d: torch.Tensor, d_mask: torch.Tensor | None,
-) -> bool:
-    """Whether a launch reads its documents as one token stream (``forward_kernel.stream_corpus``): a persistent
-    scoring launch (no winners) over documents ``[n_sets, B, Ld, d]`` that lie end to end, as does their mask,
-    at least one tile long and ending on a ragged tile (whole-tile documents gain nothing from it). Not under a
-    register cap: the stream's second row reduction at a document's end spills there (sm_90, 256 stacked rows)."""
-    n_sets, n_docs, l_d, _ = d.shape
-    persistent = cfg.programs_per_sm > 0 and not cfg.max_registers
-    if not persistent or store_argmax or num_k != 1 or l_d < cfg.block_n or l_d % cfg.block_n == 0:
-        return False
-    end_to_end = n_docs == 1 or d.stride(1) == l_d * d.stride(2)
-    if d_mask is not None:
-        end_to_end &= n_docs == 1 or d_mask.stride(1) == l_d * d_mask.stride(2)
-    return end_to_end
 
 
 def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -121,7 +104,6 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         PERSISTENT=cfg.programs_per_sm > 0,
         FLAT_K=int(cfg.flat_k),
         LOADER=loader,
-        STREAM=streams_documents(cfg, num_k, store_argmax, d, inputs.d_mask),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers or None,

@@ -19,13 +19,11 @@ from ...core.quantized import reset_similarity, row_scales, scale_rows, scale_si
 from ...core.segments import PAIRS, document_scales, document_span
 from .pairs import score_pairs
 from .tile import (
-    NO_KEY, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, fresh_rows, nan_max,
-    query_rows, store_group_sums, stream_document, tile_dot,
+    NO_KEY, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, fresh_rows, query_rows,
+    store_group_sums, stream_document,
 )
 
-__all__ = [
-    "maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "score_documents", "stream_corpus",
-]
+__all__ = ["maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "score_documents"]
 
 # Lengths, counts and the strides that follow them are not specialised on (Triton would otherwise compile a new
 # variant when one of them becomes 1 or changes its divisibility by 16). The embedding strides stay specialised:
@@ -174,7 +172,6 @@ def maxsim_fwd_kernel(
     FLAT_K: tl.constexpr = 1,  # wide embeddings: one flat (tile, chunk) loop, or a chunk loop nested per tile
     REDUCTION: tl.constexpr = 0,  # the running reduction (tile.py: REDUCE_MAX, MaxSim's max)
     LOADER: tl.constexpr = 0,  # FLOAT, or INT8 / FP8 rows with per-row scales (lik.core.quantized)
-    STREAM: tl.constexpr = 0,  # persistent, padded, no argmax: documents end to end, tiles across their boundaries
 ):
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0).to(tl.int64)
@@ -194,7 +191,7 @@ def maxsim_fwd_kernel(
             stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
             q_scale_ptr, d_scale_ptr,
             DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_Q_MASK, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
-            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER, STREAM,
+            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER,
         )
 
 
@@ -209,12 +206,10 @@ def score_documents(
     BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_Q_MASK: tl.constexpr, HAS_D_MASK: tl.constexpr,
     EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
     LAYOUT: tl.constexpr, FLAT_K: tl.constexpr, REDUCTION: tl.constexpr, LOADER: tl.constexpr,
-    STREAM: tl.constexpr = 0,
 ):
     """A program's query rows (``row_block``) against its documents ``first_doc``, ``first_doc + doc_programs``,
     ...: the documents come from :func:`~lik.core.segments.document_span` (padded or packed), the rest is one
-    loop whatever the layout. With ``STREAM``, program ``first_doc`` takes a contiguous run of documents instead
-    (:func:`stream_corpus`)."""
+    loop whatever the layout."""
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
 
     query, token, row_in_range, row_valid = query_rows(
@@ -324,13 +319,6 @@ def score_documents(
                 argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
                 row_offset, q_scale, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
             )
-    elif STREAM:
-        stream_corpus(
-            q_rows, row_valid, row_in_range, query, token, row_block, first_doc, doc_programs, n_docs, doc_len,
-            doc_base, doc_mask_base, doc_scale_base, stride_dl, stride_dk, stride_dml, partial_ptr, n_queries,
-            n_chunks, stride_pc, stride_pn, stride_pb, q_scale,
-            DIM, BLOCK_N, BLOCK_K, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LOADER,
-        )
     elif PERSISTENT:
         # One flat loop over (document, tile) steps: the pipeliner then prefetches the next document's first
         # tiles while the current one finishes, instead of draining and refilling at every document (short
@@ -378,76 +366,3 @@ def score_documents(
                 doc_scale_base, stride_dsb, stride_dsl,
                 DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LAYOUT, LOADER,
             )
-
-
-@triton.jit
-def stream_corpus(
-    q_rows, row_valid, row_in_range, query, token, row_block, program, doc_programs, n_docs, doc_len,
-    doc_base, doc_mask_base, doc_scale_base, stride_dl, stride_dk, stride_dml, partial_ptr, n_queries,
-    n_chunks, stride_pc, stride_pn, stride_pb, q_scale,
-    DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr,
-    HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr,
-):
-    """Score documents ``[program * n_docs // doc_programs, (program + 1) * n_docs // doc_programs)`` as one
-    stream of tokens: padded documents that lie end to end (``stride_db == doc_len * stride_dl``, and the same for
-    the mask) are read in full ``BLOCK_N``-token tiles that run across document boundaries, instead of each
-    document ending on a ragged tile (a 300-token document in 128-token tiles moves 384 rows on chip).
-
-    A tile reaches into at most one next document (the launcher requires ``doc_len >= BLOCK_N``): the columns
-    before the boundary finish the current document, which is written, and those after it start the next one.
-    Scores only (no winners). Rows past the program's last token are clamped reads whose columns never count."""
-    BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
-    first = (program * n_docs) // doc_programs
-    last = ((program + 1) * n_docs) // doc_programs
-    tok = first * doc_len
-    tok_end = last * doc_len
-    boundary = tok + doc_len  # the first token of the next document
-    doc = first
-    best, _, n_valid = fresh_rows(BLOCK_M)
-    if not HAS_D_MASK:  # every token of a document counts
-        n_valid += doc_len
-    no_key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
-    offs_k = tl.arange(0, BLOCK_K)
-    for _ in tl.range(0, tl.cdiv(tok_end - tok, BLOCK_N)):
-        cols = tok + tl.arange(0, BLOCK_N)
-        col_ptrs = doc_base + tl.minimum(cols, tok_end - 1) * stride_dl
-        if DIM == BLOCK_K:
-            d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
-        else:
-            d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk, mask=offs_k[None, :] < DIM, other=0.0)
-        sim = tile_dot(q_rows, tl.trans(d_tile), None, DOT_PRECISION, LOADER)
-        in_stream = cols < tok_end
-        sim = scale_similarity(sim, doc_scale_base + cols, in_stream, LOADER)
-        if HAS_D_MASK:
-            # Selecting (not zeroing the loads) keeps garbage in masked rows out: "exclude" drops a masked token,
-            # "zero" gives it similarity exactly 0.
-            flags = tl.load(doc_mask_base + cols * stride_dml, mask=in_stream, other=0)
-            col_valid = flags != 0
-            if EXCLUDE:
-                sim = tl.where(col_valid[None, :], sim, float("-inf"))
-            else:
-                sim = tl.where(col_valid[None, :], sim, 0.0)
-        in_doc = cols < boundary
-        ends = boundary <= tok + BLOCK_N  # the current document ends in this tile
-        best = nan_max(best, tl.reduce(tl.where(in_doc[None, :], sim, float("-inf")), 1, nan_max))
-        # The next document's part is reduced before the current one is written, so the tile is not kept live
-        # across the write (at 256 stacked rows that alone would need ~45 more registers).
-        if ends:
-            next_best = tl.reduce(tl.where(in_doc[None, :], float("-inf"), sim), 1, nan_max)
-        else:
-            next_best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        if HAS_D_MASK:
-            n_valid += tl.sum(tl.where(in_doc, col_valid, False).to(tl.int32), axis=0)
-            next_valid = tl.sum(tl.where(in_doc, False, col_valid).to(tl.int32), axis=0)
-        if ends:
-            write_document(
-                best, no_key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
-                partial_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, 0, 0, 0, 0, q_scale,
-                GROUP_ROWS, GROUPS, EXCLUDE, False, LOADER,
-            )
-            best = next_best
-            if HAS_D_MASK:
-                n_valid = next_valid
-            doc += 1
-            boundary += doc_len
-        tok += BLOCK_N
