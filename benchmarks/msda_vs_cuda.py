@@ -5,7 +5,8 @@ bf16 (the original op has no bf16), realistic sampling (``msda_bench.make_proble
 Per method and problem: forward with gradients wanted (a training forward: through the autograd Function), forward
 without (inference), backward alone (``autograd.grad`` on a retained graph): ``do_bench`` medians (L2 flushed), and
 the host time per call (200 calls without synchronising: the wall time when the CPU, not the GPU, is the limit).
-Also, at decoder scale: kernels per call (torch.profiler) and a cProfile of lik's forward + backward host path.
+Also, at both decoder scales: kernels per call with their device time (torch.profiler); at 300 queries a cProfile
+of lik's forward + backward host path.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/msda_vs_cuda.py --original-src /path/to/Deformable-DETR --out $OUT
 """
@@ -183,12 +184,15 @@ def main():
                 print(f"{scale_name:10} {row['dtype']:8} {name:8} fwd {r['fwd_ms']:.4f} infer {r['infer_ms']:.4f} "
                       f"bwd {r['bwd_ms']:.4f} ms | host fwd {r['fwd_host_us']:.0f} bwd {r['bwd_host_us']:.0f} us | "
                       f"peak {r['peak_MB']:.0f} MB", flush=True)
-            if args.profile and scale_name == "decoder" and dtype == torch.float32:
-                extra["kernels"] = {name: kernels_per_call(fn, p) for name, fn in make_methods(p, original).items()
-                                    if name != "pytorch"}
-                extra["cprofile_lik"] = host_profile(p)
-                print(json.dumps(extra["kernels"], indent=1))
-                print(extra["cprofile_lik"][:4000])
+            if args.profile and scale_name.startswith("decoder") and dtype == torch.float32:
+                kernels = {name: kernels_per_call(fn, p) for name, fn in make_methods(p, original).items()
+                           if name != "pytorch"}
+                extra["kernels" if scale_name == "decoder" else f"kernels_{scale_name}"] = kernels
+                print(scale_name, json.dumps({m: {ph: (k[ph]["count"], round(k[ph]["device_us"], 1)) for ph in k}
+                                              for m, k in kernels.items()}))
+                if scale_name == "decoder":
+                    extra["cprofile_lik"] = host_profile(p)
+                    print(extra["cprofile_lik"][:4000])
             rows.append(row)
             del p
             torch.cuda.empty_cache()
