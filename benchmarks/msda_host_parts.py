@@ -66,6 +66,8 @@ def main() -> None:
     run, function, packed, tail = entry
     device = torch.cuda.current_device()
     stream = _launch._get_stream(device)
+    table = kernel._lik_launch_table
+    layout = table.layouts[tuple(launch_kwargs)]
 
     def triton_launcher():
         run(grid[0], grid[1], 1, stream, function, packed, None, None, None, *launch_args, *tail)
@@ -80,8 +82,15 @@ def main() -> None:
         "torch.empty of the output": lambda: torch.empty(out_shape, device=v.device),
         "lik._launch.launch (key + Triton's launcher)": lambda: _launch.launch(kernel, grid, *launch_args,
                                                                                  **launch_kwargs),
-        "lik._launch key alone": lambda: tuple(map(_launch.argument_key, launch_args)),
         "Triton's compiled launcher alone (replayed by position)": triton_launcher,
+        "  launch step: _launch._hooks_installed()": _launch._hooks_installed,
+        "  launch step: the current device (torch._C._cuda_getDevice)": _launch._current_device,
+        "    instead of torch.cuda.current_device()": torch.cuda.current_device,
+        "  launch step: the current stream": lambda: _launch._get_stream(device),
+        "  launch step: argument keys by the type layout's keyer": lambda: table.argument_keys(launch_args),
+        "    instead of argument_key per argument": lambda: tuple(map(_launch.argument_key, launch_args)),
+        "  launch step: key and table lookup": lambda: table.entries.get((
+            device, table.argument_keys(launch_args), layout.ident, layout.values(launch_kwargs))),
         "an empty autograd Function (save 5 tensors, allocate)": lambda: _EmptyFunction.apply(*leaves[:1], s, st,
                                                                                                *leaves[1:]),
     }

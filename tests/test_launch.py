@@ -11,7 +11,9 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from lik import _launch
-from lik._launch import _record, _Uncached, argument_key, cache_key, keyword_layout, launch, triton_version_tested
+from lik._launch import (
+    _record, _Uncached, argument_key, argument_keyer, cache_key, keyword_layout, launch, triton_version_tested,
+)
 
 
 def _scale_rows(x_ptr, out_ptr, n, stride, factor, BLOCK: tl.constexpr, NEGATE: tl.constexpr = False):
@@ -45,6 +47,18 @@ def test_tensor_key_is_dtype_and_alignment():
     assert argument_key(x[1:]) == (torch.float16, False)  # 2 bytes past a 16-byte boundary
     assert argument_key(x[8:]) == (torch.float16, True)
     assert argument_key(x.float()) == (torch.float32, x.float().data_ptr() % 16 == 0)
+
+
+def test_keyer_of_a_type_layout_gives_every_arguments_key():
+    """The generated keyer of a type layout equals argument_key argument by argument, for every kind of value;
+    a layout with a type argument_key refuses has no keyer."""
+    x = torch.zeros(64, dtype=torch.float16)
+    values = [x, x[1:], x[8:].float(), torch.nn.Parameter(torch.zeros(3)), 1, 0, -16, 32, 7, 2**31 - 1, 2**31,
+              -(2**31), -(2**31) - 1, 2**63, 2**64 + 16, True, False, 0.5, None]
+    keyer = argument_keyer(tuple(map(type, values)))
+    assert keyer(tuple(values)) == tuple(map(argument_key, values))
+    assert argument_keyer(())(()) == ()
+    assert argument_keyer((torch.Tensor, np.int64)) is None and argument_keyer((str,)) is None
 
 
 def test_other_keys():
@@ -146,7 +160,7 @@ def test_cached_path_records_then_replays_with_the_callers_options(monkeypatch):
     monkeypatch.setattr(_launch, "ENABLED", True)
     monkeypatch.setattr(_launch, "_get_stream", lambda device: 99)
     monkeypatch.setattr(_launch, "_hooks_installed", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     x, out = torch.zeros(32), torch.zeros(32)
     for _ in range(3):
         launch(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=2, num_stages=1)

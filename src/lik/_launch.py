@@ -44,7 +44,7 @@ import triton
 from triton.runtime.jit import JITFunction
 
 __all__ = [
-    "launch", "argument_key", "cache_key", "keyword_layout", "triton_version_tested", "TESTED_TRITON",
+    "launch", "argument_key", "argument_keyer", "cache_key", "keyword_layout", "triton_version_tested", "TESTED_TRITON",
 ]
 
 _I32 = 2**31
@@ -78,6 +78,39 @@ def argument_key(arg):
     if arg is None:
         return None
     raise _Uncached(kind.__name__)
+
+
+def argument_keyer(kinds: tuple[type, ...]):
+    """A function computing :func:`argument_key` of every argument at once, for calls whose positional arguments
+    have exactly the types ``kinds`` (None when one of them is not keyed).
+
+    ``launch`` runs on every call of every kernel; dispatching on each argument's type inside one Python call per
+    argument cost a few microseconds per launch, so the dispatch is done once per type layout and its result is
+    one generated expression (built from a fixed template: only argument positions are substituted).
+
+    Example:
+        >>> keyer = argument_keyer((torch.Tensor, int))
+        >>> keyer((torch.zeros(4), 32)) == (argument_key(torch.zeros(4)), argument_key(32))
+        True
+    """
+    parts = []
+    for i, kind in enumerate(kinds):
+        arg = f"a[{i}]"
+        if kind is int:
+            parts.append(
+                f"({arg} == 1) | (({arg} & 15) == 0) << 1 | (not {-_I32} <= {arg} < {_I32}) << 2 | ({arg} >= {_U64}) << 3"
+            )
+        elif issubclass(kind, torch.Tensor):
+            parts.append(f"({arg}.dtype, {arg}.data_ptr() & 15 == 0)")
+        elif kind is bool:
+            parts.append(f"('bool', {arg})")
+        elif kind is float:
+            parts.append("float")
+        elif kind is type(None):
+            parts.append("None")
+        else:
+            return None
+    return eval("lambda a: (" + "".join(part + ", " for part in parts) + ")", {"float": float})  # noqa: S307
 
 
 # Triton releases (major.minor) whose launcher the cached path replays correctly: the GPU tests of
@@ -188,12 +221,21 @@ class _KernelTable:
     Triton only (interpreted, or found uncacheable). Kept on the function itself (``_lik_launch_table``), so it
     lives and dies with it."""
 
-    __slots__ = ("entries", "layouts", "layout_ids")
+    __slots__ = ("entries", "layouts", "layout_ids", "keyers")
 
     def __init__(self, kernel):
         self.entries: dict | None = {} if isinstance(kernel, JITFunction) else None
         self.layouts: dict[tuple[str, ...], _Layout | None] = {}  # keyword names as passed -> their layout
         self.layout_ids: dict = {}  # explicit layout -> ident
+        self.keyers: dict = {}  # positional argument types -> argument_keyer (None: not keyed)
+
+    def argument_keys(self, args: tuple):
+        """Every positional argument's :func:`argument_key`, or None when one is not keyed."""
+        kinds = tuple(map(type, args))
+        keyer = self.keyers.get(kinds, _NEW)
+        if keyer is _NEW:
+            keyer = self.keyers[kinds] = argument_keyer(kinds)
+        return None if keyer is None else keyer(args)
 
     def layout(self, kernel, names: tuple[str, ...]) -> _Layout | None:
         if names not in self.layouts:
@@ -204,6 +246,9 @@ class _KernelTable:
 
 
 _get_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+# The current device without torch.cuda.current_device()'s lazy-initialisation check (~5 us per call on the lent
+# H100's host): a launch has CUDA tensors in hand, so CUDA is initialised.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def _record(kernel, compiled, args: tuple, kwargs: dict, options: tuple[str, ...] = ()):
@@ -247,10 +292,10 @@ def cache_key(kernel, device: int, args: tuple, kwargs: dict):
     layout = table.layout(kernel, tuple(kwargs))
     if layout is None:
         return None
-    try:
-        return device, tuple(map(argument_key, args)), layout.ident, layout.values(kwargs)
-    except _Uncached:
+    keys = table.argument_keys(args)
+    if keys is None:
         return None
+    return device, keys, layout.ident, layout.values(kwargs)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
@@ -275,18 +320,19 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
             _say_untested_once()
         kernel[grid](*args, **kwargs)
         return
-    device = torch.cuda.current_device()
+    device = _current_device()
     names = tuple(kwargs)
     layout = table.layouts.get(names, _NEW)
     if layout is _NEW:
         layout = table.layout(kernel, names)
-    if layout is None:
+    keys = None if layout is None else table.argument_keys(args)
+    if keys is None:
         kernel[grid](*args, **kwargs)
         return
     try:
-        key = (device, tuple(map(argument_key, args)), layout.ident, layout.values(kwargs))
+        key = (device, keys, layout.ident, layout.values(kwargs))
         entry = entries.get(key)
-    except (_Uncached, TypeError):  # TypeError: an unhashable keyword value
+    except TypeError:  # an unhashable keyword value
         kernel[grid](*args, **kwargs)
         return
     if entry is None:
