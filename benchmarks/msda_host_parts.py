@@ -87,10 +87,9 @@ def main() -> None:
         "  launch step: the current device (torch._C._cuda_getDevice)": _launch._current_device,
         "    instead of torch.cuda.current_device()": torch.cuda.current_device,
         "  launch step: the current stream": lambda: _launch._get_stream(device),
-        "  launch step: argument keys by the type layout's keyer": lambda: table.argument_keys(launch_args),
-        "    instead of argument_key per argument": lambda: tuple(map(_launch.argument_key, launch_args)),
+        "  launch step: argument keys (the type layout's keyer)": lambda: _launch.argument_keys(launch_args),
         "  launch step: key and table lookup": lambda: table.entries.get((
-            device, table.argument_keys(launch_args), layout.ident, layout.values(launch_kwargs))),
+            device, _launch.argument_keys(launch_args), layout.ident, layout.values(launch_kwargs))),
         "an empty autograd Function (save 5 tensors, allocate)": lambda: _EmptyFunction.apply(*leaves[:1], s, st,
                                                                                                *leaves[1:]),
     }

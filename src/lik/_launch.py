@@ -34,6 +34,7 @@ launcher attributes used here).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import warnings
@@ -44,7 +45,7 @@ import triton
 from triton.runtime.jit import JITFunction
 
 __all__ = [
-    "launch", "argument_key", "argument_keyer", "cache_key", "keyword_layout", "triton_version_tested", "TESTED_TRITON",
+    "launch", "argument_key", "argument_keyer", "argument_keys", "cache_key", "keyword_layout", "triton_version_tested", "TESTED_TRITON",
 ]
 
 _I32 = 2**31
@@ -60,26 +61,19 @@ def argument_key(arg):
 
     Ints map to a small code (bit 0: equals 1, bit 1: divisible by 16, bit 2: outside int32, bit 3: at least
     2**63), tensors to ``(dtype, 16-byte aligned)``, bools to ``("bool", value)``, floats to ``float``, ``None`` to
-    itself. Anything else raises ``_Uncached``.
+    itself. Anything else raises ``_Uncached``. (:func:`argument_keyer` holds the rules.)
 
     Example:
         >>> argument_key(32), argument_key(1), argument_key(2**40 + 3)
         (2, 1, 4)
     """
-    kind = arg.__class__
-    if kind is int:
-        return (arg == 1) | ((arg & 15) == 0) << 1 | (not -_I32 <= arg < _I32) << 2 | (arg >= _U64) << 3
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() & 15 == 0
-    if kind is bool:
-        return "bool", arg
-    if kind is float:
-        return float
-    if arg is None:
-        return None
-    raise _Uncached(kind.__name__)
+    keyer = argument_keyer((arg.__class__,))
+    if keyer is None:
+        raise _Uncached(arg.__class__.__name__)
+    return keyer((arg,))[0]
 
 
+@functools.lru_cache(maxsize=None)
 def argument_keyer(kinds: tuple[type, ...]):
     """A function computing :func:`argument_key` of every argument at once, for calls whose positional arguments
     have exactly the types ``kinds`` (None when one of them is not keyed).
@@ -111,6 +105,12 @@ def argument_keyer(kinds: tuple[type, ...]):
         else:
             return None
     return eval("lambda a: (" + "".join(part + ", " for part in parts) + ")", {"float": float})  # noqa: S307
+
+
+def argument_keys(args: tuple):
+    """Every positional argument's :func:`argument_key`, or None when one is not keyed."""
+    keyer = argument_keyer(tuple(map(type, args)))
+    return None if keyer is None else keyer(args)
 
 
 # Triton releases (major.minor) whose launcher the cached path replays correctly: the GPU tests of
@@ -221,21 +221,12 @@ class _KernelTable:
     Triton only (interpreted, or found uncacheable). Kept on the function itself (``_lik_launch_table``), so it
     lives and dies with it."""
 
-    __slots__ = ("entries", "layouts", "layout_ids", "keyers")
+    __slots__ = ("entries", "layouts", "layout_ids")
 
     def __init__(self, kernel):
         self.entries: dict | None = {} if isinstance(kernel, JITFunction) else None
         self.layouts: dict[tuple[str, ...], _Layout | None] = {}  # keyword names as passed -> their layout
         self.layout_ids: dict = {}  # explicit layout -> ident
-        self.keyers: dict = {}  # positional argument types -> argument_keyer (None: not keyed)
-
-    def argument_keys(self, args: tuple):
-        """Every positional argument's :func:`argument_key`, or None when one is not keyed."""
-        kinds = tuple(map(type, args))
-        keyer = self.keyers.get(kinds, _NEW)
-        if keyer is _NEW:
-            keyer = self.keyers[kinds] = argument_keyer(kinds)
-        return None if keyer is None else keyer(args)
 
     def layout(self, kernel, names: tuple[str, ...]) -> _Layout | None:
         if names not in self.layouts:
@@ -246,8 +237,8 @@ class _KernelTable:
 
 
 _get_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
-# The current device without torch.cuda.current_device()'s lazy-initialisation check (~5 us per call on the lent
-# H100's host): a launch has CUDA tensors in hand, so CUDA is initialised.
+# The current device without torch.cuda.current_device()'s lazy-initialisation check and Python wrapper: a launch
+# has CUDA tensors in hand, so CUDA is initialised.
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
@@ -292,7 +283,7 @@ def cache_key(kernel, device: int, args: tuple, kwargs: dict):
     layout = table.layout(kernel, tuple(kwargs))
     if layout is None:
         return None
-    keys = table.argument_keys(args)
+    keys = argument_keys(args)
     if keys is None:
         return None
     return device, keys, layout.ident, layout.values(kwargs)
@@ -325,7 +316,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     layout = table.layouts.get(names, _NEW)
     if layout is _NEW:
         layout = table.layout(kernel, names)
-    keys = None if layout is None else table.argument_keys(args)
+    keys = None if layout is None else argument_keys(args)
     if keys is None:
         kernel[grid](*args, **kwargs)
         return
