@@ -41,23 +41,28 @@ def test_int_key_separates_what_triton_specialises(value, code):
     assert argument_key(value) == code
 
 
-def test_tensor_key_is_dtype_and_alignment():
+def test_tensor_key_is_dtype_alignment_and_device():
     x = torch.zeros(64, dtype=torch.float16)
-    assert argument_key(x) == (torch.float16, True)
-    assert argument_key(x[1:]) == (torch.float16, False)  # 2 bytes past a 16-byte boundary
-    assert argument_key(x[8:]) == (torch.float16, True)
-    assert argument_key(x.float()) == (torch.float32, x.float().data_ptr() % 16 == 0)
+    assert argument_key(x) == (torch.float16, True, False)
+    assert argument_key(x[1:]) == (torch.float16, False, False)  # 2 bytes past a 16-byte boundary
+    assert argument_key(x[8:]) == (torch.float16, True, False)
+    assert argument_key(x.float()) == (torch.float32, x.float().data_ptr() % 16 == 0, False)
 
 
-def test_keyer_of_a_type_layout_gives_every_arguments_key():
-    """The generated keyer of a type layout equals argument_key argument by argument, for every kind of value;
-    a layout with a type argument_key refuses has no keyer."""
+def test_keyer_of_a_type_layout_gives_every_arguments_key_and_the_launchers_arguments():
+    """The generated keyer of a type layout equals argument_key argument by argument, for every kind of value,
+    and passes every argument on as given except tensors, which become their addresses; a layout with a type
+    argument_key refuses has no keyer."""
     x = torch.zeros(64, dtype=torch.float16)
     values = [x, x[1:], x[8:].float(), torch.nn.Parameter(torch.zeros(3)), 1, 0, -16, 32, 7, 2**31 - 1, 2**31,
               -(2**31), -(2**31) - 1, 2**63, 2**64 + 16, True, False, 0.5, None]
     keyer = argument_keyer(tuple(map(type, values)))
-    assert keyer(tuple(values)) == tuple(map(argument_key, values))
-    assert argument_keyer(())(()) == ()
+    keys, passed = keyer(tuple(values))
+    assert keys == tuple(map(argument_key, values))
+    expected = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+    assert list(passed) == expected and all(type(p) is type(e) for p, e in zip(passed, expected))
+    assert passed[1] == x.data_ptr() + 2
+    assert argument_keyer(())(()) == ((), ())
     assert argument_keyer((torch.Tensor, np.int64)) is None and argument_keyer((str,)) is None
 
 
@@ -165,7 +170,8 @@ def test_cached_path_records_then_replays_with_the_callers_options(monkeypatch):
     for _ in range(3):
         launch(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=2, num_stages=1)
     assert len(runs) == 1 and len(replays) == 2
-    assert replays[0] == (2, 1, 1, 99, 11, (), None, None, None, x, out, 32, 1, 2.0, 16, False)
+    # Tensors reach the launcher as their addresses.
+    assert replays[0] == (2, 1, 1, 99, 11, (), None, None, None, x.data_ptr(), out.data_ptr(), 32, 1, 2.0, 16, False)
     # Other options: a new key, so Triton's path runs (and here compiles with options the key does not match:
     # the record is refused and the kernel stays on Triton's path from then on).
     launch(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=4, num_stages=1)
@@ -233,6 +239,19 @@ def test_cached_kernel_is_the_one_tritons_binder_picks():
         cached = _table(scale_rows)[key]
         chosen = scale_rows.warmup(x, out, n, stride, 2.0, BLOCK=128, num_warps=4, grid=(1,), **flags)
         assert cached[1] == chosen.function, (n, stride, flags)
+
+
+@pytest.mark.gpu
+def test_a_host_tensor_gets_tritons_error_not_a_launch():
+    """The cached path hands addresses to the launcher without the driver query that rejects host memory, so a
+    CPU tensor must never match a recorded key: it takes Triton's path, which refuses it."""
+    x = torch.randn(256, device="cuda")
+    out = torch.empty_like(x)
+    launch(scale_rows, (2,), x, out, 256, 1, 1.0, BLOCK=128)
+    launch(scale_rows, (2,), x, out, 256, 1, 1.0, BLOCK=128)  # replayed
+    with pytest.raises((ValueError, RuntimeError), match="(?i)cpu"):
+        launch(scale_rows, (2,), x.cpu(), out, 256, 1, 1.0, BLOCK=128)
+    torch.cuda.synchronize()  # the context is still usable
 
 
 @pytest.mark.gpu

@@ -7,11 +7,11 @@ small calls (a Deformable-DETR decoder layer, a short-document rerank, a ColBERT
 most of the call.
 
 :func:`launch` keeps, per kernel, a table from a cheap key of the arguments to the kernel Triton compiled for
-them. The key is at least as fine as Triton's own specialisation: a tensor's dtype and whether its address is
-16-byte aligned; for an int, whether it equals 1, whether it is divisible by 16 and which integer width holds it;
-a bool's or constexpr's exact value; the launch options. So a hit can only reuse the kernel that Triton's binder
-would have chosen (``tests/test_launch.py`` checks that against the binder on the GPU). A miss launches through
-``kernel[grid](...)``, compiling if needed, and records what it ran.
+them. The key is at least as fine as Triton's own specialisation: a tensor's dtype, whether its address is
+16-byte aligned and whether it is on a CUDA device; for an int, whether it equals 1, whether it is divisible by
+16 and which integer width holds it; a bool's or constexpr's exact value; the launch options. So a hit can only
+reuse the kernel that Triton's binder would have chosen (``tests/test_launch.py`` checks that against the binder
+on the GPU). A miss launches through ``kernel[grid](...)``, compiling if needed, and records what it ran.
 
 The key names the launch configuration explicitly: besides the device and the argument keys it holds every
 keyword of the call in a fixed order, the kernel's constexpr parameters in declaration order, then the launch
@@ -20,9 +20,11 @@ out takes Triton's default, and is named as left out). A keyword that is neither
 makes the call uncached. When a kernel is first recorded, the options Triton compiled it with (its own metadata)
 must equal the ones the caller passed, or the kernel stays on Triton's path.
 
-Replaying a compiled kernel uses Triton's launcher by position, which is private API: the cached path runs only on
-the Triton versions in :data:`TESTED_TRITON` (those the GPU equivalence tests in ``tests/test_launch.py`` passed
-on). On any other version every launch takes Triton's own path and the first one says so once
+A hit calls Triton's compiled launcher by position, each tensor given as its address: the key has read it
+already, and given the tensor the launcher would read it again and ask the driver about it (a check that only
+rejects host memory, which the key sends to Triton's path). That launcher is private API: the cached path runs
+only on the Triton versions in :data:`TESTED_TRITON` (those the GPU equivalence tests in ``tests/test_launch.py``
+passed on). On any other version every launch takes Triton's own path and the first one says so once
 (``warnings.warn``); set ``lik._launch.ENABLED = True`` to try the cached path there anyway.
 
 Triton's own path is also taken under the interpreter (``TRITON_INTERPRET=1``), while a Triton launch hook is
@@ -60,8 +62,8 @@ def argument_key(arg):
     """The part of one positional argument that can change which compiled kernel Triton picks.
 
     Ints map to a small code (bit 0: equals 1, bit 1: divisible by 16, bit 2: outside int32, bit 3: at least
-    2**63), tensors to ``(dtype, 16-byte aligned)``, bools to ``("bool", value)``, floats to ``float``, ``None`` to
-    itself. Anything else raises ``_Uncached``. (:func:`argument_keyer` holds the rules.)
+    2**63), tensors to ``(dtype, 16-byte aligned, on a CUDA device)``, bools to ``("bool", value)``, floats to
+    ``float``, ``None`` to itself. Anything else raises ``_Uncached``. (:func:`argument_keyer` holds the rules.)
 
     Example:
         >>> argument_key(32), argument_key(1), argument_key(2**40 + 3)
@@ -70,13 +72,15 @@ def argument_key(arg):
     keyer = argument_keyer((arg.__class__,))
     if keyer is None:
         raise _Uncached(arg.__class__.__name__)
-    return keyer((arg,))[0]
+    return keyer((arg,))[0][0]
 
 
 @functools.lru_cache(maxsize=None)
 def argument_keyer(kinds: tuple[type, ...]):
-    """A function computing :func:`argument_key` of every argument at once, for calls whose positional arguments
-    have exactly the types ``kinds`` (None when one of them is not keyed).
+    """A function of the positional arguments returning ``(keys, launch_args)``, for calls whose arguments have
+    exactly the types ``kinds`` (None when one of them is not keyed): ``keys`` holds every argument's
+    :func:`argument_key`, ``launch_args`` the arguments as Triton's compiled launcher takes them, each tensor
+    replaced by its data address.
 
     ``launch`` runs on every call of every kernel; dispatching on each argument's type inside one Python call per
     argument cost a few microseconds per launch, so the dispatch is done once per type layout and its result is
@@ -84,33 +88,37 @@ def argument_keyer(kinds: tuple[type, ...]):
 
     Example:
         >>> keyer = argument_keyer((torch.Tensor, int))
-        >>> keyer((torch.zeros(4), 32)) == (argument_key(torch.zeros(4)), argument_key(32))
+        >>> x = torch.zeros(4)
+        >>> keyer((x, 32)) == ((argument_key(x), argument_key(32)), (x.data_ptr(), 32))
         True
     """
-    parts = []
+    keys, passed = [], []
     for i, kind in enumerate(kinds):
         arg = f"a[{i}]"
+        passed.append(arg)
         if kind is int:
-            parts.append(
+            keys.append(
                 f"({arg} == 1) | (({arg} & 15) == 0) << 1 | (not {-_I32} <= {arg} < {_I32}) << 2 | ({arg} >= {_U64}) << 3"
             )
         elif issubclass(kind, torch.Tensor):
-            parts.append(f"({arg}.dtype, {arg}.data_ptr() & 15 == 0)")
+            keys.append(f"({arg}.dtype, (p{i} := {arg}.data_ptr()) & 15 == 0, {arg}.is_cuda)")
+            passed[-1] = f"p{i}"  # bound by the key's expression, which is evaluated first
         elif kind is bool:
-            parts.append(f"('bool', {arg})")
+            keys.append(f"('bool', {arg})")
         elif kind is float:
-            parts.append("float")
+            keys.append("float")
         elif kind is type(None):
-            parts.append("None")
+            keys.append("None")
         else:
             return None
-    return eval("lambda a: (" + "".join(part + ", " for part in parts) + ")", {"float": float})  # noqa: S307
+    listed = lambda parts: "(" + "".join(part + ", " for part in parts) + ")"  # noqa: E731
+    return eval(f"lambda a: ({listed(keys)}, {listed(passed)})", {"float": float})  # noqa: S307
 
 
 def argument_keys(args: tuple):
     """Every positional argument's :func:`argument_key`, or None when one is not keyed."""
     keyer = argument_keyer(tuple(map(type, args)))
-    return None if keyer is None else keyer(args)
+    return None if keyer is None else keyer(args)[0]
 
 
 # Triton releases (major.minor) whose launcher the cached path replays correctly: the GPU tests of
@@ -316,10 +324,11 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     layout = table.layouts.get(names, _NEW)
     if layout is _NEW:
         layout = table.layout(kernel, names)
-    keys = None if layout is None else argument_keys(args)
-    if keys is None:
+    keyer = None if layout is None else argument_keyer(tuple(map(type, args)))
+    if keyer is None:
         kernel[grid](*args, **kwargs)
         return
+    keys, launch_args = keyer(args)
     try:
         key = (device, keys, layout.ident, layout.values(kwargs))
         entry = entries.get(key)
@@ -337,4 +346,4 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     run, function, packed, tail = entry
     n = len(grid)
     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), function, packed,
-        None, None, None, *args, *tail)
+        None, None, None, *launch_args, *tail)
