@@ -1,11 +1,17 @@
-"""Where a decoder-sized deformable-attention forward spends its host time, piece by piece, on the device's host.
+"""Where a decoder-sized deformable-attention call spends its host time, piece by piece, on the device's host.
 
-Each row is the host time per call of 200 calls without synchronising (``host_profile.host_us``: what a loop of
-these calls costs when the CPU, not the GPU, is the limit), decoder scale (N 4 at 800x1333, 300 queries, fp32,
-realistic sampling). lik's public call is taken apart down to Triton's launcher; the original Deformable-DETR op
-(built from its source, ``msda_original_op.py``) down to its C++ forward. Usage on the device::
+Each row is the host time per call of 300 calls without synchronising (``host_profile.host_us``: what a loop of
+these calls costs when the CPU, not the GPU, is the limit), median of five loops. The forward is taken apart at
+decoder scale (N 4 at 800x1333, 300 queries, fp32, realistic sampling), where its device time is below its host
+time; the backward, whose device time at that scale is above its host time, on a tiny problem with the same code
+path (N 1, two small levels, 16 queries), so that the loop times the host alone. lik's public call is taken apart
+down to Triton's launcher (replayed with tensors and with their addresses, as ``lik._launch`` passes them); the
+original Deformable-DETR op (built from its source, ``msda_original_op.py``) down to its C++ calls. With
+``--rounds K`` the decoder forward and backward of lik and the op are also timed by ``do_bench`` (L2 flushed, as
+``msda_vs_cuda.py``) in K alternating rounds. Usage on the device::
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/msda_host_parts.py --original-src /path/to/Deformable-DETR --out $OUT
+    PYTHONPATH=src:benchmarks python3 benchmarks/msda_host_parts.py --original-src /path/to/Deformable-DETR \
+        --rounds 5 --out $OUT
 """
 
 from __future__ import annotations
@@ -21,14 +27,21 @@ import triton
 import lik
 from host_profile import host_us  # benchmarks/ is the script's directory, so on sys.path
 from lik import _launch
+from lik.ops.msda import backward as msda_backward_module
 from lik.ops.msda import forward as msda_forward_module
 from lik.ops.msda.validation import check_inputs
 from msda_bench import DECODER, make_problem
 from msda_original_op import load_original_op
 
 
+TINY = dict(name="tiny", n=1, hw=[(8, 12), (4, 6)], queries=16)
+
+
 class _EmptyFunction(torch.autograd.Function):
-    """An autograd Function that only allocates its output: the bookkeeping any Function-based op pays."""
+    """An autograd Function that only allocates its output and hands back the gradients in ``grads`` (made in
+    advance): the bookkeeping any Function-based op pays, forward and backward."""
+
+    grads: tuple = ()
 
     @staticmethod
     def forward(ctx, value, shapes, starts, loc, attn):
@@ -36,42 +49,55 @@ class _EmptyFunction(torch.autograd.Function):
         return torch.empty((loc.shape[0], loc.shape[1], value.shape[2] * value.shape[3]), device=value.device)
 
     @staticmethod
-    def backward(ctx, grad):  # pragma: no cover - never called here
-        return None, None, None, None, None
+    def backward(ctx, grad):
+        ctx.saved_tensors  # noqa: B018 - unpacked as a real backward does
+        grad_value, grad_loc, grad_attn = _EmptyFunction.grads
+        return grad_value, None, None, grad_loc, grad_attn
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--original-src", default=os.environ.get("LIK_ORIGINAL_MSDA_SRC"))
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
+def capture_launch(module, call):
+    """Run ``call`` once with ``module.launch`` wrapped; the first launch it made as ``(kernel, grid, args,
+    kwargs)``, and a function replaying it through Triton's compiled launcher alone (with tensors, or with their
+    addresses as ``lik._launch`` passes them)."""
+    captured = []
+    real_launch = module.launch
+
+    def capture(kernel, grid, *a, **k):
+        captured.append((kernel, grid, a, k))
+        return real_launch(kernel, grid, *a, **k)
+
+    module.launch = capture
+    try:
+        call()
+        call()  # recorded by the first, replayed by the second
+    finally:
+        module.launch = real_launch
+    kernel, grid, args, kwargs = captured[0]
+    table = kernel._lik_launch_table
+    layout = table.layouts[tuple(kwargs)]
+    device = torch.cuda.current_device()
+    run, function, packed, tail = table.entries[(device, _launch.argument_keys(args), layout.ident,
+                                                 layout.values(kwargs))]
+    stream = _launch._get_stream(device)
+    addresses = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+
+    def replay(launch_args):
+        return lambda: run(*grid, stream, function, packed, None, None, None, *launch_args, *tail)
+
+    return (kernel, grid, args, kwargs), replay(args), replay(addresses)
+
+
+def forward_parts(original) -> dict:
     p = make_problem(DECODER, "realistic", torch.float32)
     v, s, st, lc, w = (p[k] for k in ("value", "shapes", "starts", "loc", "weights"))
     leaves = [t.detach().clone().requires_grad_() for t in (v, lc, w)]
     out_shape = (lc.shape[0], lc.shape[1], v.shape[2] * v.shape[3])
-
-    # The exact launch msda_forward makes, captured once, to replay its parts.
-    captured = {}
-    real_launch = msda_forward_module.launch
-
-    def capture(kernel, grid, *a, **k):
-        captured.update(kernel=kernel, grid=grid, args=a, kwargs=k)
-        return real_launch(kernel, grid, *a, **k)
-
-    msda_forward_module.launch = capture
-    msda_forward_module.msda_forward(v, s, st, lc, w)
-    msda_forward_module.launch = real_launch
-    kernel, grid, launch_args, launch_kwargs = (captured[k] for k in ("kernel", "grid", "args", "kwargs"))
-    (entry,) = kernel._lik_launch_table.entries.values()
-    run, function, packed, tail = entry
+    (kernel, grid, launch_args, launch_kwargs), with_tensors, with_addresses = capture_launch(
+        msda_forward_module, lambda: msda_forward_module.msda_forward(v, s, st, lc, w))
     device = torch.cuda.current_device()
-    stream = _launch._get_stream(device)
     table = kernel._lik_launch_table
     layout = table.layouts[tuple(launch_kwargs)]
-
-    def triton_launcher():
-        run(grid[0], grid[1], 1, stream, function, packed, None, None, None, *launch_args, *tail)
-
     parts = {
         "lik.ms_deform_attn, inputs require grad (autograd Function)": lambda: lik.ms_deform_attn(
             leaves[0], s, st, leaves[1], leaves[2]),
@@ -82,33 +108,100 @@ def main() -> None:
         "torch.empty of the output": lambda: torch.empty(out_shape, device=v.device),
         "lik._launch.launch (key + Triton's launcher)": lambda: _launch.launch(kernel, grid, *launch_args,
                                                                                  **launch_kwargs),
-        "Triton's compiled launcher alone (replayed by position)": triton_launcher,
+        "Triton's compiled launcher alone, tensors": with_tensors,
+        "Triton's compiled launcher alone, addresses": with_addresses,
         "  launch step: _launch._hooks_installed()": _launch._hooks_installed,
         "  launch step: the current device (torch._C._cuda_getDevice)": _launch._current_device,
-        "    instead of torch.cuda.current_device()": torch.cuda.current_device,
         "  launch step: the current stream": lambda: _launch._get_stream(device),
-        "  launch step: argument keys (the type layout's keyer)": lambda: _launch.argument_keys(launch_args),
+        "  launch step: argument keys and addresses (the type layout's keyer)": lambda: _launch.argument_keyer(
+            tuple(map(type, launch_args)))(launch_args),
         "  launch step: key and table lookup": lambda: table.entries.get((
             device, _launch.argument_keys(launch_args), layout.ident, layout.values(launch_kwargs))),
         "an empty autograd Function (save 5 tensors, allocate)": lambda: _EmptyFunction.apply(*leaves[:1], s, st,
                                                                                                *leaves[1:]),
     }
-    if args.original_src:
-        original = load_original_op(args.original_src)
+    if original is not None:
         cpp = sys.modules["MultiScaleDeformableAttention"]
         parts["original op, inputs require grad (its autograd Function)"] = lambda: original.apply(
             leaves[0], s, st, leaves[1], leaves[2], 64)
         parts["original op's C++ forward alone (zeros + launch)"] = lambda: cpp.ms_deform_attn_forward(
             v, s, st, lc, w, 64)
+    return parts
+
+
+def backward_parts(original) -> dict:
+    p = make_problem(TINY, "realistic", torch.float32)
+    v, s, st, lc, w, g = (p[k] for k in ("value", "shapes", "starts", "loc", "weights", "grad"))
+    leaves = [t.detach().clone().requires_grad_() for t in (v, lc, w)]
+    out = lik.ms_deform_attn(leaves[0], s, st, leaves[1], leaves[2])
+    _EmptyFunction.grads = tuple(torch.zeros_like(t) for t in leaves)
+    empty_out = _EmptyFunction.apply(leaves[0], s, st, leaves[1], leaves[2])
+    (kernel, grid, launch_args, launch_kwargs), with_tensors, with_addresses = capture_launch(
+        msda_backward_module, lambda: msda_backward_module.msda_backward(g, v, s, st, lc, w, deterministic=False))
+    parts = {
+        "backward: lik, autograd.grad": lambda: torch.autograd.grad(out, leaves, g, retain_graph=True),
+        "backward: an empty autograd Function, autograd.grad": lambda: torch.autograd.grad(
+            empty_out, leaves, g, retain_graph=True),
+        "backward: msda_backward (validated inputs: allocate, config, launch)": lambda: (
+            msda_backward_module.msda_backward(g, v, s, st, lc, w, deterministic=False)),
+        "backward: torch.zeros of the fp32 value gradient": lambda: torch.zeros(
+            v.shape, dtype=torch.float32, device=v.device),
+        "backward: torch.empty_like of the location gradient": lambda: torch.empty_like(lc),
+        "backward: lik._launch.launch (key + Triton's launcher)": lambda: _launch.launch(
+            kernel, grid, *launch_args, **launch_kwargs),
+        "backward: Triton's compiled launcher alone, tensors": with_tensors,
+        "backward: Triton's compiled launcher alone, addresses": with_addresses,
+    }
+    if original is not None:
+        cpp = sys.modules["MultiScaleDeformableAttention"]
+        op_out = original.apply(leaves[0], s, st, leaves[1], leaves[2], 64)
+        parts["backward: original op, autograd.grad"] = lambda: torch.autograd.grad(
+            op_out, leaves, g, retain_graph=True)
+        parts["backward: original op's C++ backward alone (zeros + launch)"] = lambda: cpp.ms_deform_attn_backward(
+            v, s, st, lc, w, g, 64)
+    return parts
+
+
+def rounds(original, count: int) -> dict:
+    """``do_bench`` medians (L2 flushed) of the decoder forward and backward, lik and the op alternating."""
+    p = make_problem(DECODER, "realistic", torch.float32)
+    s, st, g = p["shapes"], p["starts"], p["grad"]
+    leaves = [p[k].detach().clone().requires_grad_() for k in ("value", "loc", "weights")]
+    methods = {"lik": lambda v, lc, w: lik.ms_deform_attn(v, s, st, lc, w)}
+    if original is not None:
+        methods["cuda-op"] = lambda v, lc, w: original.apply(v, s, st, lc, w, 64)
+    bench = lambda f: triton.testing.do_bench(f, return_mode="median")  # noqa: E731
+    times = {f"{name} {phase}": [] for name in methods for phase in ("fwd", "bwd")}
+    outs = {name: fn(*leaves) for name, fn in methods.items()}
+    for _ in range(count):
+        for name, fn in methods.items():
+            times[f"{name} fwd"].append(bench(lambda: fn(*leaves)))
+            times[f"{name} bwd"].append(bench(lambda: torch.autograd.grad(outs[name], leaves, g, retain_graph=True)))
+        print("  ".join(f"{k} {v[-1] * 1e3:.1f} us" for k, v in times.items()), flush=True)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--original-src", default=os.environ.get("LIK_ORIGINAL_MSDA_SRC"))
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--rounds", type=int, default=0, help="alternating do_bench rounds at decoder scale")
+    args = parser.parse_args()
+    original = load_original_op(args.original_src) if args.original_src else None
     rows = {}
-    for name, fn in parts.items():
-        rows[name] = sorted(host_us(fn, 300) for _ in range(5))[2]
-        print(f"{rows[name]:7.1f} us  {name}", flush=True)
+    for parts in (forward_parts(original), backward_parts(original)):
+        for name, fn in parts.items():
+            rows[name] = sorted(host_us(fn, 300) for _ in range(5))[2]
+            print(f"{rows[name]:7.1f} us  {name}", flush=True)
+    timed = rounds(original, args.rounds) if args.rounds else {}
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 commit=os.environ.get("LIK_COMMIT", "unknown"), python=sys.version.split()[0])
     with open(os.path.join(args.out, "msda_host_parts.json"), "w") as fh:
-        json.dump(dict(meta=meta, host_us=rows), fh, indent=1)
+        json.dump(dict(meta=meta, host_us=rows, do_bench_ms=timed), fh, indent=1)
     print(json.dumps(meta))
+    for name, values in timed.items():
+        print(f"{name:12} do_bench median of rounds {sorted(values)[len(values) // 2] * 1e3:6.1f} us "
+              f"(rounds {', '.join(f'{v * 1e3:.1f}' for v in values)})")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ SIZES_MB = {
     # the packed corpora of VARLEN.md (varlen_bench.py: bytes of the real tokens; floors 4.0 / 7.1 / 23.7 us
     # at 4.24 TB/s)
     "varlen corpus ragged": 17.0, "varlen corpus hotpotqa": 30.1, "varlen corpus uniform": 100.5,
+    # 8-bit corpora (BENCHMARKS.md, 8-bit): 1-byte rows plus one fp32 scale per token, 300-token documents
+    "8-bit textual B 1000": 1000 * 300 * 132 / 1e6, "8-bit textual B 10000": 10000 * 300 * 132 / 1e6,
 }
 BLOCKS = (16384, 4096)  # fp16 elements per program (32 KB, 8 KB): the faster one is reported
 
