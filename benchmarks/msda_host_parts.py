@@ -29,6 +29,7 @@ from host_profile import host_us  # benchmarks/ is the script's directory, so on
 from lik import _launch
 from lik.ops.msda import backward as msda_backward_module
 from lik.ops.msda import forward as msda_forward_module
+from lik.ops.msda.function import MSDeformAttnFunction
 from lik.ops.msda.validation import check_inputs
 from msda_bench import DECODER, make_problem
 from msda_original_op import load_original_op
@@ -152,14 +153,53 @@ def backward_parts(original) -> dict:
         "backward: Triton's compiled launcher alone, tensors": with_tensors,
         "backward: Triton's compiled launcher alone, addresses": with_addresses,
     }
+    ctx = _SavedContext((v, s, st, lc, w))
+    parts["backward: lik's Function.backward called directly"] = lambda: MSDeformAttnFunction.backward(ctx, g)
     if original is not None:
         cpp = sys.modules["MultiScaleDeformableAttention"]
         op_out = original.apply(leaves[0], s, st, leaves[1], leaves[2], 64)
         parts["backward: original op, autograd.grad"] = lambda: torch.autograd.grad(
             op_out, leaves, g, retain_graph=True)
+        parts["backward: original op's Function.backward called directly"] = lambda: original.backward(ctx, g)
         parts["backward: original op's C++ backward alone (zeros + launch)"] = lambda: cpp.ms_deform_attn_backward(
             v, s, st, lc, w, g, 64)
     return parts
+
+
+class _SavedContext:
+    """What a Function's backward reads from its ``ctx``, for calling it outside the autograd engine."""
+
+    def __init__(self, saved):
+        self.saved_tensors = saved
+        self.needs_input_grad = (True, False, False, True, True, False)
+        self.kernels = True
+        self.im2col_step = 64
+
+
+def backward_trace(original, out_dir: str) -> dict:
+    """torch.profiler's host-side view of 50 backward calls on the tiny problem, lik and the op: the table of
+    operators by self CPU time, and a Chrome trace of each (threads included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = make_problem(TINY, "realistic", torch.float32)
+    s, st, g = p["shapes"], p["starts"], p["grad"]
+    leaves = [p[k].detach().clone().requires_grad_() for k in ("value", "loc", "weights")]
+    outs = {"lik": lik.ms_deform_attn(leaves[0], s, st, leaves[1], leaves[2])}
+    if original is not None:
+        outs["cuda-op"] = original.apply(leaves[0], s, st, leaves[1], leaves[2], 64)
+    tables = {}
+    for name, out in outs.items():
+        for _ in range(20):
+            torch.autograd.grad(out, leaves, g, retain_graph=True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(50):
+                torch.autograd.grad(out, leaves, g, retain_graph=True)
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(os.path.join(out_dir, f"msda_backward_trace_{name}.json"))
+        tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        print(f"--- {name}: 50 backward calls (autograd.grad, tiny problem)\n{tables[name]}", flush=True)
+    return tables
 
 
 def rounds(original, count: int) -> dict:
@@ -186,6 +226,7 @@ def main() -> None:
     parser.add_argument("--original-src", default=os.environ.get("LIK_ORIGINAL_MSDA_SRC"))
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--rounds", type=int, default=0, help="alternating do_bench rounds at decoder scale")
+    parser.add_argument("--trace", action="store_true", help="torch.profiler tables and traces of the backward")
     args = parser.parse_args()
     original = load_original_op(args.original_src) if args.original_src else None
     rows = {}
@@ -193,11 +234,12 @@ def main() -> None:
         for name, fn in parts.items():
             rows[name] = sorted(host_us(fn, 300) for _ in range(5))[2]
             print(f"{rows[name]:7.1f} us  {name}", flush=True)
+    traces = backward_trace(original, args.out) if args.trace else {}
     timed = rounds(original, args.rounds) if args.rounds else {}
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 commit=os.environ.get("LIK_COMMIT", "unknown"), python=sys.version.split()[0])
     with open(os.path.join(args.out, "msda_host_parts.json"), "w") as fh:
-        json.dump(dict(meta=meta, host_us=rows, do_bench_ms=timed), fh, indent=1)
+        json.dump(dict(meta=meta, host_us=rows, do_bench_ms=timed, backward_tables=traces), fh, indent=1)
     print(json.dumps(meta))
     for name, values in timed.items():
         print(f"{name:12} do_bench median of rounds {sorted(values)[len(values) // 2] * 1e3:6.1f} us "
