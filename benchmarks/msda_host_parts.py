@@ -176,6 +176,66 @@ class _SavedContext:
         self.im2col_step = 64
 
 
+def engine_split(original) -> dict:
+    """Where one ``autograd.grad`` of the tiny problem spends its host time, for lik and the op: from the call to
+    the start of the kernel-side backward (engine, Function wrapper, ``ctx`` unpacking), that backward (lik's
+    ``_backward_kernels``, the op's C++ ``ms_deform_attn_backward``), and from its end to the call's return.
+    Medians of 300 calls, microseconds."""
+    import time
+
+    from lik.ops.msda import function as function_module
+
+    p = make_problem(TINY, "realistic", torch.float32)
+    s, st, g = p["shapes"], p["starts"], p["grad"]
+    leaves = [p[k].detach().clone().requires_grad_() for k in ("value", "loc", "weights")]
+    stamps = []
+
+    def stamped(fn):
+        def call(*args):
+            stamps.append(time.perf_counter())
+            result = fn(*args)
+            stamps.append(time.perf_counter())
+            return result
+        return call
+
+    class _Proxy:
+        def __init__(self, module):
+            self.module = module
+            self.ms_deform_attn_backward = stamped(module.ms_deform_attn_backward)
+
+        def __getattr__(self, name):
+            return getattr(self.module, name)
+
+    targets = {"lik": (function_module.__dict__, "_backward_kernels",
+                       lambda: lik.ms_deform_attn(leaves[0], s, st, leaves[1], leaves[2]))}
+    if original is not None:
+        globals_ = original.backward.__globals__ if hasattr(original.backward, "__globals__") else None
+        if globals_ is None or "MSDA" not in globals_:  # once_differentiable's wrapper: its wrapped function
+            globals_ = original.backward.__wrapped__.__globals__
+        targets["cuda-op"] = (globals_, "MSDA", lambda: original.apply(leaves[0], s, st, leaves[1], leaves[2], 64))
+    split = {}
+    for name, (namespace, attr, forward) in targets.items():
+        out = forward()
+        real = namespace[attr]
+        namespace[attr] = _Proxy(real) if attr == "MSDA" else stamped(real)
+        try:
+            rows = []
+            for i in range(330):
+                stamps.clear()
+                began = time.perf_counter()
+                torch.autograd.grad(out, leaves, g, retain_graph=True)
+                ended = time.perf_counter()
+                if i >= 30:
+                    rows.append((stamps[0] - began, stamps[1] - stamps[0], ended - stamps[1], ended - began))
+        finally:
+            namespace[attr] = real
+        torch.cuda.synchronize()
+        medians = [sorted(column)[len(column) // 2] * 1e6 for column in zip(*rows)]
+        split[name] = dict(zip(("before_us", "kernel_backward_us", "after_us", "total_us"), medians))
+        print(f"engine split {name:8} " + "  ".join(f"{k} {v:6.1f}" for k, v in split[name].items()), flush=True)
+    return split
+
+
 def backward_trace(original, out_dir: str) -> dict:
     """torch.profiler's host-side view of 50 backward calls on the tiny problem, lik and the op: the table of
     operators by self CPU time, and a Chrome trace of each (threads included)."""
@@ -234,12 +294,13 @@ def main() -> None:
         for name, fn in parts.items():
             rows[name] = sorted(host_us(fn, 300) for _ in range(5))[2]
             print(f"{rows[name]:7.1f} us  {name}", flush=True)
+    split = engine_split(original)
     traces = backward_trace(original, args.out) if args.trace else {}
     timed = rounds(original, args.rounds) if args.rounds else {}
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 commit=os.environ.get("LIK_COMMIT", "unknown"), python=sys.version.split()[0])
     with open(os.path.join(args.out, "msda_host_parts.json"), "w") as fh:
-        json.dump(dict(meta=meta, host_us=rows, do_bench_ms=timed, backward_tables=traces), fh, indent=1)
+        json.dump(dict(meta=meta, host_us=rows, do_bench_ms=timed, engine_split=split, backward_tables=traces), fh, indent=1)
     print(json.dumps(meta))
     for name, values in timed.items():
         print(f"{name:12} do_bench median of rounds {sorted(values)[len(values) // 2] * 1e3:6.1f} us "
