@@ -66,6 +66,26 @@ def test_keyer_of_a_type_layout_gives_every_arguments_key_and_the_launchers_argu
     assert argument_keyer((torch.Tensor, np.int64)) is None and argument_keyer((str,)) is None
 
 
+def test_int_keys_are_remembered_within_a_bound(monkeypatch):
+    """Int keys come from a memo of computed keys; it gives the computed key for remembered and new values alike
+    and stops growing at its bound."""
+    memo = _launch._INT_KEYS  # the generated keyers hold this very dict
+    saved = dict(memo)
+    memo.clear()
+    monkeypatch.setattr(_launch, "_INT_KEYS_MAX", 8)
+    try:
+        keyer = argument_keyer((int,))
+        for value in [*range(-3, 20), 2**31, 2**63, 1, 16, 2**31]:
+            expected = ((value == 1) | ((value % 16) == 0) << 1 | (not -(2**31) <= value < 2**31) << 2
+                        | (value >= 2**63) << 3)
+            assert keyer((value,))[0] == (expected,)
+            assert _launch._int_key(value) == expected
+        assert list(memo) == list(range(-3, 5))
+    finally:
+        memo.clear()
+        memo.update(saved)
+
+
 def test_other_keys():
     assert argument_key(True) == ("bool", True) != argument_key(1)
     assert argument_key(False) == ("bool", False) != argument_key(0)

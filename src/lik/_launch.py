@@ -63,7 +63,8 @@ def argument_key(arg):
 
     Ints map to a small code (bit 0: equals 1, bit 1: divisible by 16, bit 2: outside int32, bit 3: at least
     2**63), tensors to ``(dtype, 16-byte aligned, on a CUDA device)``, bools to ``("bool", value)``, floats to
-    ``float``, ``None`` to itself. Anything else raises ``_Uncached``. (:func:`argument_keyer` holds the rules.)
+    ``float``, ``None`` to itself. Anything else raises ``_Uncached``. (:func:`argument_keyer` holds the rules,
+    :func:`_int_key` the ints'.)
 
     Example:
         >>> argument_key(32), argument_key(1), argument_key(2**40 + 3)
@@ -97,9 +98,7 @@ def argument_keyer(kinds: tuple[type, ...]):
         arg = f"a[{i}]"
         passed.append(arg)
         if kind is int:
-            keys.append(
-                f"({arg} == 1) | (({arg} & 15) == 0) << 1 | (not {-_I32} <= {arg} < {_I32}) << 2 | ({arg} >= {_U64}) << 3"
-            )
+            keys.append(f"(K[{arg}] if {arg} in K else int_key({arg}))")
         elif issubclass(kind, torch.Tensor):
             keys.append(f"({arg}.dtype, (p{i} := {arg}.data_ptr()) & 15 == 0, {arg}.is_cuda)")
             passed[-1] = f"p{i}"  # bound by the key's expression, which is evaluated first
@@ -112,7 +111,22 @@ def argument_keyer(kinds: tuple[type, ...]):
         else:
             return None
     listed = lambda parts: "(" + "".join(part + ", " for part in parts) + ")"  # noqa: E731
-    return eval(f"lambda a: ({listed(keys)}, {listed(passed)})", {"float": float})  # noqa: S307
+    return eval(f"lambda a: ({listed(keys)}, {listed(passed)})",  # noqa: S307
+                {"float": float, "K": _INT_KEYS, "int_key": _int_key})
+
+
+# An int's key, computed once per value: two dict operations cost less than the four tests (an int key is
+# computed for every scalar argument of every launch). Bounded, so a stream of distinct values cannot grow it.
+_INT_KEYS: dict[int, int] = {}
+_INT_KEYS_MAX = 1 << 16
+
+
+def _int_key(value: int) -> int:
+    """bit 0: equals 1, bit 1: divisible by 16, bit 2: outside int32, bit 3: at least 2**63 (uint64)."""
+    key = (value == 1) | ((value & 15) == 0) << 1 | (not -_I32 <= value < _I32) << 2 | (value >= _U64) << 3
+    if len(_INT_KEYS) < _INT_KEYS_MAX:
+        _INT_KEYS[value] = key
+    return key
 
 
 def argument_keys(args: tuple):
@@ -212,13 +226,17 @@ class _Layout:
 
 def _hooks_installed() -> bool:
     if _KNOBS is not None:
-        hooks = (_KNOBS.runtime.launch_enter_hook, _KNOBS.runtime.launch_exit_hook)
+        runtime = _KNOBS.runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     else:  # Triton before 3.4 keeps the hooks on CompiledKernel
         from triton.compiler import CompiledKernel
 
-        hooks = (getattr(CompiledKernel, "launch_enter_hook", None), getattr(CompiledKernel, "launch_exit_hook", None))
-    # Triton 3.6 holds hooks in a (possibly empty) HookChain, older versions a callable or None.
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+        enter = getattr(CompiledKernel, "launch_enter_hook", None)
+        leave = getattr(CompiledKernel, "launch_exit_hook", None)
+    # Triton 3.6 holds hooks in a (possibly empty) HookChain, older versions a callable or None. Written out
+    # rather than as a generator: this runs on every launch.
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (leave is not None and getattr(leave, "calls", True)))
 
 
 _NEW = object()  # a keyword layout not seen yet for this kernel
