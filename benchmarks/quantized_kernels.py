@@ -1,12 +1,13 @@
 """Device time per call, kernel by kernel, of the 8-bit scorers at the memory-bound textual cells.
 
-    PYTHONPATH=src python3 benchmarks/quantized_kernels.py [--out $OUT]
+    PYTHONPATH=src:benchmarks python3 benchmarks/quantized_kernels.py [--out $OUT]
 
 ``lik bench`` reports ``do_bench`` medians (L2 flushed), which include the launch and the gap between the start
 event and the first kernel. This lists, for lik fp16 / int8 / fp8, flash-maxsim's int8x8 and
 late-interaction-kernels' fp8 (each on the operands its own quantizer made, as in ``lik bench``), the kernels one
 call launches and their summed device time (torch.profiler, 20 calls, L2 flushed before each), beside the same
-run's ``do_bench`` median. Writes ``quantized_kernels.json``.
+run's ``do_bench`` median and that of a kernel that only reads the 8-bit corpus's bytes (``read_ceiling.py``'s).
+Writes ``quantized_kernels.json``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 from lik.bench.measure import make_inputs
 from lik.bench.methods import METHODS
 from lik.bench.shapes import Shape
+from read_ceiling import BLOCKS, read_kernel  # benchmarks/ is the script's directory, so on sys.path
 
 NAMES = ("lik", "lik-int8", "lik-fp8", "flash-maxsim-int8x8", "late-interaction-kernels-fp8")
 CALLS = 20
@@ -72,14 +74,26 @@ def main():
     for b in (1000, 10000):
         shape = Shape("forward", "textual", 1, 32, 300, b)
         (Q, D), = make_inputs(shape, torch.float16, device, max_sets=1).sets
+        calls = {}
         for name, method in methods.items():
             fn = method.build(shape)
             operands = method.prepare(shape, Q, D) if method.prepare else (Q, D)
-            call = lambda: fn(*operands)  # noqa: E731
-            # do_bench first: once torch.profiler has run, the process's launches cost more host time.
-            do_bench_ms = triton.testing.do_bench(call, return_mode="median")
+            calls[name] = lambda fn=fn, operands=operands: fn(*operands)
+        # Every do_bench before any profiling: once torch.profiler has run, the process's launches cost more
+        # host time, which do_bench would see at these short calls.
+        timed = {name: triton.testing.do_bench(call, return_mode="median") for name, call in calls.items()}
+        # The same bytes as an 8-bit corpus (rows and fp32 scales) read by a kernel that does nothing else.
+        n = b * 300 * (128 + 4) // 2
+        source = torch.empty(n, dtype=torch.float16, device=device)
+        partial = torch.empty(triton.cdiv(n, min(BLOCKS)), dtype=torch.float32, device=device)
+        read_ms = min(triton.testing.do_bench(
+            lambda block=block: read_kernel[(triton.cdiv(n, block),)](source, partial, n, BLOCK_SIZE=block),
+            return_mode="median") for block in BLOCKS)
+        rows.append(dict(b=b, method="read the 8-bit corpus's bytes only", do_bench_ms=read_ms))
+        print(f"B {b:5} {'read the bytes only':30} do_bench {read_ms * 1e3:6.1f} us", flush=True)
+        for name, call in calls.items():
             kernels = device_kernels(call, flush)
-            row = dict(b=b, method=name, do_bench_ms=do_bench_ms, device_us=sum(k["us"] for k in kernels.values()),
+            row = dict(b=b, method=name, do_bench_ms=timed[name], device_us=sum(k["us"] for k in kernels.values()),
                        kernels=kernels)
             rows.append(row)
             listed = ", ".join(f"{k[:40]} x{v['count']:.0f} {v['us']:.1f}" for k, v in kernels.items())
