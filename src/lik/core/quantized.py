@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "FLOAT", "INT8", "FP8", "MIN_8BIT_BLOCK_K", "loader_of", "loader_chunks", "zero_similarity", "scale_similarity",
+    "FLOAT", "INT8", "FP8", "MIN_8BIT_BLOCK_K", "loader_of", "loader_chunks", "zero_similarity", "scale_similarity", "scale_columns",
     "row_scales", "scale_rows", "reset_similarity",
 ]
 
@@ -84,9 +84,16 @@ def row_scales(scale_ptrs, valid, LOADER: tl.constexpr):
 def scale_similarity(sim, col_scale_ptrs, col_valid, LOADER: tl.constexpr):
     """The 8-bit loader's step after the product: ``float32(sim) * d_scale[t]`` (the query row's scale comes after
     the max: :func:`scale_rows`). A column that is not ``col_valid`` gets scale 0 (a masked column's products are
-    0 already). Float tiles pass through."""
+    0 already). Float tiles pass through. (:func:`row_scales` then :func:`scale_columns`; a tile loop that can load
+    the scales before its product calls the two itself, so that their latency overlaps the product's.)"""
+    return scale_columns(sim, row_scales(col_scale_ptrs, col_valid, LOADER), LOADER)
+
+
+@triton.jit
+def scale_columns(sim, col_scale, LOADER: tl.constexpr):
+    """``float32(sim) * col_scale[t]`` for 8-bit tiles, with ``col_scale`` from :func:`row_scales`; float tiles
+    pass through (their placeholder scales are never read)."""
     if LOADER != FLOAT:
-        col_scale = tl.load(col_scale_ptrs, mask=col_valid, other=0.0)
         sim = sim.to(tl.float32) * col_scale[None, :]
     return sim
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...core.quantized import FLOAT, FP8, INT8, scale_similarity, zero_similarity
+from ...core.quantized import FLOAT, FP8, INT8, row_scales, scale_columns, zero_similarity
 
 __all__ = [
     "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
@@ -253,11 +253,13 @@ def document_tile(
     if HAS_D_MASK:
         flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
         col_valid = in_range & (flags != 0)
+        # 8-bit scales are loaded before the product, not after it: their latency then overlaps the product's.
+        col_scale = row_scales(doc_scale_ptr + cols.to(tl.int64) * stride_dsl, col_valid, LOADER)
         sim = similarity_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr + cols.to(tl.int64) * stride_dl, col_valid,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION, LOADER,
         )
-        sim = scale_similarity(sim, doc_scale_ptr + cols.to(tl.int64) * stride_dsl, col_valid, LOADER)
+        sim = scale_columns(sim, col_scale, LOADER)
         # "exclude": a masked token never competes; "zero": it competes with similarity 0 (it was loaded as 0).
         if EXCLUDE:
             sim = tl.where(col_valid[None, :], sim, float("-inf"))
@@ -271,6 +273,7 @@ def document_tile(
         # (H200: ColPali 0.58 -> 0.50 ms); no separate checked tail loop keeps the registers of a persistent launch
         # down (benchmarks/NOTES.md, "Predicate-free full tiles", "One loop, no checked tail loop").
         col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
+        col_scale = row_scales(doc_scale_ptr + cols.to(tl.int64) * stride_dsl, in_range, LOADER)  # as above
         if NUM_K == 1 and DIM == BLOCK_K:
             offs_k = tl.arange(0, BLOCK_K)
             d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
@@ -280,7 +283,7 @@ def document_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, col_ptrs, in_range,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, stride_dk, DOT_PRECISION, LOADER,
             )
-        sim = scale_similarity(sim, doc_scale_ptr + cols.to(tl.int64) * stride_dsl, in_range, LOADER)
+        sim = scale_columns(sim, col_scale, LOADER)
         col_key = (cols * 2).to(tl.int32)
         if start + BLOCK_N > doc_len:  # only the last tile pays for the select
             if not NAN_PASS:  # (that pass ignores the clamped columns by their key alone)
