@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "FLOAT", "INT8", "FP8", "MIN_8BIT_BLOCK_K", "loader_of", "loader_chunks", "zero_similarity", "scale_similarity", "scale_columns",
-    "row_scales", "scale_rows", "reset_similarity",
+    "FLOAT", "INT8", "FP8", "MIN_8BIT_BLOCK_K", "loader_of", "loader_chunks", "zero_similarity", "scale_similarity",
+    "scale_columns", "row_scales", "scale_rows", "reset_similarity",
 ]
 
 FLOAT = tl.constexpr(0)  # fp16 / bf16 / fp32 rows, no scales
@@ -70,7 +70,8 @@ def reset_similarity(sim, reset, LOADER: tl.constexpr):
 
 @triton.jit
 def row_scales(scale_ptrs, valid, LOADER: tl.constexpr):
-    """The fp32 scales of a block of rows (0 for rows not ``valid``, so garbage there stays out of the product).
+    """The fp32 scales of a block of rows or of a tile's columns (0 where not ``valid``, so garbage there stays out
+    of the product).
 
     Unused (and never loaded) for float rows."""
     if LOADER == FLOAT:

@@ -122,7 +122,7 @@ def similarity_tile(
     stride_dk, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr = FLOAT,
 ):
     """``[BLOCK_M, BLOCK_N]`` similarities of the query rows with the document rows at ``col_ptrs``: fp32, or the
-    exact int32 products of int8 rows (scaled afterwards by :func:`~lik.core.quantized.scale_similarity`).
+    exact int32 products of int8 rows (scaled afterwards by :func:`~lik.core.quantized.scale_columns`).
 
     Rows with ``col_valid`` False are read as zeros (never read at all), so garbage there cannot leak in."""
     offs_k = tl.arange(0, BLOCK_K)
