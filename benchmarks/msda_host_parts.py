@@ -300,7 +300,8 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 commit=os.environ.get("LIK_COMMIT", "unknown"), python=sys.version.split()[0])
     with open(os.path.join(args.out, "msda_host_parts.json"), "w") as fh:
-        json.dump(dict(meta=meta, host_us=rows, do_bench_ms=timed, engine_split=split, backward_tables=traces), fh, indent=1)
+        json.dump(dict(meta=meta, host_us=rows, do_bench_ms=timed, engine_split=split, backward_tables=traces), fh,
+                  indent=1)
     print(json.dumps(meta))
     for name, values in timed.items():
         print(f"{name:12} do_bench median of rounds {sorted(values)[len(values) // 2] * 1e3:6.1f} us "

@@ -6,7 +6,8 @@
 event and the first kernel. This lists, for lik fp16 / int8 / fp8, flash-maxsim's int8x8 and
 late-interaction-kernels' fp8 (each on the operands its own quantizer made, as in ``lik bench``), the kernels one
 call launches and their summed device time (torch.profiler, 20 calls, L2 flushed before each), beside the same
-run's ``do_bench`` (median of five interleaved rounds of medians) and that of a kernel that only reads the 8-bit corpus's bytes (``read_ceiling.py``'s).
+run's ``do_bench`` (median of five interleaved rounds of medians) and that of a kernel that only reads the 8-bit
+corpus's bytes (``read_ceiling.py``'s).
 Writes ``quantized_kernels.json``.
 """
 
@@ -98,8 +99,8 @@ def main():
         print(f"B {b:5} {'read the bytes only':30} do_bench {read_ms * 1e3:6.1f} us", flush=True)
         for name, call in calls.items():
             kernels = device_kernels(call, flush)
-            row = dict(b=b, method=name, do_bench_ms=timed[name], do_bench_rounds_ms=rounds[name], device_us=sum(k["us"] for k in kernels.values()),
-                       kernels=kernels)
+            row = dict(b=b, method=name, do_bench_ms=timed[name], do_bench_rounds_ms=rounds[name],
+                       device_us=sum(k["us"] for k in kernels.values()), kernels=kernels)
             rows.append(row)
             listed = ", ".join(f"{k[:40]} x{v['count']:.0f} {v['us']:.1f}" for k, v in kernels.items())
             print(f"B {b:5} {name:30} do_bench {row['do_bench_ms'] * 1e3:6.1f} us  device {row['device_us']:6.1f} us"

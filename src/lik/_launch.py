@@ -47,7 +47,8 @@ import triton
 from triton.runtime.jit import JITFunction
 
 __all__ = [
-    "launch", "argument_key", "argument_keyer", "argument_keys", "cache_key", "keyword_layout", "triton_version_tested", "TESTED_TRITON",
+    "launch", "argument_key", "argument_keyer", "argument_keys", "cache_key", "keyword_layout", "triton_version_tested",
+    "TESTED_TRITON",
 ]
 
 _I32 = 2**31
