@@ -74,11 +74,8 @@ def capture_launch(module, call):
     finally:
         module.launch = real_launch
     kernel, grid, args, kwargs = captured[0]
-    table = kernel._lik_launch_table
-    layout = table.layouts[tuple(kwargs)]
     device = torch.cuda.current_device()
-    run, function, packed, tail = table.entries[(device, _launch.argument_keys(args), layout.ident,
-                                                 layout.values(kwargs))]
+    run, function, packed, tail = kernel._lik_launch_table.entries[_launch.cache_key(kernel, device, args, kwargs)]
     stream = _launch._get_stream(device)
     addresses = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     grid = tuple(grid) + (1,) * (3 - len(grid))
