@@ -267,9 +267,11 @@ def _maxsim_forward_heuristic(
         # One short 8-bit query streams the corpus (memory-bound): persistent programs with 128-token tiles
         # (H100 sweep, BENCHMARKS.md "8-bit corpora"). int8 keeps its 32-row tile (its mma.sync is native);
         # float8 takes 64 rows, the smallest warpgroup product (a 32-row fp8 tile is widened to fp16 products):
-        # textual B = 10 000 int8 0.157 -> 0.148 ms, fp8 0.202 -> 0.151.
+        # textual B = 10 000 int8 0.157 -> 0.148 ms, fp8 0.202 -> 0.151. With the scales loaded a tile ahead,
+        # int8 gains from three programs of 3 stages where it took four of 4 (0.148 -> 0.144 ms; benchmarks/NOTES.md
+        # "scales one tile ahead").
         if dtype == torch.int8 and group_rows <= 32:
-            block_n, warps, stages, programs_per_sm = 128, 4, 4, 4
+            block_n, warps, stages, programs_per_sm = 128, 4, 3, 3
         elif dtype == torch.float8_e4m3fn:
             group_rows, block_n, warps, stages, programs_per_sm = 64, 128, 4, 3, 3
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm, max_registers)

@@ -171,10 +171,12 @@ def test_a_negative_query_scale_makes_its_query_nan(rng, dtype, dim, kernel_call
     ids=["persistent", "persistent-stacked", "streamed-k", "streamed-k-nested"],
 )
 @pytest.mark.parametrize("mask_mode", MODES)
-def test_int8_every_tile_variant(rng, config, mask_mode):
-    """Persistent launches and the streamed-k loop (block_k < d: flat and nested) with the 8-bit loader."""
+@pytest.mark.parametrize("dtype", [INT8, FP8])
+def test_8bit_every_tile_variant(rng, config, mask_mode, dtype):
+    """Persistent launches (float8 documents' scales loaded one tile ahead, across documents) and the streamed-k
+    loop (block_k < d: flat and nested) with the 8-bit loaders."""
     dim = 100 if config.programs_per_sm == 0 else 40
-    Q, D_q, d_scale, q_mask, d_mask = _problem(rng, (3, 9, dim), (5, 19, dim), INT8, masks=True)
+    Q, D_q, d_scale, q_mask, d_mask = _problem(rng, (3, 9, dim), (5, 19, dim), dtype, masks=True)
     with _config.override(maxsim_forward=config):
         for qm, dm in ((None, None), (q_mask, d_mask)):
             scores = lik.maxsim(Q, D_q, qm, dm, mask_mode=mask_mode, d_scale=d_scale)

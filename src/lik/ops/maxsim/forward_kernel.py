@@ -15,12 +15,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...core.quantized import reset_similarity, row_scales, scale_rows, scale_similarity, zero_similarity
+from ...core.quantized import FLOAT, reset_similarity, row_scales, scale_rows, scale_similarity, zero_similarity
 from ...core.segments import PAIRS, document_scales, document_span
 from .pairs import score_pairs
 from .tile import (
     NO_KEY, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, fresh_rows, query_rows,
-    store_group_sums, stream_document,
+    store_group_sums, stream_document, tile_scales,
 )
 
 __all__ = ["maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "score_documents"]
@@ -323,28 +323,37 @@ def score_documents(
         # One flat loop over (document, tile) steps: the pipeliner then prefetches the next document's first
         # tiles while the current one finishes, instead of draining and refilling at every document (short
         # documents are a few tiles long). A document is written from inside the loop, on its last tile only.
+        # (Padded only: packed launches are never persistent, so documents are strided, one length.)
+        AHEAD: tl.constexpr = (LOADER != FLOAT and not HAS_D_MASK) and GROUPS == 1  # (tile_scales says why)
+        col_scale = tile_scales(doc_scale_base + doc * stride_dsb, 0, doc_len, stride_dsl, BLOCK_N, AHEAD)
         for _ in tl.range(0, my_docs * tiles):
             first_tile = start == 0
             best = tl.where(first_tile, float("-inf"), best)
             key = tl.where(first_tile, NO_KEY, key)
             n_valid = tl.where(first_tile, 0, n_valid)
-            # (Padded only: packed launches are never persistent, so documents are strided, one length.)
+            last_tile = start + BLOCK_N >= doc_len
+            next_doc = tl.where(last_tile, doc + doc_programs, doc)
+            next_start = tl.where(last_tile, 0, start + BLOCK_N)
+            next_scale = tile_scales(  # (past the program's last document: nothing loaded)
+                doc_scale_base + next_doc * stride_dsb, next_start, tl.where(next_doc < n_docs, doc_len, 0), stride_dsl,
+                BLOCK_N, AHEAD,
+            )
             best, key, n_valid = document_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb,
                 start, doc_len, stride_dl, stride_dk, stride_dml, best, key, n_valid,
-                doc_scale_base + doc * stride_dsb, stride_dsl,
+                doc_scale_base + doc * stride_dsb, stride_dsl, col_scale,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
-                REDUCTION, LOADER,
+                REDUCTION, LOADER, AHEAD,
             )
-            last_tile = start + BLOCK_N >= doc_len
             if last_tile:
                 nan_rows |= write_document(
                     best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
                     argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
                     0, q_scale, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
                 )
-            doc = tl.where(last_tile, doc + doc_programs, doc)
-            start = tl.where(last_tile, 0, start + BLOCK_N)
+            doc = next_doc
+            start = next_start
+            col_scale = next_scale
     else:
         best, key, n_valid = stream_document(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, length, stride_dl, stride_dk, stride_dml,
