@@ -173,8 +173,8 @@ def test_a_negative_query_scale_makes_its_query_nan(rng, dtype, dim, kernel_call
 @pytest.mark.parametrize("mask_mode", MODES)
 @pytest.mark.parametrize("dtype", [INT8, FP8])
 def test_8bit_every_tile_variant(rng, config, mask_mode, dtype):
-    """Persistent launches (float8 documents' scales loaded one tile ahead, across documents) and the streamed-k
-    loop (block_k < d: flat and nested) with the 8-bit loaders."""
+    """Persistent launches (one query: the documents' scales loaded one tile ahead, across documents; stacked
+    queries: loaded per tile) and the streamed-k loop (block_k < d: flat and nested) with the 8-bit loaders."""
     dim = 100 if config.programs_per_sm == 0 else 40
     Q, D_q, d_scale, q_mask, d_mask = _problem(rng, (3, 9, dim), (5, 19, dim), dtype, masks=True)
     with _config.override(maxsim_forward=config):

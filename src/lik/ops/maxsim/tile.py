@@ -240,10 +240,11 @@ def tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N: tl.constexpr
     loads them one tile ahead (``AHEAD``), a placeholder that is never read otherwise.
 
     The loops load an unmasked 8-bit document's scales ahead: each load then has a whole tile's product to arrive
-    instead of stalling the epilogue that multiplies by them (H100: float8 textual B = 10 000 3.7% faster; int8
-    gained only with three programs per SM instead of four, 2-7%). Stacked short queries load them in
-    :func:`document_tile`, before the product: ahead, int8 multi textual was 4% slower. A masked document's scales
-    are loaded with its mask, in :func:`document_tile` (benchmarks/NOTES.md, "scales one tile ahead")."""
+    instead of stalling the epilogue that multiplies by them (H100, textual: float8 4% faster at B = 10 000; int8
+    2% at B = 10 000 and 2-6% at B = 1 000, with three programs per SM instead of four). Stacked short queries
+    load them in :func:`document_tile`, before the product: ahead, int8 multi textual was 4% slower. A masked
+    document's scales are loaded with its mask, in :func:`document_tile` (benchmarks/NOTES.md, "scales one tile
+    ahead")."""
     if AHEAD:
         cols = start + tl.arange(0, BLOCK_N)
         scales = tl.load(doc_scale_ptr + cols.to(tl.int64) * stride_dsl, mask=cols < doc_len, other=0.0)
