@@ -167,16 +167,20 @@ def test_a_negative_query_scale_makes_its_query_nan(rng, dtype, dim, kernel_call
         _config.MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=32, programs_per_sm=3),
         _config.MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=32),
         _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=32, flat_k=False),
+        _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=64, programs_per_sm=1),
+        _config.MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=64, programs_per_sm=3),
     ],
-    ids=["persistent", "persistent-stacked", "streamed-k", "streamed-k-nested"],
+    ids=["persistent", "persistent-stacked", "streamed-k", "streamed-k-nested", "persistent-resident",
+         "persistent-stacked-resident"],
 )
 @pytest.mark.parametrize("mask_mode", MODES)
-@pytest.mark.parametrize("dtype", [INT8, FP8])
-def test_8bit_every_tile_variant(rng, config, mask_mode, dtype):
-    """Persistent launches (one query: the documents' scales loaded one tile ahead, across documents; stacked
-    queries: loaded per tile) and the streamed-k loop (block_k < d: flat and nested) with the 8-bit loaders."""
+def test_int8_every_tile_variant(rng, config, mask_mode):
+    """Persistent launches, streamed in feature chunks (block_k < d) or with the query block resident (one program
+    walks every document here; one query loads the documents' scales one tile ahead, across documents, stacked
+    queries per tile), and the streamed-k loop (flat and nested) with the 8-bit loader. (float8 runs the
+    reference on the CPU; its kernels: test_quantized_gpu.py.)"""
     dim = 100 if config.programs_per_sm == 0 else 40
-    Q, D_q, d_scale, q_mask, d_mask = _problem(rng, (3, 9, dim), (5, 19, dim), dtype, masks=True)
+    Q, D_q, d_scale, q_mask, d_mask = _problem(rng, (3, 9, dim), (5, 19, dim), INT8, masks=True)
     with _config.override(maxsim_forward=config):
         for qm, dm in ((None, None), (q_mask, d_mask)):
             scores = lik.maxsim(Q, D_q, qm, dm, mask_mode=mask_mode, d_scale=d_scale)

@@ -172,6 +172,28 @@ def test_8bit_search_and_warmup_on_gpu(dtype):
     assert lik.warmup([(1, 32, 128), (32, 32, 128)], dtype=dtype, masks=True) > 0
 
 
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("dim", [64, 128])
+def test_persistent_programs_carry_scales_across_documents(dtype, dim):
+    """One short query against many documents: each persistent program walks several documents and loads the
+    next tile's scales (the next document's first, at a document's last tile) during the current product."""
+    Q, D_q, d_scale, q_mask, d_mask = _problem(1, 32, 1000, 70, dim, dtype, seed=3)
+    Q_q, q_scale = lik.quantize(Q, dtype)
+    shipped = _config.maxsim_forward_config(q_len=32, n_queries=1, dim=dim, dtype=dtype, per_query=False,
+                                            device=D_q.device, doc_len=70)
+    assert shipped.programs_per_sm > 0  # (the launch these tests are about)
+    variants = [None, _config.MaxSimForwardConfig(group_rows=shipped.group_rows, groups=1, block_n=64, block_k=dim,
+                                                  num_stages=3, programs_per_sm=1)]
+    for config in variants:
+        for masks in ((None, None), (q_mask, d_mask)):
+            if config is None:
+                scores = lik.maxsim(Q_q, D_q, *masks, q_scale=q_scale, d_scale=d_scale)
+            else:
+                with _config.override(maxsim_forward=config):
+                    scores = lik.maxsim(Q_q, D_q, *masks, q_scale=q_scale, d_scale=d_scale)
+            _check(scores, Q_q, q_scale, D_q, d_scale, *masks, "exclude")
+
+
 def test_int8_every_forced_tile_variant_on_gpu():
     Q, D_q, d_scale, q_mask, d_mask = _problem(6, 40, 30, 150, 320, INT8)
     Q_q, q_scale = lik.quantize(Q, INT8)
