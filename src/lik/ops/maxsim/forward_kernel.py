@@ -325,7 +325,8 @@ def score_documents(
         # documents are a few tiles long). A document is written from inside the loop, on its last tile only.
         # (Padded only: packed launches are never persistent, so documents are strided, one length.)
         AHEAD: tl.constexpr = (LOADER != FLOAT and not HAS_D_MASK) and GROUPS == 1  # (tile_scales says why)
-        col_scale = tile_scales(doc_scale_base + doc * stride_dsb, 0, doc_len, stride_dsl, BLOCK_N, AHEAD)
+        AHEAD_LOADER: tl.constexpr = LOADER if AHEAD else FLOAT
+        col_scale = tile_scales(doc_scale_base + doc * stride_dsb, 0, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER)
         for _ in tl.range(0, my_docs * tiles):
             first_tile = start == 0
             best = tl.where(first_tile, float("-inf"), best)
@@ -336,7 +337,7 @@ def score_documents(
             next_start = tl.where(last_tile, 0, start + BLOCK_N)
             next_scale = tile_scales(  # (past the program's last document: nothing loaded)
                 doc_scale_base + next_doc * stride_dsb, next_start, tl.where(next_doc < n_docs, doc_len, 0), stride_dsl,
-                BLOCK_N, AHEAD,
+                BLOCK_N, AHEAD_LOADER,
             )
             best, key, n_valid = document_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb,

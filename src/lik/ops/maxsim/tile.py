@@ -235,22 +235,18 @@ def absorb_nan_tile(sim, col_key, key):
 
 
 @triton.jit
-def tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr):
-    """The fp32 scales of a document's tokens ``start .. start + BLOCK_N`` (0 past ``doc_len``) when a tile loop
-    loads them one tile ahead (``AHEAD``), a placeholder that is never read otherwise.
+def tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N: tl.constexpr, LOADER: tl.constexpr):
+    """:func:`~lik.core.quantized.row_scales` of a document's tokens ``start .. start + BLOCK_N`` (0 past
+    ``doc_len``; placeholders, never loaded, for float rows).
 
-    The loops load an unmasked 8-bit document's scales ahead: each load then has a whole tile's product to arrive
-    instead of stalling the epilogue that multiplies by them (H100, textual: float8 4% faster at B = 10 000; int8
-    2% at B = 10 000 and 2-6% at B = 1 000, with three programs per SM instead of four). Stacked short queries
-    load them in :func:`document_tile`, before the product: ahead, int8 multi textual was 4% slower. A masked
-    document's scales are loaded with its mask, in :func:`document_tile` (benchmarks/NOTES.md, "scales one tile
-    ahead")."""
-    if AHEAD:
-        cols = start + tl.arange(0, BLOCK_N)
-        scales = tl.load(doc_scale_ptr + cols.to(tl.int64) * stride_dsl, mask=cols < doc_len, other=0.0)
-    else:
-        scales = tl.zeros((BLOCK_N,), tl.float32)
-    return scales
+    The single-query loops load an unmasked 8-bit document's scales one tile ahead (``SCALES_AHEAD``, passing
+    ``FLOAT`` here when they do not): each load then has a whole tile's product to arrive instead of stalling the
+    epilogue that multiplies by them (H100, textual: float8 4% faster at B = 10 000; int8 2% at B = 10 000 and
+    2-6% at B = 1 000, with three programs per SM instead of four). Stacked short queries load them in
+    :func:`document_tile`, before the product: ahead, int8 multi textual was 4% slower. A masked document's scales
+    are loaded with its mask, in :func:`document_tile` (benchmarks/NOTES.md, "scales one tile ahead")."""
+    cols = start + tl.arange(0, BLOCK_N)
+    return row_scales(doc_scale_ptr + cols.to(tl.int64) * stride_dsl, cols < doc_len, LOADER)
 
 
 @triton.jit
@@ -295,8 +291,8 @@ def document_tile(
         # (H200: ColPali 0.58 -> 0.50 ms); no separate checked tail loop keeps the registers of a persistent launch
         # down (benchmarks/NOTES.md, "Predicate-free full tiles", "One loop, no checked tail loop").
         col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
-        if not SCALES_AHEAD:
-            col_scale = row_scales(doc_scale_ptr + cols.to(tl.int64) * stride_dsl, in_range, LOADER)  # as above
+        if not SCALES_AHEAD:  # (loaded before the product, as above)
+            col_scale = tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N, LOADER)
         if NUM_K == 1 and DIM == BLOCK_K:
             offs_k = tl.arange(0, BLOCK_K)
             d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
@@ -333,9 +329,10 @@ def stream_document(
     # The NaN pass is rare: unpipelined, so its loop adds no shared-memory stages and few registers.
     STAGES: tl.constexpr = 1 if NAN_PASS else None
     AHEAD: tl.constexpr = LOADER != FLOAT and not HAS_D_MASK  # (tile_scales says why)
-    col_scale = tile_scales(doc_scale_ptr, 0, doc_len, stride_dsl, BLOCK_N, AHEAD)
+    AHEAD_LOADER: tl.constexpr = LOADER if AHEAD else FLOAT
+    col_scale = tile_scales(doc_scale_ptr, 0, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER)
     for start in tl.range(0, doc_len, BLOCK_N, num_stages=STAGES):
-        next_scale = tile_scales(doc_scale_ptr, start + BLOCK_N, doc_len, stride_dsl, BLOCK_N, AHEAD)
+        next_scale = tile_scales(doc_scale_ptr, start + BLOCK_N, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER)
         best, key, n_valid = document_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
             stride_dml, best, key, n_valid, doc_scale_ptr, stride_dsl, col_scale,
