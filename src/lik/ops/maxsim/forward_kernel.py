@@ -167,7 +167,7 @@ def stream_joined_documents(
     best = fresh_best
     col_scale = tile_scales(doc_scale_base + tile_start, 0, tl.minimum(run_end - tile_start, BLOCK_N).to(tl.int32),
                             1, BLOCK_N, AHEAD_LOADER)
-    for _step in tl.range(0, tl.cdiv(run_end - tile_start, BLOCK_N)):
+    for _step in tl.range(0, tl.cdiv(run_end - tile_start, BLOCK_N).to(tl.int32)):
         left = tl.minimum(run_end - tile_start, 2 * BLOCK_N).to(tl.int32)  # tokens of the run from this tile on
         next_scale = tile_scales(doc_scale_base + tile_start, BLOCK_N, left, 1, BLOCK_N, AHEAD_LOADER)
         if not AHEAD:
@@ -179,8 +179,9 @@ def stream_joined_documents(
         else:
             d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk, mask=offs_k[None, :] < DIM, other=0.0)
         sim = scale_columns(tile_dot(q_rows, tl.trans(d_tile), None, DOT_PRECISION, LOADER), col_scale, LOADER)
+        whole, key = reduce_tile(sim, no_keys, best, key, False, REDUCTION)
         if tile_start + BLOCK_N < doc_end:
-            best, key = reduce_tile(sim, no_keys, best, key, False, REDUCTION)
+            best = whole
         else:
             # The document ends in this tile: its part completes it, the rest starts the next one. Both are folded
             # before the write, so the tile's similarities are not kept alive across it (registers).
