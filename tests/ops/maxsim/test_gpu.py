@@ -97,69 +97,6 @@ def test_persistent_programs_over_unmasked_documents(dtype, l_d):
     assert rel_err(lik.maxsim(Q, D), s) < 1e-6  # the inference launch (no winners, other tiles)
 
 
-JOINED_CASES = {  # name -> (dtype, Q shape, documents, tokens per document)
-    "stacked-fp16": (torch.float16, (8, 32), 700, 300),
-    "rows-bf16": (torch.bfloat16, (300, 1), 200, 1030),
-    "single-int8": (torch.int8, (1, 32), 3000, 300),
-    "single-fp8": (torch.float8_e4m3fn, (1, 32), 3000, 300),
-    "stacked-int8": (torch.int8, (8, 32), 700, 180),
-}
-
-
-@pytest.mark.parametrize("case", sorted(JOINED_CASES))
-def test_joined_documents_match_the_document_loop(monkeypatch, case):
-    """Persistent scoring launches that tile consecutive documents as one token stream (lengths that are not a
-    whole number of tiles): the same bits as the document-by-document loop, the float64 reference's numbers, and a
-    NaN on one document's last token next to an inf on the next one's first kept in their own documents."""
-    import lik.ops.maxsim.forward as forward
-
-    dtype, (n_q, l_q), n_docs, l_d = JOINED_CASES[case]
-    float_dtype = torch.float16 if dtype in (torch.int8, torch.float8_e4m3fn) else dtype
-    Q, D, _, _ = _problem(n_q, l_q, n_docs, l_d, 128, float_dtype, seed=11)
-    D[40, -1, 3] = float("nan")
-    D[41, 0, 3] = float("inf")
-    kw = {}
-    if dtype in (torch.int8, torch.float8_e4m3fn):
-        D[41, 0, 3] = 1e4  # (an 8-bit row holds no inf: a huge value, a huge scale)
-        (Q, q_scale), (D, d_scale) = lik.quantize(Q, dtype), lik.quantize(D, dtype)
-        kw = {"q_scale": q_scale, "d_scale": d_scale}
-    decide, taken = forward.joined_documents, []
-
-    def spy(*args):
-        taken.append(decide(*args))
-        return taken[-1]
-
-    monkeypatch.setattr(forward, "joined_documents", spy)
-    joined = lik.maxsim(Q, D, **kw)
-    assert taken == [True]
-    monkeypatch.setattr(forward, "joined_documents", lambda *args: False)
-    strided = lik.maxsim(Q, D, **kw)
-    assert torch.equal(joined.isnan(), strided.isnan()) and torch.equal(joined.nan_to_num(), strided.nan_to_num())
-    assert joined[:, 40].isnan().all() and not joined[:, [39, 41, 42]].isnan().any()
-    if kw:
-        ref = lik.maxsim_reference(lik.dequantize(Q, kw["q_scale"]).double(), lik.dequantize(D, kw["d_scale"]).double())
-    else:
-        ref = lik.maxsim_reference(Q.double(), D.double())
-    torch.testing.assert_close(joined.double(), ref, rtol=1e-5, atol=1e-4, equal_nan=True)
-
-
-def test_joined_documents_past_two_billion_elements():
-    """Stacked single-row queries against [17 000, 1030, 128] fp16 (2.2e9 elements): the joined token stream's
-    offsets past 2**31 must not wrap."""
-    n_docs, l_d, dim = 17_000, 1030, 128
-    gen = torch.Generator(device=CUDA).manual_seed(7)
-    D = torch.empty(n_docs, l_d, dim, device=CUDA, dtype=torch.float16)
-    for start in range(0, n_docs, 2000):
-        block = torch.randn(min(2000, n_docs - start), l_d, dim, device=CUDA, generator=gen)
-        D[start:start + 2000] = torch.nn.functional.normalize(block, dim=-1).half()
-    assert D.numel() > 2**31
-    Q = torch.nn.functional.normalize(torch.randn(300, 1, dim, device=CUDA, generator=gen), dim=-1).half()
-    s = lik.maxsim(Q, D)
-    spots = torch.tensor([0, 1, 9_999, 16_777, 16_998, 16_999], device=CUDA)
-    ref = lik.maxsim_reference(Q.double(), D[spots].double())
-    assert rel_err(s[:, spots], ref) < 1e-3
-
-
 DD_ROUTES = {  # name -> (backward, config fields)
     "atomic": ("fast", {"fast_dd": "atomic"}),
     "atomic-chunked": ("fast", {"fast_dd": "atomic", "atomic_workspace_bytes": 200_000}),

@@ -312,41 +312,6 @@ def test_persistent_flat_loop_over_unmasked_documents(rng, doc_len, programs_per
     assert torch.equal(s[:, 2], s[:, 3])
 
 
-@pytest.mark.parametrize("doc_len", [17, 23, 40])
-@pytest.mark.parametrize("programs_per_sm", [1, 3, 6, 27])
-@pytest.mark.parametrize("groups", [1, 2])
-def test_persistent_joined_documents(rng, monkeypatch, doc_len, programs_per_sm, groups):
-    """Scoring (no winners) of unmasked documents stored back to back: a persistent program tiles its run of
-    documents as one token stream, so tiles cross document boundaries. Runs of 7, 3 / 2 / 1 documents; a strong
-    document first, identical neighbours, a NaN on the last token of one document and an inf on the first token
-    of the next (the tile they share must keep each in its own document), a query row that is NaN."""
-    import lik.ops.maxsim.forward as forward
-
-    decide, taken = forward.joined_documents, []
-
-    def spy(*args):
-        taken.append(decide(*args))
-        return taken[-1]
-
-    monkeypatch.setattr(forward, "joined_documents", spy)
-    Q, D, _, _ = rand_problem(rng, 3, 19, 7, doc_len, 24, masks=False)
-    D[0] = 4 * D[0]
-    D[3] = D[2]
-    D[4, -1, 0] = float("nan")
-    D[5, 0, 0] = float("inf")
-    Q[2, 3, 5] = float("nan")
-    reference = lik.maxsim_reference(Q.double(), D.double()).float()
-    forced = _config.MaxSimForwardConfig(
-        group_rows=16, groups=groups, block_n=16, block_k=32, programs_per_sm=programs_per_sm
-    )
-    with _config.override(maxsim_forward=forced), torch.no_grad():
-        s = lik.maxsim(Q, D)
-    assert taken == [True]
-    torch.testing.assert_close(s, reference, rtol=2e-6, atol=2e-6, equal_nan=True)
-    assert torch.isnan(s[2]).all() and torch.isnan(s[:, 4]).all()
-    assert torch.isfinite(s[:2, [0, 1, 2, 3, 6]]).all() and torch.equal(s[:2, 2], s[:2, 3])
-
-
 @pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
 def test_persistent_program_scores_an_all_masked_document_after_valid_ones(rng, mask_mode):
     """The valid-token count restarts with each document of a persistent program: an all-masked document

@@ -12,7 +12,7 @@ from ...core.quantized import loader_chunks, loader_of
 from .forward_kernel import maxsim_fwd_kernel
 from .validation import MaxSimInputs
 
-__all__ = ["maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "joined_documents"]
+__all__ = ["maxsim_forward", "dot_precision", "set_strides", "scale_pointers"]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -37,20 +37,6 @@ def scale_pointers(q_scale: torch.Tensor, d_scale: torch.Tensor) -> tuple[torch.
     """The kernel's two scale arguments of 8-bit rows, contiguous (the kernel derives their strides from the
     shapes; a scale is 1/d of its rows' bytes, so a strided one is copied)."""
     return q_scale.contiguous(), d_scale.contiguous()
-
-
-def joined_documents(cfg, inputs: MaxSimInputs, num_k: int, store_argmax: bool) -> bool:
-    """Whether a persistent launch tiles each program's run of documents as one token stream
-    (:func:`~lik.ops.maxsim.forward_kernel.stream_joined_documents`): shared, unmasked documents stored back to
-    back, at least a tile long and not a whole number of tiles (where they are, the document loop wastes nothing),
-    one feature chunk, scores only (the winners' NaN pass walks documents one by one)."""
-    d = inputs.d
-    _, _, doc_len, _ = d.shape
-    return (
-        cfg.programs_per_sm > 0 and inputs.d_mask is None and not store_argmax and num_k == 1
-        and not inputs.per_query_documents and doc_len >= cfg.block_n and doc_len % cfg.block_n != 0
-        and d.stride(1) == doc_len * d.stride(2)
-    )
 
 
 def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -99,7 +85,6 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
     doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
     grid = (n_row_blocks * doc_programs,)
-    joined = joined_documents(cfg, inputs, num_k, store_argmax)
     launch(
         maxsim_fwd_kernel, grid,
         q, d, q_mask, d_mask, partial, partial, partial, argmax_arg, *scale_ptrs,
@@ -119,7 +104,6 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         PERSISTENT=cfg.programs_per_sm > 0,
         FLAT_K=int(cfg.flat_k),
         LOADER=loader,
-        JOINED=joined,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers or None,

@@ -15,20 +15,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...core.quantized import (
-    FLOAT, reset_similarity, row_scales, scale_columns, scale_rows, scale_similarity, zero_similarity,
-)
+from ...core.quantized import FLOAT, reset_similarity, row_scales, scale_rows, scale_similarity, zero_similarity
 from ...core.segments import PAIRS, document_scales, document_span
 from .pairs import score_pairs
 from .tile import (
     NO_KEY, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, fresh_rows, query_rows,
-    reduce_tile, store_group_sums, stream_document, tile_dot, tile_scales,
+    store_group_sums, stream_document, tile_scales,
 )
 
-__all__ = [
-    "maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "score_documents",
-    "stream_joined_documents",
-]
+__all__ = ["maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "score_documents"]
 
 # Lengths, counts and the strides that follow them are not specialised on (Triton would otherwise compile a new
 # variant when one of them becomes 1 or changes its divisibility by 16). The embedding strides stay specialised:
@@ -134,73 +129,6 @@ def finish_tile(
     return best, key, n_valid, nan_rows
 
 
-@triton.jit
-def stream_joined_documents(
-    q_rows, row_valid, row_in_range, query, token, row_block, program, q_scale, doc_base, doc_scale_base,
-    n_docs, doc_len, doc_programs, stride_dl, stride_dk, partial_ptr, argmax_ptr, n_queries, n_chunks,
-    stride_pc, stride_pn, stride_pb,
-    DIM: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr,
-    LOADER: tl.constexpr,
-):
-    """The persistent loop over a *consecutive* run of equal-length, unmasked documents stored back to back
-    (``stride_db == doc_len * stride_dl``; the launcher checks it), tiled as one token stream: a tile may hold the
-    end of one document and the start of the next, so only a run's last tile is ragged, not every document's.
-
-    Program ``program`` of its row block takes documents ``program * n_docs // doc_programs`` up to the next
-    program's first. ``doc_len >= BLOCK_N``, so a tile crosses at most one document boundary: its two parts are
-    folded separately, the first one's document written in between."""
-    BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
-    # Stacked queries load their scales before the product, single queries one tile ahead (tile_scales says why).
-    AHEAD: tl.constexpr = LOADER != FLOAT and GROUPS == 1
-    AHEAD_LOADER: tl.constexpr = LOADER if AHEAD else FLOAT
-    doc = (program * n_docs) // doc_programs
-    run_end = ((program + 1) * n_docs) // doc_programs * doc_len  # (token index, int64 as ``program``)
-    tile_start = doc * doc_len
-    doc_end = tile_start + doc_len
-    # Column offsets within a tile stay int32 (the int64 token index is a scalar): per-column 64-bit arithmetic
-    # in the product's layout costs registers.
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    no_keys = tl.full((BLOCK_N,), NO_KEY, tl.int32)
-    fresh_best, key, _ = fresh_rows(BLOCK_M)  # (no winners here: key stays NO_KEY)
-    best = fresh_best
-    col_scale = tile_scales(doc_scale_base + tile_start, 0, tl.minimum(run_end - tile_start, BLOCK_N).to(tl.int32),
-                            1, BLOCK_N, AHEAD_LOADER)
-    for _step in tl.range(0, tl.cdiv(run_end - tile_start, BLOCK_N).to(tl.int32)):
-        left = tl.minimum(run_end - tile_start, 2 * BLOCK_N).to(tl.int32)  # tokens of the run from this tile on
-        next_scale = tile_scales(doc_scale_base + tile_start, BLOCK_N, left, 1, BLOCK_N, AHEAD_LOADER)
-        if not AHEAD:
-            col_scale = tile_scales(doc_scale_base + tile_start, 0, left, 1, BLOCK_N, LOADER)
-        # Rows past the run re-read its last token (no load predicate; their columns never compete).
-        col_ptrs = doc_base + tile_start * stride_dl + tl.minimum(offs_n, left - 1) * stride_dl
-        if DIM == BLOCK_K:
-            d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
-        else:
-            d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk, mask=offs_k[None, :] < DIM, other=0.0)
-        sim = scale_columns(tile_dot(q_rows, tl.trans(d_tile), None, DOT_PRECISION, LOADER), col_scale, LOADER)
-        whole, key = reduce_tile(sim, no_keys, best, key, False, REDUCTION)
-        if tile_start + BLOCK_N < doc_end:
-            best = whole
-        else:
-            # The document ends in this tile: its part completes it, the rest starts the next one. Both are folded
-            # before the write, so the tile's similarities are not kept alive across it (registers).
-            boundary = (doc_end - tile_start).to(tl.int32)
-            ending = tl.where((offs_n < boundary)[None, :], sim, float("-inf"))
-            done, key = reduce_tile(ending, no_keys, best, key, False, REDUCTION)
-            starting = tl.where(((offs_n >= boundary) & (offs_n < left))[None, :], sim, float("-inf"))
-            best, key = reduce_tile(starting, no_keys, fresh_best, key, False, REDUCTION)
-            write_document(
-                done, key, doc_len, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, argmax_ptr,
-                n_queries, n_chunks, stride_pc, stride_pn, stride_pb, 0, 0, 0, 0, q_scale,
-                GROUP_ROWS, GROUPS, EXCLUDE, False, LOADER,
-            )
-            doc += 1
-            doc_end += doc_len
-        tile_start += BLOCK_N
-        col_scale = next_scale
-
-
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def maxsim_fwd_kernel(
     q_ptr,
@@ -244,7 +172,6 @@ def maxsim_fwd_kernel(
     FLAT_K: tl.constexpr = 1,  # wide embeddings: one flat (tile, chunk) loop, or a chunk loop nested per tile
     REDUCTION: tl.constexpr = 0,  # the running reduction (tile.py: REDUCE_MAX, MaxSim's max)
     LOADER: tl.constexpr = 0,  # FLOAT, or INT8 / FP8 rows with per-row scales (lik.core.quantized)
-    JOINED: tl.constexpr = False,  # persistent: consecutive documents as one token stream (stream_joined_documents)
 ):
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0).to(tl.int64)
@@ -264,7 +191,7 @@ def maxsim_fwd_kernel(
             stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
             q_scale_ptr, d_scale_ptr,
             DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_Q_MASK, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
-            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER, JOINED,
+            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER,
         )
 
 
@@ -279,12 +206,10 @@ def score_documents(
     BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_Q_MASK: tl.constexpr, HAS_D_MASK: tl.constexpr,
     EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
     LAYOUT: tl.constexpr, FLAT_K: tl.constexpr, REDUCTION: tl.constexpr, LOADER: tl.constexpr,
-    JOINED: tl.constexpr = False,
 ):
     """A program's query rows (``row_block``) against its documents ``first_doc``, ``first_doc + doc_programs``,
     ...: the documents come from :func:`~lik.core.segments.document_span` (padded or packed), the rest is one
-    loop whatever the layout. With ``JOINED`` (persistent, padded), program ``first_doc`` of the row block takes
-    a consecutive run of documents instead (:func:`stream_joined_documents`)."""
+    loop whatever the layout."""
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
 
     query, token, row_in_range, row_valid = query_rows(
@@ -394,13 +319,6 @@ def score_documents(
                 argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
                 row_offset, q_scale, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
             )
-    elif PERSISTENT and JOINED:
-        stream_joined_documents(
-            q_rows, row_valid, row_in_range, query, token, row_block, first_doc, q_scale, doc_base, doc_scale_base,
-            n_docs, doc_len, doc_programs, stride_dl, stride_dk, partial_ptr, argmax_ptr, n_queries, n_chunks,
-            stride_pc, stride_pn, stride_pb,
-            DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, EXCLUDE, DOT_PRECISION, REDUCTION, LOADER,
-        )
     elif PERSISTENT:
         # One flat loop over (document, tile) steps: the pipeliner then prefetches the next document's first
         # tiles while the current one finishes, instead of draining and refilling at every document (short
