@@ -15,8 +15,9 @@ from .reference import QMAX
 
 __all__ = ["quantize_rows_kernel", "quantize_rows"]
 
-# Elements per program: enough bytes in flight per SM at bandwidth speed, few registers per thread.
-_TILE_ELEMENTS = 8192
+# Elements per program: small programs of two warps, many per SM, keep the most bytes in flight (H200 sweep of
+# [3e6, 128] fp16, BENCHMARKS.md "lik.quantize launch"); a wide row still takes one program.
+_TILE_ELEMENTS = 1024
 _MAX_BLOCK_D = 8192
 
 
@@ -83,7 +84,8 @@ def quantize_rows(x2d: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
         return x_q, scale
     block_d = min(next_power_of_2(max(dim, 16)), _MAX_BLOCK_D)
     block_rows = max(1, min(64, _TILE_ELEMENTS // block_d, next_power_of_2(n_rows)))
-    num_warps = 8 if block_rows * block_d >= 8192 else 4
+    tile = block_rows * block_d
+    num_warps = 8 if tile >= 8192 else (4 if tile >= 2048 else 2)
     quantize_rows_kernel[(cdiv(n_rows, block_rows),)](
         x2d, x_q, scale, n_rows, dim, x2d.stride(0), x_q.stride(0),
         QMAX_VALUE=QMAX[dtype], TO_INT8=dtype == torch.int8,
