@@ -15,8 +15,9 @@ from .reference import QMAX
 
 __all__ = ["quantize_rows_kernel", "quantize_rows"]
 
-# Elements per program: small programs of two warps, many per SM, keep the most bytes in flight (H200 sweep of
-# [3e6, 128] fp16, BENCHMARKS.md "lik.quantize launch"); a wide row still takes one program.
+# Elements per program: small programs of two warps, many per SM, keep the most bytes in flight (sweeps at d = 128
+# on the H100 and H200: BENCHMARKS.md, "8-bit corpora on an H200, and lik.quantize's launch"); a row wider than
+# this still takes one program.
 _TILE_ELEMENTS = 1024
 _MAX_BLOCK_D = 8192
 
