@@ -25,6 +25,25 @@ def test_kernel_matches_reference_bitwise(dim, n_rows, rng):
     assert torch.equal(scale, ref_scale)
 
 
+@pytest.mark.parametrize("dim", [48, 80, 96, 384])
+def test_widths_that_are_not_powers_of_two_take_whole_chunks(dim, rng):
+    """A width that is a multiple of 16 but not a power of two is walked in chunks of its largest power-of-two
+    divisor (no chunk reaches past the row); a zero row, an inf in the last chunk and a NaN in the second."""
+    from lik.ops.quantization.kernel import quantize_tiles
+
+    block_d, _ = quantize_tiles(dim, 9)
+    assert dim % block_d == 0 and block_d < dim
+    x = _rows((9, dim), rng)
+    x[2] = 0.0
+    x[3, dim - 1] = float("inf")
+    x[4, block_d] = float("nan")
+    x_q, scale = quantize_rows(x, torch.int8)
+    ref_q, ref_scale = quantize_reference(x, torch.int8)
+    assert torch.equal(x_q, ref_q)
+    torch.testing.assert_close(scale, ref_scale, rtol=0, atol=0, equal_nan=True)
+    assert scale[3].isnan() and scale[4].isnan() and scale[2] == 0
+
+
 def test_kernel_wide_rows_take_the_chunked_path(rng, monkeypatch):
     import lik.ops.quantization.kernel as kernel
 
@@ -139,7 +158,7 @@ def test_no_gradient_flows():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", QUANTIZED_DTYPES)
 @pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("dim", [3, 128, 768, 8192, 10000])
+@pytest.mark.parametrize("dim", [3, 80, 96, 128, 384, 768, 8192, 10000])
 def test_gpu_kernel_matches_reference(dtype, in_dtype, dim):
     if dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 on this GPU")

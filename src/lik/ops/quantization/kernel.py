@@ -1,7 +1,8 @@
 """Fused per-row quantization: one read of ``x``, one write of ``x_q`` and ``scale``.
 
 A program takes ``BLOCK_ROWS`` rows. A row up to ``BLOCK_D`` wide stays in registers between the max and the
-scaling; a wider row is walked twice in ``BLOCK_D`` chunks (the second read mostly hits L2).
+scaling; a wider row, or one whose width is not a power of two (:func:`quantize_tiles`), is walked twice in
+``BLOCK_D`` chunks (the second read mostly hits L1 / L2).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import triton.language as tl
 from ..._config import cdiv, next_power_of_2
 from .reference import QMAX
 
-__all__ = ["quantize_rows_kernel", "quantize_rows"]
+__all__ = ["quantize_rows_kernel", "quantize_rows", "quantize_tiles"]
 
 # Elements per program: small programs of two warps, many per SM, keep the most bytes in flight (sweeps at d = 128
 # on the H100 and H200: BENCHMARKS.md, "8-bit corpora on an H200, and lik.quantize's launch"); a row wider than
@@ -83,8 +84,7 @@ def quantize_rows(x2d: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     scale = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device)
     if n_rows == 0:
         return x_q, scale
-    block_d = min(next_power_of_2(max(dim, 16)), _MAX_BLOCK_D)
-    block_rows = max(1, min(64, _TILE_ELEMENTS // block_d, next_power_of_2(n_rows)))
+    block_d, block_rows = quantize_tiles(dim, n_rows)
     tile = block_rows * block_d
     num_warps = 8 if tile >= 8192 else (4 if tile >= 2048 else 2)
     quantize_rows_kernel[(cdiv(n_rows, block_rows),)](
@@ -93,3 +93,16 @@ def quantize_rows(x2d: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
         BLOCK_ROWS=block_rows, BLOCK_D=block_d, SINGLE_CHUNK=dim <= block_d, num_warps=num_warps,
     )
     return x_q, scale
+
+
+def quantize_tiles(dim: int, n_rows: int) -> tuple[int, int]:
+    """``(BLOCK_D, BLOCK_ROWS)`` for rows of width ``dim``: one chunk of the row's power-of-two width, or, for a
+    width that is not a power of two but a multiple of 16 (96, 80, 384, 768), chunks of its largest power-of-two
+    divisor walked twice: a chunk partly past the row is 2.4-2.6x slower (H100, d = 96 and 80,
+    BENCHMARKS.md "8-bit corpora on an H200, and lik.quantize's launch")."""
+    padded = min(next_power_of_2(max(dim, 16)), _MAX_BLOCK_D)
+    divisor = dim & -dim
+    if dim == padded or divisor < 16:
+        return padded, max(1, min(64, _TILE_ELEMENTS // padded, next_power_of_2(n_rows)))
+    block_d = min(divisor, _MAX_BLOCK_D)
+    return block_d, max(1, min(64, 2 * _TILE_ELEMENTS // padded, next_power_of_2(n_rows)))
