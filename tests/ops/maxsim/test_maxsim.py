@@ -312,6 +312,36 @@ def test_persistent_flat_loop_over_unmasked_documents(rng, doc_len, programs_per
     assert torch.equal(s[:, 2], s[:, 3])
 
 
+@pytest.mark.parametrize("doc_len", [17, 23, 31])
+@pytest.mark.parametrize("programs_per_sm", [1, 27])
+def test_persistent_last_tile_overlapping_the_tile_before(rng, doc_len, programs_per_sm):
+    """A persistent program reads a ragged document's last tile as its last 16 tokens, overlapping the tile
+    before it: a max inside the overlap counts once, a tie between an overlap token and a later token goes to the
+    first, a tie between the first tile and the overlap too, and an inf or NaN in the overlap or at the end reaches the scores as in the
+    reference."""
+    Q, D, _, _ = rand_problem(rng, 3, 19, 5, doc_len, 24, masks=False)
+    overlap = doc_len - 16  # the first token both tiles read (interpreter tiles are 16 wide)
+    D[0, overlap + 1] = D[0, doc_len - 1] = Q[0, 0] * 10  # query token 0's max, in the overlap and at the end
+    D[1, 0] = D[1, overlap] = Q[1, 3] * 10  # a tie between the first tile and the overlap
+    grad = torch.randn(3, 5, generator=rng)
+    rs, rdq, rdd = reference_with_grads(Q, D, None, None, grad)
+    forced = _config.MaxSimForwardConfig(
+        group_rows=16, groups=2, block_n=16, block_k=32, programs_per_sm=programs_per_sm
+    )
+    with _config.override(maxsim_forward=forced):
+        s, dq, dd = kernel_with_grads(lik.maxsim, Q, D, None, None, grad)
+        assert rel_err(s, rs) < 2e-6 and rel_err(dq, rdq) < 2e-6 and rel_err(dd, rdd) < 2e-6
+        assert torch.any(dd[0, overlap + 1] != 0) and torch.all(dd[0, doc_len - 1] == 0)
+        assert torch.any(dd[1, 0] != 0) and torch.all(dd[1, overlap] == 0)
+        D[2, overlap + 2, 0] = float("inf")
+        D[3, doc_len - 1, 5] = float("nan")
+        D[4, overlap, 1] = float("-inf")
+        scores = lik.maxsim(Q, D)
+    torch.testing.assert_close(scores, lik.maxsim_reference(Q.double(), D.double()).float(), rtol=2e-6, atol=2e-6,
+                               equal_nan=True)
+    assert torch.isnan(scores[:, 3]).all() and not torch.isnan(scores[:, :3]).any()
+
+
 @pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
 def test_persistent_program_scores_an_all_masked_document_after_valid_ones(rng, mask_mode):
     """The valid-token count restarts with each document of a persistent program: an all-masked document

@@ -323,10 +323,13 @@ def score_documents(
         # One flat loop over (document, tile) steps: the pipeliner then prefetches the next document's first
         # tiles while the current one finishes, instead of draining and refilling at every document (short
         # documents are a few tiles long). A document is written from inside the loop, on its last tile only.
+        # Its last tile ends at the document's end (document_tile's WINDOW): rows are clamped once, not per tile.
+        # (The long-query loop, stream_document, keeps the clamp: the window cost it registers and a program per
+        # SM, benchmarks/NOTES.md.)
         # (Padded only: packed launches are never persistent, so documents are strided, one length.)
         AHEAD: tl.constexpr = (LOADER != FLOAT and not HAS_D_MASK) and GROUPS == 1  # (tile_scales says why)
         AHEAD_LOADER: tl.constexpr = LOADER if AHEAD else FLOAT
-        col_scale = tile_scales(doc_scale_base + doc * stride_dsb, 0, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER)
+        col_scale = tile_scales(doc_scale_base + doc * stride_dsb, 0, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER, True)
         for _ in tl.range(0, my_docs * tiles):
             first_tile = start == 0
             best = tl.where(first_tile, float("-inf"), best)
@@ -337,14 +340,14 @@ def score_documents(
             next_start = tl.where(last_tile, 0, start + BLOCK_N)
             next_scale = tile_scales(  # (past the program's last document: nothing loaded)
                 doc_scale_base + next_doc * stride_dsb, next_start, tl.where(next_doc < n_docs, doc_len, 0), stride_dsl,
-                BLOCK_N, AHEAD_LOADER,
+                BLOCK_N, AHEAD_LOADER, True,
             )
             best, key, n_valid = document_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb,
                 start, doc_len, stride_dl, stride_dk, stride_dml, best, key, n_valid,
                 doc_scale_base + doc * stride_dsb, stride_dsl, col_scale,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
-                REDUCTION, LOADER, AHEAD,
+                REDUCTION, LOADER, AHEAD, True,
             )
             if last_tile:
                 nan_rows |= write_document(

@@ -21,7 +21,7 @@ __all__ = [
     "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
     "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys", "nan_winner_keys",
     "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
-    "FP8_PROMOTION_K", "tile_scales",
+    "FP8_PROMOTION_K", "tile_scales", "tile_window",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
@@ -235,9 +235,20 @@ def absorb_nan_tile(sim, col_key, key):
 
 
 @triton.jit
-def tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N: tl.constexpr, LOADER: tl.constexpr):
+def tile_window(start, doc_len, BLOCK_N: tl.constexpr):
+    """The first token an unmasked document's tile at ``start`` reads: ``start``, except that the ragged last tile
+    of a document of at least ``BLOCK_N`` tokens ends at the document's end (it overlaps the tile before it: a
+    maximum, and the first-index winner, are unchanged by tokens seen twice), and a tile of a document shorter
+    than ``BLOCK_N`` starts at 0."""
+    return tl.maximum(tl.minimum(start, doc_len - BLOCK_N), 0)
+
+
+@triton.jit
+def tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N: tl.constexpr, LOADER: tl.constexpr,
+                WINDOW: tl.constexpr = False):
     """:func:`~lik.core.quantized.row_scales` of a document's tokens ``start .. start + BLOCK_N`` (0 past
-    ``doc_len``; placeholders, never loaded, for float rows).
+    ``doc_len``; placeholders, never loaded, for float rows); ``WINDOW``: of the tile :func:`document_tile` reads
+    with ``WINDOW``.
 
     The single-query loops load an unmasked 8-bit document's scales one tile ahead (``SCALES_AHEAD``, passing
     ``FLOAT`` here when they do not): each load then has a whole tile's product to arrive instead of stalling the
@@ -245,7 +256,10 @@ def tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N: tl.constexpr
     2-6% at B = 1 000, with three programs per SM instead of four). Stacked short queries load them in
     :func:`document_tile`, before the product: ahead, int8 multi textual was 4% slower. A masked document's scales
     are loaded with its mask, in :func:`document_tile` (benchmarks/NOTES.md, "scales one tile ahead")."""
-    cols = start + tl.arange(0, BLOCK_N)
+    if WINDOW:
+        cols = tile_window(start, doc_len, BLOCK_N) + tl.arange(0, BLOCK_N)
+    else:
+        cols = start + tl.arange(0, BLOCK_N)
     return row_scales(doc_scale_ptr + cols.to(tl.int64) * stride_dsl, cols < doc_len, LOADER)
 
 
@@ -256,7 +270,7 @@ def document_tile(
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX, LOADER: tl.constexpr = FLOAT,
-    SCALES_AHEAD: tl.constexpr = False,
+    SCALES_AHEAD: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     """One step of every tile loop: the similarities of the document tokens ``start .. start + BLOCK_N``, masked,
     folded into ``(best, key)`` by :func:`absorb_tile` (or by :func:`absorb_nan_tile` in the NaN pass), and the
@@ -265,10 +279,11 @@ def document_tile(
     With an 8-bit ``LOADER``, ``doc_scale_ptr`` (row stride ``stride_dsl``) holds the document's scales (the
     query rows' scales multiply the row maxima afterwards); it is unused for float rows. With ``SCALES_AHEAD``,
     ``col_scale`` holds this tile's scales, which the loop loaded one tile ahead
-    (:func:`tile_scales`); otherwise they are loaded here, before the product."""
-    cols = start + tl.arange(0, BLOCK_N)
-    in_range = cols < doc_len
+    (:func:`tile_scales`); otherwise they are loaded here, before the product. With ``WINDOW``, an unmasked
+    document's ragged last tile is read as its last ``BLOCK_N`` tokens (:func:`tile_window`)."""
     if HAS_D_MASK:
+        cols = start + tl.arange(0, BLOCK_N)
+        in_range = cols < doc_len
         flags = tl.load(doc_mask_ptr + cols.to(tl.int64) * stride_dml, mask=in_range, other=0)
         col_valid = in_range & (flags != 0)
         # 8-bit scales are loaded before the product, not after it: their latency then overlaps the product's.
@@ -286,13 +301,24 @@ def document_tile(
         col_key = tl.where(in_range, cols * 2 + (1 - col_valid.to(tl.int32)), NO_KEY).to(tl.int32)
         n_valid += tl.sum(col_valid.to(tl.int32), axis=0)
     else:
-        # An unmasked document without load predicates: the ragged tail re-reads the last token (clamped rows)
-        # and its extra columns are set to -inf. Predicate-free loads let the pipeliner issue plain cp.async
-        # (H200: ColPali 0.58 -> 0.50 ms); no separate checked tail loop keeps the registers of a persistent launch
-        # down (benchmarks/NOTES.md, "Predicate-free full tiles", "One loop, no checked tail loop").
-        col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
+        # An unmasked document without load predicates: the ragged tail re-reads the last token (clamped rows) and
+        # its extra columns are set to -inf. Predicate-free loads let the pipeliner issue plain cp.async (H200:
+        # ColPali 0.58 -> 0.50 ms); no separate checked tail loop keeps the registers of a persistent launch down.
+        # With WINDOW the last tile of a document of at least BLOCK_N tokens ends at its end instead, so rows are
+        # clamped once per document, not per tile (benchmarks/NOTES.md, "Predicate-free full tiles", "One loop,
+        # no checked tail loop", "The last tile ends at the document's end").
+        if WINDOW:
+            first = tile_window(start, doc_len, BLOCK_N)
+            rows = tl.minimum(tl.arange(0, BLOCK_N), doc_len - 1).to(tl.int64) * stride_dl
+            col_ptrs = doc_ptr + first.to(tl.int64) * stride_dl + rows
+            cols = first + tl.arange(0, BLOCK_N)
+        else:
+            first = start
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
+        in_range = cols < doc_len
         if not SCALES_AHEAD:  # (loaded before the product, as above)
-            col_scale = tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N, LOADER)
+            col_scale = tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N, LOADER, WINDOW)
         if NUM_K == 1 and DIM == BLOCK_K:
             offs_k = tl.arange(0, BLOCK_K)
             d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
@@ -304,7 +330,7 @@ def document_tile(
             )
         sim = scale_columns(sim, col_scale, LOADER)
         col_key = (cols * 2).to(tl.int32)
-        if start + BLOCK_N > doc_len:  # only the last tile pays for the select
+        if first + BLOCK_N > doc_len:  # only the last tile (WINDOW: of a document shorter than a tile) selects
             if not NAN_PASS:  # (that pass ignores the clamped columns by their key alone)
                 sim = tl.where(in_range[None, :], sim, float("-inf"))
             col_key = tl.where(in_range, col_key, NO_KEY)

@@ -1,0 +1,26 @@
+"""A/B of the unmasked loop's last-tile window: run from a variant root (PYTHONPATH=<root>/src); one JSON line per
+cell; every cell's scores saved for a bitwise comparison between variants."""
+import json, sys, torch, triton, lik
+variant, out = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+CELLS = [("colpali", 1, 1024, 1000, 1024, ("float16", "int8", "float8_e4m3fn")),
+         ("visual", 1, 512, 1000, 1024, ("float8_e4m3fn",)),
+         ("textual", 1, 32, 10000, 300, ("float16", "int8", "float8_e4m3fn")),
+         ("multi-textual", 32, 32, 1024, 300, ("float16", "float8_e4m3fn")),
+         ("per-row-1030", 2555, 1, 1000, 1030, ("bfloat16",))]
+for name, nq, lq, b, ld, dts in CELLS:
+    Qf = torch.nn.functional.normalize(torch.randn(nq, lq, 128, device="cuda"), dim=-1)
+    Df = torch.nn.functional.normalize(torch.randn(b, ld, 128, device="cuda"), dim=-1)
+    Qs = Qf[0] if nq == 1 else Qf
+    for dts_ in dts:
+        dt = getattr(torch, dts_)
+        if dt in (torch.float16, torch.bfloat16):
+            q, d, kw = Qs.to(dt), Df.to(dt), {}
+        else:
+            q, qs = lik.quantize(Qs, dt); d, ds = lik.quantize(Df, dt); kw = dict(q_scale=qs, d_scale=ds)
+        fn = lambda: lik.maxsim(q, d, **kw)
+        s = fn(); torch.cuda.synchronize()
+        torch.save(s.cpu(), f"{out}/{variant}_{name}_{dts_}.pt")
+        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        print(json.dumps(dict(variant=variant, shape=name, dtype=dts_, ms=round(ms, 4))), flush=True)
+        del q, d
