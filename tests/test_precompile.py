@@ -29,6 +29,30 @@ def test_warmup_covers_the_long_document_variant_where_it_differs(monkeypatch):
     assert _document_length_buckets(1, 1024, 128, torch.float16, cpu) == [8]
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_warmup_covers_the_whole_tile_variant_of_8bit_corpora(monkeypatch, dtype):
+    """Long queries over an 8-bit corpus compile a second variant for lengths that are a multiple of the document
+    tile: warmup adds a length of the same config on the other side of that line; nowhere else."""
+    from lik import _config
+    from lik.core.quantized import loader_of
+    from lik.ops.maxsim.forward import whole_tiles
+    from lik.precompile import _document_lengths
+
+    monkeypatch.setattr(_config, "interpreting", lambda: False)
+    monkeypatch.setattr(_config, "_arch", lambda device: (9, 0))
+    cpu = torch.device("cpu")
+    for shape in [(1, 1024, 128), (2, 512, 96)]:
+        lengths, masked = zip(*_document_lengths(*shape, dtype, cpu))
+        assert masked == (True, False)  # (the whole-tile variant exists unmasked only)
+        configs = [_config.maxsim_forward_config(q_len=shape[1], n_queries=shape[0], dim=shape[2], dtype=dtype,
+                                                 per_query=False, device=cpu, doc_len=n) for n in lengths]
+        flags = [whole_tiles(c, n, shape[2], loader_of(dtype), masked=False)
+                 for c, n in zip(configs, lengths)]
+        assert len(lengths) == 2 and configs[0] == configs[1] and flags == [False, True]
+    assert _document_lengths(1, 1024, 128, torch.float16, cpu) == [(8, True)]  # float rows: one variant
+    assert _document_lengths(4, 32, 128, dtype, cpu) == [(8, True)]  # stacked short queries: persistent
+
+
 @pytest.mark.parametrize("shape", [(0, 5, 16), (1, -1, 16), (1, 5, 0)])
 def test_warmup_rejects_empty_shapes(shape):
     with pytest.raises(ValueError, match="positive"):

@@ -1,11 +1,12 @@
 """``lik.warmup``: compile, before serving, the kernel variants that some query shapes will need.
 
 A variant is fixed by the query-length bucket, how many short queries are stacked in a tile, ``d``, the dtype,
-the masks, whether a gradient is needed and, for one short query, whether documents are long (at least
-``lik._config.LONG_DOCUMENT`` tokens: larger document tiles); batch sizes and document lengths are otherwise
-runtime values. Warming up with one short and (where it differs) one long document therefore covers every
-corpus those queries will meet, and afterwards ``lik.maxsim`` neither compiles nor synchronises with the host,
-so it can be captured in a CUDA graph.
+the masks, whether a gradient is needed, for one short query whether documents are long (at least
+``lik._config.LONG_DOCUMENT`` tokens: larger document tiles) and, for an 8-bit corpus scored by long queries,
+whether its length is a multiple of the document tile; batch sizes and document lengths are otherwise runtime
+values. Warming up with one short and (where it differs) one long document, each at a ragged and a whole number
+of tiles where that makes a variant, therefore covers every corpus those queries will meet, and afterwards
+``lik.maxsim`` neither compiles nor synchronises with the host, so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from collections.abc import Iterable
 
 import torch
 
-from ._config import LONG_DOCUMENT, maxsim_forward_config
+from ._config import LONG_DOCUMENT, cdiv, maxsim_forward_config
+from .core.quantized import loader_of
+from .ops.maxsim.forward import whole_tiles
 from .ops.maxsim import maxsim
 from .ops.quantization import quantize
 
@@ -64,14 +67,14 @@ def warmup(
             raise ValueError(f"shapes must be positive (Nq, Lq, d) triples, got {(n_queries, q_len, dim)}")
         Q = torch.randn(n_queries, q_len, dim, device=device)
         Q = Q if dtype in _8BIT else Q.to(dtype)
-        for doc_len in _document_length_buckets(n_queries, q_len, dim, dtype, device):
+        for doc_len, masked_variants in _document_lengths(n_queries, q_len, dim, dtype, device):
             D = torch.randn(1, doc_len, dim, device=device)
             d_scale = None
             if dtype in _8BIT:
                 D, d_scale = quantize(D, dtype)
             else:
                 D = D.to(dtype)
-            calls += _warm_one(Q, D, masks, training, d_scale)
+            calls += _warm_one(Q, D, masks and masked_variants, training, d_scale)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return calls
@@ -83,6 +86,23 @@ def _document_length_buckets(n_queries, q_len, dim, dtype, device) -> list[int]:
         maxsim_forward_config, q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype, per_query=False, device=device
     )
     return [8] if config(doc_len=8) == config(doc_len=LONG_DOCUMENT) else [8, LONG_DOCUMENT]
+
+
+def _document_lengths(n_queries, q_len, dim, dtype, device) -> list[tuple[int, bool]]:
+    """The document lengths to warm up with, each with whether its masked variants are to be warmed too: one per
+    :func:`_document_length_buckets` bucket and, where the forward has a whole-tile variant (an unmasked 8-bit
+    corpus scored by long queries), a second length of the same bucket on the other side of it (rounded up to a
+    whole number of tiles, or one token past it), unmasked only."""
+    lengths = []
+    for doc_len in _document_length_buckets(n_queries, q_len, dim, dtype, device):
+        cfg = maxsim_forward_config(q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype, per_query=False,
+                                    device=device, doc_len=doc_len)
+        lengths.append((doc_len, True))
+        whole = whole_tiles(cfg, cdiv(doc_len, cfg.block_n) * cfg.block_n, dim, loader_of(dtype), masked=False)
+        if whole:
+            other = doc_len + 1 if doc_len % cfg.block_n == 0 else cdiv(doc_len, cfg.block_n) * cfg.block_n
+            lengths.append((other, False))
+    return lengths
 
 
 def _warm_one(Q: torch.Tensor, D: torch.Tensor, masks: bool, training: bool, d_scale: torch.Tensor | None) -> int:

@@ -127,6 +127,45 @@ def test_int8_accumulation_is_exact_for_the_whole_int8_range(rng, dim):
     assert torch.equal(scores[1], torch.zeros(4))
 
 
+@pytest.fixture
+def whole_tile_flags(monkeypatch):
+    """The ``WHOLE_TILES`` flag of every padded forward launch, so a test can assert which loop it covered."""
+    from lik.ops.maxsim import forward
+
+    flags = []
+    real = forward.launch
+
+    def recorded(kernel, grid, *args, **kwargs):
+        flags.append(kwargs["WHOLE_TILES"])
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(forward, "launch", recorded)
+    return flags
+
+
+@pytest.mark.parametrize("doc_len", [16, 48])
+def test_int8_corpus_of_whole_tiles(rng, doc_len, whole_tile_flags):
+    """An unmasked 8-bit corpus whose length is a multiple of the document tile is read without row clamp or
+    last-tile select: a tie between the first and the last tile, an inf or NaN scale in the last token, a
+    non-contiguous view all score as the reference (one-token queries: bit for bit); one token shorter takes the
+    clamped loop and agrees too."""
+    Q = torch.randn(5, 1, 24, generator=rng)
+    D_q, d_scale = lik.quantize(torch.randn(4, doc_len, 24, generator=rng), INT8)
+    D_q[0, doc_len - 1], d_scale[0, doc_len - 1] = D_q[0, 2], d_scale[0, 2]  # a tie across tiles
+    d_scale[1, doc_len - 1] = float("inf")
+    d_scale[2, doc_len - 1] = float("nan")
+    wide = torch.zeros(4, doc_len, 48, dtype=INT8)
+    wide[..., ::2] = D_q
+    views = [(D_q, d_scale), (wide[..., ::2], d_scale), (D_q[:, :-1], d_scale[:, :-1])]
+    for docs, scales in views:
+        scores = lik.maxsim(Q, docs, d_scale=scales)
+        torch.testing.assert_close(scores, lik.maxsim_reference(Q, docs, d_scale=scales), rtol=0, atol=0,
+                                   equal_nan=True)
+        assert scores[:, 2].isnan().all() == (docs.shape[1] == doc_len)
+    assert torch.isfinite(scores[:, [0, 3]]).all()
+    assert whole_tile_flags == [True, True, False]
+
+
 @pytest.mark.parametrize("dtype", [INT8, FP8])
 @pytest.mark.parametrize("dim", [40, 300])
 def test_a_negative_query_scale_makes_its_query_nan(rng, dtype, dim, kernel_calls):
@@ -332,7 +371,9 @@ def test_search_ranks_by_the_8bit_scores(rng, dtype):
 
 @pytest.mark.parametrize("dtype", [INT8, FP8])
 def test_warmup_runs_the_8bit_variants(dtype):
-    assert lik.warmup([(1, 5, 16), (2, 9, 300)], dtype=dtype, device="cpu", masks=True) == 2 * 3
+    # Two shapes x (unmasked, masked "exclude", masked "zero"), and for (1, 5, 16) on the interpreter's 16-token
+    # tiles one unmasked call at a whole number of tiles (d = 300 streams its features: no such variant).
+    assert lik.warmup([(1, 5, 16), (2, 9, 300)], dtype=dtype, device="cpu", masks=True) == 2 * 3 + 1
     with pytest.raises(ValueError, match="training"):
         lik.warmup([(1, 5, 16)], dtype=dtype, device="cpu", training=True)
 

@@ -173,6 +173,38 @@ def test_8bit_search_and_warmup_on_gpu(dtype):
 
 
 @pytest.mark.parametrize("dtype", _dtypes())
+def test_long_queries_over_whole_and_ragged_tiles_after_warmup(dtype):
+    """Long queries read an unmasked 8-bit corpus whose length is a multiple of the document tile without row
+    clamp or last-tile select: an inf and a NaN scale in the last token reach the scores as in the reference, on
+    whole and ragged lengths alike, and after warmup neither length compiles."""
+    from lik.core.quantized import loader_of
+    from lik.ops.maxsim.forward import whole_tiles
+    from lik.ops.maxsim.forward_kernel import maxsim_fwd_kernel
+
+    from ...test_precompile import _variants
+
+    lik.warmup([(1, 300, 128)], dtype=dtype, masks=False)
+    compiled = _variants(maxsim_fwd_kernel)
+    flags = []
+    for doc_len in (256, 300):
+        Q, D_q, d_scale, _, _ = _problem(1, 300, 40, doc_len, 128, dtype, seed=5)
+        d_scale[1, doc_len - 1] = float("inf")
+        d_scale[2, doc_len - 1] = float("nan")
+        Q_q, q_scale = lik.quantize(Q, dtype)
+        scores = lik.maxsim(Q_q, D_q, q_scale=q_scale, d_scale=d_scale)
+        clean = [0] + list(range(3, 40))
+        _check(scores[:, clean], Q_q, q_scale, D_q[clean], d_scale[clean], None, None, "exclude")
+        garbage = lik.maxsim_reference(Q_q.cpu(), D_q[1:3].cpu(), q_scale=q_scale.cpu(), d_scale=d_scale[1:3].cpu())
+        assert torch.equal(scores[:, 1:3].cpu().isnan(), garbage.isnan()) and garbage[:, 1].isnan().all()
+        assert torch.equal(scores[:, 1:3].cpu().isinf(), garbage.isinf()) and garbage[:, 0].isinf().all()
+        config = _config.maxsim_forward_config(q_len=300, n_queries=1, dim=128, dtype=dtype, per_query=False,
+                                               device=D_q.device, doc_len=doc_len)
+        flags.append(whole_tiles(config, doc_len, 128, loader_of(dtype), masked=False))
+    assert flags == [True, False]
+    assert _variants(maxsim_fwd_kernel) == compiled
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
 @pytest.mark.parametrize("dim", [64, 128])
 def test_persistent_programs_carry_scales_across_documents(dtype, dim):
     """One short query against many documents: each persistent program walks several documents and loads the

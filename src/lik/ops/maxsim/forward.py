@@ -12,7 +12,7 @@ from ...core.quantized import loader_chunks, loader_of
 from .forward_kernel import maxsim_fwd_kernel
 from .validation import MaxSimInputs
 
-__all__ = ["maxsim_forward", "dot_precision", "set_strides", "scale_pointers"]
+__all__ = ["maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles"]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -37,6 +37,17 @@ def scale_pointers(q_scale: torch.Tensor, d_scale: torch.Tensor) -> tuple[torch.
     """The kernel's two scale arguments of 8-bit rows, contiguous (the kernel derives their strides from the
     shapes; a scale is 1/d of its rows' bytes, so a strided one is copied)."""
     return q_scale.contiguous(), d_scale.contiguous()
+
+
+def whole_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> bool:
+    """Whether the long-query loop (neither persistent nor feature-chunked) reads an unmasked padded 8-bit corpus
+    in whole tiles, without a row clamp or a last-tile select: its length is a multiple of the document tile.
+
+    A flag on the length's divisibility, not on the length: at most two variants per config, and False wherever
+    the loop does not use it, so it adds no variant there. 8-bit rows only: float rows were slower without the
+    clamp (benchmarks/NOTES.md, "Whole tiles")."""
+    resident = feature_chunks(dim, cfg.block_k)[1] == 1
+    return bool(loader) and not masked and cfg.programs_per_sm == 0 and resident and doc_len % cfg.block_n == 0
 
 
 def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,6 +115,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         PERSISTENT=cfg.programs_per_sm > 0,
         FLAT_K=int(cfg.flat_k),
         LOADER=loader,
+        WHOLE_TILES=whole_tiles(cfg, l_d, dim, loader, inputs.d_mask is not None),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers or None,

@@ -270,7 +270,7 @@ def document_tile(
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX, LOADER: tl.constexpr = FLOAT,
-    SCALES_AHEAD: tl.constexpr = False, WINDOW: tl.constexpr = False,
+    SCALES_AHEAD: tl.constexpr = False, WINDOW: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
 ):
     """One step of every tile loop: the similarities of the document tokens ``start .. start + BLOCK_N``, masked,
     folded into ``(best, key)`` by :func:`absorb_tile` (or by :func:`absorb_nan_tile` in the NaN pass), and the
@@ -280,7 +280,9 @@ def document_tile(
     query rows' scales multiply the row maxima afterwards); it is unused for float rows. With ``SCALES_AHEAD``,
     ``col_scale`` holds this tile's scales, which the loop loaded one tile ahead
     (:func:`tile_scales`); otherwise they are loaded here, before the product. With ``WINDOW``, an unmasked
-    document's ragged last tile is read as its last ``BLOCK_N`` tokens (:func:`tile_window`)."""
+    document's ragged last tile is read as its last ``BLOCK_N`` tokens (:func:`tile_window`). ``WHOLE_TILES``
+    promises that an unmasked document's length is a multiple of ``BLOCK_N`` (the launcher checks it): every
+    tile is read as it is, with neither a row clamp nor a last-tile select."""
     if HAS_D_MASK:
         cols = start + tl.arange(0, BLOCK_N)
         in_range = cols < doc_len
@@ -307,7 +309,11 @@ def document_tile(
         # With WINDOW the last tile of a document of at least BLOCK_N tokens ends at its end instead, so rows are
         # clamped once per document, not per tile (benchmarks/NOTES.md, "Predicate-free full tiles", "One loop,
         # no checked tail loop", "The last tile ends at the document's end").
-        if WINDOW:
+        if WHOLE_TILES:
+            first = start
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ptrs = doc_ptr + cols.to(tl.int64) * stride_dl
+        elif WINDOW:
             first = tile_window(start, doc_len, BLOCK_N)
             rows = tl.minimum(tl.arange(0, BLOCK_N), doc_len - 1).to(tl.int64) * stride_dl
             col_ptrs = doc_ptr + first.to(tl.int64) * stride_dl + rows
@@ -330,10 +336,11 @@ def document_tile(
             )
         sim = scale_columns(sim, col_scale, LOADER)
         col_key = (cols * 2).to(tl.int32)
-        if first + BLOCK_N > doc_len:  # only the last tile (WINDOW: of a document shorter than a tile) selects
-            if not NAN_PASS:  # (that pass ignores the clamped columns by their key alone)
-                sim = tl.where(in_range[None, :], sim, float("-inf"))
-            col_key = tl.where(in_range, col_key, NO_KEY)
+        if not WHOLE_TILES:
+            if first + BLOCK_N > doc_len:  # only the last tile (WINDOW: of a document shorter than a tile) selects
+                if not NAN_PASS:  # (that pass ignores the clamped columns by their key alone)
+                    sim = tl.where(in_range[None, :], sim, float("-inf"))
+                col_key = tl.where(in_range, col_key, NO_KEY)
         n_valid += tl.minimum(doc_len - start, BLOCK_N)
     if NAN_PASS:
         key = absorb_nan_tile(sim, col_key, key)
@@ -349,8 +356,10 @@ def stream_document(
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX, LOADER: tl.constexpr = FLOAT,
+    WHOLE_TILES: tl.constexpr = False,
 ):
-    """The tile loop over one document (:func:`document_tile` per tile). Returns ``(best, key, n_valid)``."""
+    """The tile loop over one document (:func:`document_tile` per tile; ``WHOLE_TILES`` as there). Returns
+    ``(best, key, n_valid)``."""
     n_valid = tl.zeros((), tl.int32)
     # The NaN pass is rare: unpipelined, so its loop adds no shared-memory stages and few registers.
     STAGES: tl.constexpr = 1 if NAN_PASS else None
@@ -363,7 +372,7 @@ def stream_document(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
             stride_dml, best, key, n_valid, doc_scale_ptr, stride_dsl, col_scale,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, NAN_PASS, DOT_PRECISION,
-            REDUCTION, LOADER, AHEAD,
+            REDUCTION, LOADER, AHEAD, False, WHOLE_TILES,
         )
         col_scale = next_scale
     return best, key, n_valid
