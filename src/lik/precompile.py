@@ -20,8 +20,8 @@ import torch
 
 from ._config import LONG_DOCUMENT, cdiv, maxsim_forward_config
 from .core.quantized import loader_of
-from .ops.maxsim.forward import whole_tiles
 from .ops.maxsim import maxsim
+from .ops.maxsim.forward import whole_tiles
 from .ops.quantization import quantize
 
 __all__ = ["warmup", "main"]
@@ -98,8 +98,7 @@ def _document_lengths(n_queries, q_len, dim, dtype, device) -> list[tuple[int, b
         cfg = maxsim_forward_config(q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype, per_query=False,
                                     device=device, doc_len=doc_len)
         lengths.append((doc_len, True))
-        whole = whole_tiles(cfg, cdiv(doc_len, cfg.block_n) * cfg.block_n, dim, loader_of(dtype), masked=False)
-        if whole:
+        if whole_tiles(cfg, cdiv(doc_len, cfg.block_n) * cfg.block_n, dim, loader_of(dtype), masked=False):
             other = doc_len + 1 if doc_len % cfg.block_n == 0 else cdiv(doc_len, cfg.block_n) * cfg.block_n
             lengths.append((other, False))
     return lengths
