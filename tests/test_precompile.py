@@ -30,12 +30,13 @@ def test_warmup_covers_the_long_document_variant_where_it_differs(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
-def test_warmup_covers_the_whole_tile_variant_of_8bit_corpora(monkeypatch, dtype):
-    """Long queries over an 8-bit corpus compile a second variant for lengths that are a multiple of the document
-    tile: warmup adds a length of the same config on the other side of that line; nowhere else."""
+def test_warmup_covers_the_last_tile_variants_of_8bit_corpora(monkeypatch, dtype):
+    """Long queries over an 8-bit corpus compile three variants by the length's remainder after whole document
+    tiles (none: whole tiles; at most 32 tokens: whole tiles and narrow ones; more: the clamped loop): warmup adds
+    lengths of the same config for the two its first length does not take; nowhere else."""
     from lik import _config
     from lik.core.quantized import loader_of
-    from lik.ops.maxsim.forward import whole_tiles
+    from lik.ops.maxsim.forward import narrow_tail, whole_tiles
     from lik.precompile import _document_lengths
 
     monkeypatch.setattr(_config, "interpreting", lambda: False)
@@ -43,12 +44,12 @@ def test_warmup_covers_the_whole_tile_variant_of_8bit_corpora(monkeypatch, dtype
     cpu = torch.device("cpu")
     for shape in [(1, 1024, 128), (2, 512, 96)]:
         lengths, masked = zip(*_document_lengths(*shape, dtype, cpu))
-        assert masked == (True, False)  # (the whole-tile variant exists unmasked only)
+        assert masked == (True, False, False)  # (the whole-tile variants exist unmasked only)
         configs = [_config.maxsim_forward_config(q_len=shape[1], n_queries=shape[0], dim=shape[2], dtype=dtype,
                                                  per_query=False, device=cpu, doc_len=n) for n in lengths]
-        flags = [whole_tiles(c, n, shape[2], loader_of(dtype), masked=False)
-                 for c, n in zip(configs, lengths)]
-        assert len(lengths) == 2 and configs[0] == configs[1] and flags == [False, True]
+        variants = [(whole_tiles(c, n, shape[2], loader_of(dtype), masked=False),
+                     narrow_tail(c, n, shape[2], loader_of(dtype), masked=False)) for c, n in zip(configs, lengths)]
+        assert all(c == configs[0] for c in configs) and variants == [(True, 16), (True, 0), (False, 0)]
     assert _document_lengths(1, 1024, 128, torch.float16, cpu) == [(8, True)]  # float rows: one variant
     assert _document_lengths(4, 32, 128, dtype, cpu) == [(8, True)]  # stacked short queries: persistent
 

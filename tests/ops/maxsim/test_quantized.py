@@ -128,42 +128,46 @@ def test_int8_accumulation_is_exact_for_the_whole_int8_range(rng, dim):
 
 
 @pytest.fixture
-def whole_tile_flags(monkeypatch):
-    """The ``WHOLE_TILES`` flag of every padded forward launch, so a test can assert which loop it covered."""
+def tail_widths(monkeypatch):
+    """``(WHOLE_TILES, TAIL_N)`` of every padded forward launch, so a test can assert which loop it covered."""
     from lik.ops.maxsim import forward
 
-    flags = []
+    widths = []
     real = forward.launch
 
     def recorded(kernel, grid, *args, **kwargs):
-        flags.append(kwargs["WHOLE_TILES"])
+        widths.append((kwargs["WHOLE_TILES"], kwargs["TAIL_N"]))
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(forward, "launch", recorded)
-    return flags
+    return widths
 
 
-@pytest.mark.parametrize("doc_len", [16, 48])
-def test_int8_corpus_of_whole_tiles(rng, doc_len, whole_tile_flags):
-    """An unmasked 8-bit corpus whose length is a multiple of the document tile is read without row clamp or
-    last-tile select: a tie between the first and the last tile, an inf or NaN scale in the last token, a
-    non-contiguous view all score as the reference (one-token queries: bit for bit); one token shorter takes the
-    clamped loop and agrees too."""
-    Q = torch.randn(5, 1, 24, generator=rng)
-    D_q, d_scale = lik.quantize(torch.randn(4, doc_len, 24, generator=rng), INT8)
+@pytest.mark.parametrize("doc_len, variant", [(64, (True, 0)), (128, (True, 0)), (70, (True, 16)), (96, (True, 16)),
+                                              (20, (True, 16)), (100, (False, 0)), (40, (False, 0))])
+def test_int8_corpus_of_whole_tiles_and_a_narrow_tail(rng, doc_len, variant, tail_widths):
+    """Long queries over an unmasked 8-bit corpus read its whole 64-token tiles without row clamp or select and at
+    most 32 tokens after them in 16-token tiles (more take the clamped loop): a tie between the first and the last
+    token, an inf or NaN scale in the last token, a non-contiguous view all score as the reference (one-token
+    queries: bit for bit), whichever loop runs."""
+    Q = torch.randn(5, 1, 24, generator=rng).abs()
+    D = torch.randn(4, doc_len, 24, generator=rng)
+    D[3] = -D[3].abs()  # every similarity negative: a column read past the end (similarity 0) would win
+    D_q, d_scale = lik.quantize(D, INT8)
     D_q[0, doc_len - 1], d_scale[0, doc_len - 1] = D_q[0, 2], d_scale[0, 2]  # a tie across tiles
     d_scale[1, doc_len - 1] = float("inf")
     d_scale[2, doc_len - 1] = float("nan")
     wide = torch.zeros(4, doc_len, 48, dtype=INT8)
     wide[..., ::2] = D_q
-    views = [(D_q, d_scale), (wide[..., ::2], d_scale), (D_q[:, :-1], d_scale[:, :-1])]
-    for docs, scales in views:
-        scores = lik.maxsim(Q, docs, d_scale=scales)
+    config = _config.MaxSimForwardConfig(32, 1, 64, 32, 4, 1)
+    for docs, scales in [(D_q, d_scale), (wide[..., ::2], d_scale)]:
+        with _config.override(maxsim_forward=config):
+            scores = lik.maxsim(Q, docs, d_scale=scales)
         torch.testing.assert_close(scores, lik.maxsim_reference(Q, docs, d_scale=scales), rtol=0, atol=0,
                                    equal_nan=True)
-        assert scores[:, 2].isnan().all() == (docs.shape[1] == doc_len)
-    assert torch.isfinite(scores[:, [0, 3]]).all()
-    assert whole_tile_flags == [True, True, False]
+        assert scores[:, 2].isnan().all()
+        assert torch.isfinite(scores[:, [0, 3]]).all() and (scores[:, 3] < 0).all()
+    assert tail_widths == [variant, variant]
 
 
 @pytest.mark.parametrize("dtype", [INT8, FP8])
@@ -372,7 +376,8 @@ def test_search_ranks_by_the_8bit_scores(rng, dtype):
 @pytest.mark.parametrize("dtype", [INT8, FP8])
 def test_warmup_runs_the_8bit_variants(dtype):
     # Two shapes x (unmasked, masked "exclude", masked "zero"), and for (1, 5, 16) on the interpreter's 16-token
-    # tiles one unmasked call at a whole number of tiles (d = 300 streams its features: no such variant).
+    # tiles one unmasked call at a whole number of tiles (the first length, 8, takes whole tiles and a narrow tail;
+    # d = 300 streams its features: no such variant).
     assert lik.warmup([(1, 5, 16), (2, 9, 300)], dtype=dtype, device="cpu", masks=True) == 2 * 3 + 1
     with pytest.raises(ValueError, match="training"):
         lik.warmup([(1, 5, 16)], dtype=dtype, device="cpu", training=True)

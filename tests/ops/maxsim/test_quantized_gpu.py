@@ -173,20 +173,20 @@ def test_8bit_search_and_warmup_on_gpu(dtype):
 
 
 @pytest.mark.parametrize("dtype", _dtypes())
-def test_long_queries_over_whole_and_ragged_tiles_after_warmup(dtype):
-    """Long queries read an unmasked 8-bit corpus whose length is a multiple of the document tile without row
-    clamp or last-tile select: an inf and a NaN scale in the last token reach the scores as in the reference, on
-    whole and ragged lengths alike, and after warmup neither length compiles."""
+def test_long_queries_over_whole_tiles_a_narrow_tail_and_ragged_tiles_after_warmup(dtype):
+    """Long queries read an unmasked 8-bit corpus's whole tiles without row clamp or last-tile select and up to 32
+    tokens after them in narrow tiles (more: the clamped loop): an inf and a NaN scale in the last token reach the
+    scores as in the reference, at every length, and after warmup none of the lengths compiles."""
     from lik.core.quantized import loader_of
-    from lik.ops.maxsim.forward import whole_tiles
+    from lik.ops.maxsim.forward import narrow_tail, whole_tiles
     from lik.ops.maxsim.forward_kernel import maxsim_fwd_kernel
 
     from ...test_precompile import _variants
 
     lik.warmup([(1, 300, 128)], dtype=dtype, masks=False)
     compiled = _variants(maxsim_fwd_kernel)
-    flags = []
-    for doc_len in (256, 300):
+    widths = []
+    for doc_len in (256, 262, 300, 20):
         Q, D_q, d_scale, _, _ = _problem(1, 300, 40, doc_len, 128, dtype, seed=5)
         d_scale[1, doc_len - 1] = float("inf")
         d_scale[2, doc_len - 1] = float("nan")
@@ -199,8 +199,9 @@ def test_long_queries_over_whole_and_ragged_tiles_after_warmup(dtype):
         assert torch.equal(scores[:, 1:3].cpu().isinf(), garbage.isinf()) and garbage[:, 0].isinf().all()
         config = _config.maxsim_forward_config(q_len=300, n_queries=1, dim=128, dtype=dtype, per_query=False,
                                                device=D_q.device, doc_len=doc_len)
-        flags.append(whole_tiles(config, doc_len, 128, loader_of(dtype), masked=False))
-    assert flags == [True, False]
+        widths.append((whole_tiles(config, doc_len, 128, loader_of(dtype), masked=False),
+                       narrow_tail(config, doc_len, 128, loader_of(dtype), masked=False)))
+    assert widths == [(True, 0), (True, 16), (False, 0), (True, 16)]
     assert _variants(maxsim_fwd_kernel) == compiled
 
 

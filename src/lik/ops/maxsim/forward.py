@@ -12,7 +12,8 @@ from ...core.quantized import loader_chunks, loader_of
 from .forward_kernel import maxsim_fwd_kernel
 from .validation import MaxSimInputs
 
-__all__ = ["maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles"]
+__all__ = ["maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "narrow_tail", "NARROW_TAIL_N",
+           "NARROW_TAIL_MAX"]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -39,15 +40,32 @@ def scale_pointers(q_scale: torch.Tensor, d_scale: torch.Tensor) -> tuple[torch.
     return q_scale.contiguous(), d_scale.contiguous()
 
 
-def whole_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> bool:
-    """Whether the long-query loop (neither persistent nor feature-chunked) reads an unmasked padded 8-bit corpus
-    in whole tiles, without a row clamp or a last-tile select: its length is a multiple of the document tile.
+# The narrow tiles after a long-query loop's whole tiles, and the most tokens they take: more than two narrow
+# tiles cost more than the one clamped tile they replace (H100, benchmarks/NOTES.md "A narrow last tile").
+NARROW_TAIL_N = 16
+NARROW_TAIL_MAX = 32
 
-    A flag on the length's divisibility, not on the length: at most two variants per config, and False wherever
-    the loop does not use it, so it adds no variant there. 8-bit rows only: float rows were slower without the
-    clamp (benchmarks/NOTES.md, "Whole tiles")."""
+
+def whole_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> bool:
+    """Whether the long-query loop (neither persistent nor feature-chunked) reads an unmasked padded 8-bit corpus's
+    whole tiles without a row clamp or a last-tile select: when its length is a multiple of the document tile or
+    at most :data:`NARROW_TAIL_MAX` tokens past one (those then take :func:`narrow_tail`'s tiles).
+
+    Flags on the length's remainder, not on the length: at most three variants per config (clamped, whole, whole
+    and a narrow tail), and False wherever the loop does not use them, so they add no variant there. 8-bit rows
+    only: float rows were not faster without the clamp, and slower with the narrow tail (benchmarks/NOTES.md,
+    "Whole tiles", "A narrow last tile")."""
     resident = feature_chunks(dim, cfg.block_k)[1] == 1
-    return bool(loader) and not masked and cfg.programs_per_sm == 0 and resident and doc_len % cfg.block_n == 0
+    return (bool(loader) and not masked and cfg.programs_per_sm == 0 and resident
+            and doc_len % cfg.block_n <= NARROW_TAIL_MAX)
+
+
+def narrow_tail(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> int:
+    """The width of the tiles the long-query loop reads after a corpus's :func:`whole_tiles` (its last
+    ``doc_len % block_n`` tokens), or 0 when it reads whole tiles only or none."""
+    if doc_len % cfg.block_n == 0 or not whole_tiles(cfg, doc_len, dim, loader, masked):
+        return 0
+    return min(NARROW_TAIL_N, cfg.block_n)
 
 
 def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -116,6 +134,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         FLAT_K=int(cfg.flat_k),
         LOADER=loader,
         WHOLE_TILES=whole_tiles(cfg, l_d, dim, loader, inputs.d_mask is not None),
+        TAIL_N=narrow_tail(cfg, l_d, dim, loader, inputs.d_mask is not None),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers or None,

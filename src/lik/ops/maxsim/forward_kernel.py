@@ -172,7 +172,8 @@ def maxsim_fwd_kernel(
     FLAT_K: tl.constexpr = 1,  # wide embeddings: one flat (tile, chunk) loop, or a chunk loop nested per tile
     REDUCTION: tl.constexpr = 0,  # the running reduction (tile.py: REDUCE_MAX, MaxSim's max)
     LOADER: tl.constexpr = 0,  # FLOAT, or INT8 / FP8 rows with per-row scales (lik.core.quantized)
-    WHOLE_TILES: tl.constexpr = False,  # PADDED, unmasked, doc_len a multiple of BLOCK_N (tile.document_tile)
+    WHOLE_TILES: tl.constexpr = False,  # long queries, PADDED, unmasked: whole tiles read as they are (tile.py)
+    TAIL_N: tl.constexpr = 0,  # with WHOLE_TILES: the width of the tiles after them (tile.stream_document)
 ):
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0).to(tl.int64)
@@ -192,7 +193,7 @@ def maxsim_fwd_kernel(
             stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
             q_scale_ptr, d_scale_ptr,
             DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_Q_MASK, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
-            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER, WHOLE_TILES,
+            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER, WHOLE_TILES, TAIL_N,
         )
 
 
@@ -207,7 +208,7 @@ def score_documents(
     BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_Q_MASK: tl.constexpr, HAS_D_MASK: tl.constexpr,
     EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
     LAYOUT: tl.constexpr, FLAT_K: tl.constexpr, REDUCTION: tl.constexpr, LOADER: tl.constexpr,
-    WHOLE_TILES: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, TAIL_N: tl.constexpr,
 ):
     """A program's query rows (``row_block``) against its documents ``first_doc``, ``first_doc + doc_programs``,
     ...: the documents come from :func:`~lik.core.segments.document_span` (padded or packed), the rest is one
@@ -365,7 +366,7 @@ def score_documents(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, length, stride_dl, stride_dk, stride_dml,
             best, key, doc_scale_ptr, stride_dsl,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
-            REDUCTION, LOADER, WHOLE_TILES,
+            REDUCTION, LOADER, WHOLE_TILES, TAIL_N,
         )
         nan_rows = write_document(
             best, key, n_valid, row_valid, row_in_range, query, token, row_block, first_doc, partial_ptr, argmax_ptr,

@@ -281,8 +281,8 @@ def document_tile(
     ``col_scale`` holds this tile's scales, which the loop loaded one tile ahead
     (:func:`tile_scales`); otherwise they are loaded here, before the product. With ``WINDOW``, an unmasked
     document's ragged last tile is read as its last ``BLOCK_N`` tokens (:func:`tile_window`). ``WHOLE_TILES``
-    promises that an unmasked document's length is a multiple of ``BLOCK_N`` (the launcher checks it): every
-    tile is read as it is, with neither a row clamp nor a last-tile select."""
+    promises that this tile of an unmasked document lies within it (:func:`stream_document`'s whole tiles): it is
+    read as it is, with neither a row clamp nor a last-tile select."""
     if HAS_D_MASK:
         cols = start + tl.arange(0, BLOCK_N)
         in_range = cols < doc_len
@@ -356,17 +356,26 @@ def stream_document(
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX, LOADER: tl.constexpr = FLOAT,
-    WHOLE_TILES: tl.constexpr = False,
+    WHOLE_TILES: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
 ):
-    """The tile loop over one document (:func:`document_tile` per tile; ``WHOLE_TILES`` as there). Returns
-    ``(best, key, n_valid)``."""
+    """The tile loop over one document (:func:`document_tile` per tile). Returns ``(best, key, n_valid)``.
+
+    With ``WHOLE_TILES`` (an unmasked document), its whole ``BLOCK_N``-token tiles are read as they are, with
+    neither row clamp nor last-tile select, and the tokens after them, if any, in unpipelined tiles of ``TAIL_N``
+    (a 1 030-token ColPali page: eight 128-token tiles and one of 16, instead of nine of 128); the launcher
+    (``forward.whole_tiles``, ``forward.narrow_tail``) sets ``TAIL_N`` > 0 exactly when there are such tokens, and
+    only when they are few. Otherwise every tile is ``BLOCK_N`` wide and the ragged last one clamped and
+    selected."""
     n_valid = tl.zeros((), tl.int32)
     # The NaN pass is rare: unpipelined, so its loop adds no shared-memory stages and few registers.
     STAGES: tl.constexpr = 1 if NAN_PASS else None
     AHEAD: tl.constexpr = LOADER != FLOAT and not HAS_D_MASK  # (tile_scales says why)
     AHEAD_LOADER: tl.constexpr = LOADER if AHEAD else FLOAT
     col_scale = tile_scales(doc_scale_ptr, 0, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER)
-    for start in tl.range(0, doc_len, BLOCK_N, num_stages=STAGES):
+    tiled_end = doc_len
+    if TAIL_N > 0:
+        tiled_end = (doc_len // BLOCK_N) * BLOCK_N
+    for start in tl.range(0, tiled_end, BLOCK_N, num_stages=STAGES):
         next_scale = tile_scales(doc_scale_ptr, start + BLOCK_N, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER)
         best, key, n_valid = document_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
@@ -375,6 +384,15 @@ def stream_document(
             REDUCTION, LOADER, AHEAD, False, WHOLE_TILES,
         )
         col_scale = next_scale
+    if TAIL_N > 0:
+        # (after the whole tiles, so a tie keeps the earlier token as in the one-width loop)
+        for start in tl.range(tiled_end, doc_len, TAIL_N, num_stages=1):
+            best, key, n_valid = document_tile(
+                q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
+                stride_dml, best, key, n_valid, doc_scale_ptr, stride_dsl, col_scale,
+                DIM, BLOCK_M, TAIL_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, NAN_PASS, DOT_PRECISION,
+                REDUCTION, LOADER, False, False, False,
+            )
     return best, key, n_valid
 
 
