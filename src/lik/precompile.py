@@ -94,10 +94,10 @@ def _document_lengths(n_queries, q_len, dim, dtype, device) -> list[tuple[int, b
     (long queries: ``forward.whole_tiles`` / ``forward.narrow_tail``), lengths of the same config for its other
     variants (a whole number of tiles, one token past it, one token short of it), unmasked only."""
     loader = loader_of(dtype)
+    config = functools.partial(maxsim_forward_config, q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype,
+                               per_query=False, device=device)
     lengths = []
     for doc_len in _document_length_buckets(n_queries, q_len, dim, dtype, device):
-        config = functools.partial(maxsim_forward_config, q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype,
-                                   per_query=False, device=device)
         cfg = config(doc_len=doc_len)
         lengths.append((doc_len, True))
         seen = {_tile_variant(cfg, doc_len, dim, loader)}

@@ -12,8 +12,10 @@ from ...core.quantized import loader_chunks, loader_of
 from .forward_kernel import maxsim_fwd_kernel
 from .validation import MaxSimInputs
 
-__all__ = ["maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "narrow_tail", "NARROW_TAIL_N",
-           "NARROW_TAIL_MAX"]
+__all__ = [
+    "maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "narrow_tail", "NARROW_TAIL_N",
+    "NARROW_TAIL_MAX",
+]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
