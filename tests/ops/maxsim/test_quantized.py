@@ -128,27 +128,27 @@ def test_int8_accumulation_is_exact_for_the_whole_int8_range(rng, dim):
 
 
 @pytest.fixture
-def tail_widths(monkeypatch):
+def tile_variants(monkeypatch):
     """``(WHOLE_TILES, TAIL_N)`` of every padded forward launch, so a test can assert which loop it covered."""
     from lik.ops.maxsim import forward
 
-    widths = []
+    variants = []
     real = forward.launch
 
     def recorded(kernel, grid, *args, **kwargs):
-        widths.append((kwargs["WHOLE_TILES"], kwargs["TAIL_N"]))
+        variants.append((kwargs["WHOLE_TILES"], kwargs["TAIL_N"]))
         return real(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(forward, "launch", recorded)
-    return widths
+    return variants
 
 
 @pytest.mark.parametrize("doc_len, variant", [(64, (True, 0)), (128, (True, 0)), (70, (True, 16)), (96, (True, 16)),
                                               (20, (True, 16)), (100, (False, 0)), (40, (False, 0))])
-def test_int8_corpus_of_whole_tiles_and_a_narrow_tail(rng, doc_len, variant, tail_widths):
+def test_int8_corpus_of_whole_tiles_and_a_narrow_tail(rng, doc_len, variant, tile_variants):
     """Long queries over an unmasked 8-bit corpus read its whole 64-token tiles without row clamp or select and at
-    most 32 tokens after them in 16-token tiles (more take the clamped loop): a tie between the first and the last
-    token, an inf or NaN scale in the last token, a non-contiguous view all score as the reference (one-token
+    most 32 tokens after them in 16-token tiles (more take the clamped loop): a tie between a token of the first
+    tile and the last token, an inf or NaN scale in the last token, a non-contiguous view all score as the reference (one-token
     queries: bit for bit), whichever loop runs."""
     Q = torch.randn(5, 1, 24, generator=rng).abs()
     D = torch.randn(4, doc_len, 24, generator=rng)
@@ -167,7 +167,7 @@ def test_int8_corpus_of_whole_tiles_and_a_narrow_tail(rng, doc_len, variant, tai
                                    equal_nan=True)
         assert scores[:, 2].isnan().all()
         assert torch.isfinite(scores[:, [0, 3]]).all() and (scores[:, 3] < 0).all()
-    assert tail_widths == [variant, variant]
+    assert tile_variants == [variant, variant]
 
 
 @pytest.mark.parametrize("dtype", [INT8, FP8])
