@@ -57,9 +57,9 @@ def whole_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> bool:
     and a narrow tail), and False wherever the loop does not use them, so they add no variant there. 8-bit rows
     only: float rows were not faster without the clamp, and slower with the narrow tail (benchmarks/NOTES.md,
     "Whole tiles", "A narrow last tile")."""
-    resident = feature_chunks(dim, cfg.block_k)[1] == 1
-    return (bool(loader) and not masked and cfg.programs_per_sm == 0 and resident
-            and doc_len % cfg.block_n <= NARROW_TAIL_MAX)
+    if not loader or masked or cfg.programs_per_sm != 0 or doc_len % cfg.block_n > NARROW_TAIL_MAX:
+        return False  # (float rows return here, before any arithmetic: this runs on every launch)
+    return feature_chunks(dim, cfg.block_k)[1] == 1  # features resident (no streamed-k loop)
 
 
 def narrow_tail(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> int:
