@@ -21,7 +21,7 @@ import torch
 from ._config import LONG_DOCUMENT, cdiv, maxsim_forward_config
 from .core.quantized import loader_of
 from .ops.maxsim import maxsim
-from .ops.maxsim.forward import narrow_tail, whole_tiles
+from .ops.maxsim.forward import last_tiles
 from .ops.quantization import quantize
 
 __all__ = ["warmup", "main"]
@@ -91,7 +91,7 @@ def _document_length_buckets(n_queries, q_len, dim, dtype, device) -> list[int]:
 def _document_lengths(n_queries, q_len, dim, dtype, device) -> list[tuple[int, bool]]:
     """The document lengths to warm up with, each with whether its masked variants are to be warmed too: one per
     :func:`_document_length_buckets` bucket and, where the forward reads an unmasked 8-bit corpus by whole tiles
-    (long queries: ``forward.whole_tiles`` / ``forward.narrow_tail``), lengths of the same config for its other
+    (long queries: ``forward.last_tiles``), lengths of the same config for its other
     variants (a whole number of tiles, one token past it, one token short of it), unmasked only."""
     loader = loader_of(dtype)
     config = functools.partial(maxsim_forward_config, q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype,
@@ -100,19 +100,14 @@ def _document_lengths(n_queries, q_len, dim, dtype, device) -> list[tuple[int, b
     for doc_len in _document_length_buckets(n_queries, q_len, dim, dtype, device):
         cfg = config(doc_len=doc_len)
         lengths.append((doc_len, True))
-        seen = {_tile_variant(cfg, doc_len, dim, loader)}
+        seen = {last_tiles(cfg, doc_len, dim, loader, masked=False)}
         tiles = max(1, cdiv(doc_len, cfg.block_n)) * cfg.block_n
         for other in (tiles, tiles + 1, tiles - 1):
-            variant = _tile_variant(cfg, other, dim, loader)
+            variant = last_tiles(cfg, other, dim, loader, masked=False)
             if variant not in seen and config(doc_len=other) == cfg:
                 seen.add(variant)
                 lengths.append((other, False))
     return lengths
-
-
-def _tile_variant(cfg, doc_len: int, dim: int, loader: int) -> tuple[bool, int]:
-    """The forward's unmasked last-tile variant for ``doc_len``: ``(WHOLE_TILES, TAIL_N)``."""
-    return whole_tiles(cfg, doc_len, dim, loader, masked=False), narrow_tail(cfg, doc_len, dim, loader, masked=False)
 
 
 def _warm_one(Q: torch.Tensor, D: torch.Tensor, masks: bool, training: bool, d_scale: torch.Tensor | None) -> int:

@@ -13,8 +13,8 @@ from .forward_kernel import maxsim_fwd_kernel
 from .validation import MaxSimInputs
 
 __all__ = [
-    "maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "narrow_tail", "NARROW_TAIL_N",
-    "NARROW_TAIL_MAX",
+    "maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "narrow_tail", "last_tiles",
+    "NARROW_TAIL_N", "NARROW_TAIL_MAX",
 ]
 
 
@@ -70,6 +70,13 @@ def narrow_tail(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> int:
     return min(NARROW_TAIL_N, cfg.block_n)
 
 
+def last_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> tuple[bool, int]:
+    """The forward launch's ``(WHOLE_TILES, TAIL_N)`` for a document length: :func:`whole_tiles` and
+    :func:`narrow_tail` together (the launcher and ``lik.warmup`` ask for both)."""
+    whole = whole_tiles(cfg, doc_len, dim, loader, masked)
+    return whole, (min(NARROW_TAIL_N, cfg.block_n) if whole and doc_len % cfg.block_n else 0)
+
+
 def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on canonical inputs.
 
@@ -116,6 +123,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
     doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
     grid = (n_row_blocks * doc_programs,)
+    whole, tail = last_tiles(cfg, l_d, dim, loader, inputs.d_mask is not None)
     launch(
         maxsim_fwd_kernel, grid,
         q, d, q_mask, d_mask, partial, partial, partial, argmax_arg, *scale_ptrs,
@@ -135,8 +143,8 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         PERSISTENT=cfg.programs_per_sm > 0,
         FLAT_K=int(cfg.flat_k),
         LOADER=loader,
-        WHOLE_TILES=whole_tiles(cfg, l_d, dim, loader, inputs.d_mask is not None),
-        TAIL_N=narrow_tail(cfg, l_d, dim, loader, inputs.d_mask is not None),
+        WHOLE_TILES=whole,
+        TAIL_N=tail,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers or None,
