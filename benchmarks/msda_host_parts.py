@@ -8,8 +8,7 @@ path (N 1, two small levels, 16 queries), so that the loop times the host alone.
 down to Triton's launcher (replayed with tensors and with their addresses, as ``lik._launch`` passes them); the
 original Deformable-DETR op (built from its source, ``msda_original_op.py``) down to its C++ calls. With
 ``--rounds K`` the decoder forward and backward of lik and the op are also timed by ``do_bench`` (L2 flushed, as
-``msda_vs_cuda.py``) in K alternating rounds, with lik's backward also run with its value-gradient buffer from
-``torch.zeros`` instead of the driver memset, and the two buffers alone. Usage on the device::
+``msda_vs_cuda.py``) in K alternating rounds. Usage on the device::
 
     PYTHONPATH=src:benchmarks python3 benchmarks/msda_host_parts.py --original-src /path/to/Deformable-DETR \
         --rounds 5 --out $OUT
@@ -18,8 +17,6 @@ original Deformable-DETR op (built from its source, ``msda_original_op.py``) dow
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 import os
 import sys
@@ -29,7 +26,7 @@ import triton
 
 import lik
 from host_profile import host_us  # benchmarks/ is the script's directory, so on sys.path
-from lik import _launch, _memory
+from lik import _launch
 from lik.ops.msda import backward as msda_backward_module
 from lik.ops.msda import forward as msda_forward_module
 from lik.ops.msda.function import MSDeformAttnFunction
@@ -39,65 +36,6 @@ from msda_original_op import load_original_op
 
 
 TINY = dict(name="tiny", n=1, hw=[(8, 12), (4, 6)], queries=16)
-TORCH_ZEROS = ", torch.zeros buffer"
-
-
-_FLAT_LAYOUTS: dict = {}
-
-
-@functools.lru_cache(maxsize=None)
-def _flat_keyer(kinds: tuple[type, ...]):
-    """A prototype of ``_launch.argument_keyer`` with one flat key tuple (every tensor's dtype, then one int of
-    alignment bits, then whether all tensors are on CUDA, then the ints' keys) instead of a tuple per argument."""
-    dtypes, aligned, cuda, rest, passed = [], [], [], [], []
-    for i, kind in enumerate(kinds):
-        arg = f"a[{i}]"
-        passed.append(arg)
-        if kind is int:
-            rest.append(f"(K[{arg}] if {arg} in K else int_key({arg}))")
-        elif issubclass(kind, torch.Tensor):
-            dtypes.append(f"{arg}.dtype")
-            aligned.append(f"(((p{i} := {arg}.data_ptr()) & 15 == 0) << {len(aligned)})")
-            cuda.append(f"{arg}.is_cuda")
-            passed[-1] = f"p{i}"
-        elif kind is bool:
-            rest.append(f"('bool', {arg})")
-        elif kind is float:
-            rest.append("float")
-        elif kind is type(None):
-            rest.append("None")
-        else:
-            return None
-    listed = lambda parts: "(" + "".join(part + ", " for part in parts) + ")"  # noqa: E731
-    # The layout's number first: flat keys of two layouts (a tensor and an int swapped) must not collide.
-    layout = _FLAT_LAYOUTS.setdefault(kinds, len(_FLAT_LAYOUTS))
-    keys = [str(layout)] + dtypes + ["(" + (" | ".join(aligned) or "0") + ")",
-                                     "(" + (" and ".join(cuda) or "True") + ")"] + rest
-    return eval(f"lambda a: ({listed(keys)}, {listed(passed)})",  # noqa: S307
-                {"float": float, "K": _launch._INT_KEYS, "int_key": _launch._int_key})
-
-
-@contextlib.contextmanager
-def flat_keys_in_launch():
-    """``lik._launch`` keyed by the flat prototype above (its table files these keys beside the usual ones)."""
-    real = _launch.argument_keyer
-    _launch.argument_keyer = _flat_keyer
-    try:
-        yield
-    finally:
-        _launch.argument_keyer = real
-
-
-@contextlib.contextmanager
-def torch_zeros_in_backward():
-    """lik's backward with its value-gradient buffer cleared by ``torch.zeros`` (the fill kernel) instead of
-    ``lik._memory.zeros`` (the driver's memset): the two sides of that A/B in one process."""
-    real = msda_backward_module.zeros
-    msda_backward_module.zeros = lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device)
-    try:
-        yield
-    finally:
-        msda_backward_module.zeros = real
 
 
 class _EmptyFunction(torch.autograd.Function):
@@ -206,10 +144,6 @@ def backward_parts(original) -> dict:
             msda_backward_module.msda_backward(g, v, s, st, lc, w, deterministic=False)),
         "backward: torch.zeros of the fp32 value gradient": lambda: torch.zeros(
             v.shape, dtype=torch.float32, device=v.device),
-        "backward: lik._memory.zeros of the fp32 value gradient (driver memset)": lambda: _memory.zeros(
-            v.shape, torch.float32, v.device),
-        "backward: torch.empty of the fp32 value gradient": lambda: torch.empty(
-            v.shape, dtype=torch.float32, device=v.device),
         "backward: torch.empty_like of the location gradient": lambda: torch.empty_like(lc),
         "backward: lik._launch.launch (key + Triton's launcher)": lambda: _launch.launch(
             kernel, grid, *launch_args, **launch_kwargs),
@@ -218,10 +152,6 @@ def backward_parts(original) -> dict:
     }
     ctx = _SavedContext((v, s, st, lc, w))
     parts["backward: lik's Function.backward called directly"] = lambda: MSDeformAttnFunction.backward(ctx, g)
-    # Timed with the module patched around the whole loop (main(): names ending in TORCH_ZEROS).
-    parts["backward: lik, autograd.grad" + TORCH_ZEROS] = parts["backward: lik, autograd.grad"]
-    parts["backward: msda_backward" + TORCH_ZEROS] = parts[
-        "backward: msda_backward (validated inputs: allocate, config, launch)"]
     if original is not None:
         cpp = sys.modules["MultiScaleDeformableAttention"]
         op_out = original.apply(leaves[0], s, st, leaves[1], leaves[2], 64)
@@ -303,58 +233,6 @@ def engine_split(original) -> dict:
     return split
 
 
-def piece_split() -> dict:
-    """Host time of lik's kernel-side backward and of two of its pieces (the value-gradient buffer, the launch),
-    when the backward runs in autograd's worker thread (``autograd.grad``) and when ``msda_backward`` is called
-    directly on the main thread, with the driver-memset buffer and with ``torch.zeros``. Tiny problem, medians of
-    300 calls, microseconds."""
-    import time
-
-    from lik.ops.msda import function as function_module
-
-    p = make_problem(TINY, "realistic", torch.float32)
-    v, s, st, lc, w, g = (p[k] for k in ("value", "shapes", "starts", "loc", "weights", "grad"))
-    leaves = [t.detach().clone().requires_grad_() for t in (v, lc, w)]
-    out = lik.ms_deform_attn(leaves[0], s, st, leaves[1], leaves[2])
-    spent: dict[str, list[float]] = {}
-
-    def timed(label, fn):
-        def call(*args, **kwargs):
-            began = time.perf_counter()
-            result = fn(*args, **kwargs)
-            spent.setdefault(label, []).append(time.perf_counter() - began)
-            return result
-        return call
-
-    split = {}
-    variants = {"memset": contextlib.nullcontext, "torch.zeros": torch_zeros_in_backward,
-                "memset+flat keys": flat_keys_in_launch}
-    for buffer, variant in variants.items():
-        with variant():
-            module, real = msda_backward_module, (msda_backward_module.zeros, msda_backward_module.launch,
-                                                  function_module._backward_kernels)
-            module.zeros, module.launch = timed("buffer", real[0]), timed("launch", real[1])
-            function_module._backward_kernels = timed("backward", real[2])
-            direct = timed("backward", module.msda_backward)
-            calls = {"engine": lambda: torch.autograd.grad(out, leaves, g, retain_graph=True),
-                     "direct": lambda: direct(g, v, s, st, lc, w, deterministic=False)}
-            try:
-                for where, call in calls.items():
-                    for _ in range(30):
-                        call()
-                    spent.clear()
-                    for _ in range(300):
-                        call()
-                    medians = {k: sorted(t)[len(t) // 2] * 1e6 for k, t in spent.items()}
-                    split[f"{buffer}, {where}"] = medians
-                    print(f"pieces {buffer:12} {where:7} " + "  ".join(f"{k} {v:6.1f}" for k, v in medians.items()),
-                          flush=True)
-            finally:
-                module.zeros, module.launch, function_module._backward_kernels = real
-    torch.cuda.synchronize()
-    return split
-
-
 def backward_trace(original, out_dir: str) -> dict:
     """torch.profiler's host-side view of 50 backward calls on the tiny problem, lik and the op: the table of
     operators by self CPU time, and a Chrome trace of each (threads included)."""
@@ -391,26 +269,11 @@ def rounds(original, count: int) -> dict:
         methods["cuda-op"] = lambda v, lc, w: original.apply(v, s, st, lc, w, 64)
     bench = lambda f: triton.testing.do_bench(f, return_mode="median")  # noqa: E731
     times = {f"{name} {phase}": [] for name in methods for phase in ("fwd", "bwd")}
-    times["lik bwd" + TORCH_ZEROS] = []
-    times["lik bwd, flat launch keys"] = []
-    shape, device = leaves[0].shape, leaves[0].device
-    buffers = {"value-gradient buffer, driver memset": lambda: _memory.zeros(shape, torch.float32, device),
-               "value-gradient buffer, torch.zeros": lambda: torch.zeros(shape, dtype=torch.float32, device=device)}
-    times.update({name: [] for name in buffers})
     outs = {name: fn(*leaves) for name, fn in methods.items()}
     for _ in range(count):
         for name, fn in methods.items():
             times[f"{name} fwd"].append(bench(lambda: fn(*leaves)))
             times[f"{name} bwd"].append(bench(lambda: torch.autograd.grad(outs[name], leaves, g, retain_graph=True)))
-            if name == "lik":
-                with torch_zeros_in_backward():
-                    times["lik bwd" + TORCH_ZEROS].append(
-                        bench(lambda: torch.autograd.grad(outs["lik"], leaves, g, retain_graph=True)))
-                with flat_keys_in_launch():
-                    times["lik bwd, flat launch keys"].append(
-                        bench(lambda: torch.autograd.grad(outs["lik"], leaves, g, retain_graph=True)))
-        for name, fn in buffers.items():
-            times[name].append(bench(fn))
         print("  ".join(f"{k} {v[-1] * 1e3:.1f} us" for k, v in times.items()), flush=True)
     return times
 
@@ -426,17 +289,15 @@ def main() -> None:
     rows = {}
     for parts in (forward_parts(original), backward_parts(original)):
         for name, fn in parts.items():
-            with torch_zeros_in_backward() if name.endswith(TORCH_ZEROS) else contextlib.nullcontext():
-                rows[name] = sorted(host_us(fn, 300) for _ in range(5))[2]
+            rows[name] = sorted(host_us(fn, 300) for _ in range(5))[2]
             print(f"{rows[name]:7.1f} us  {name}", flush=True)
     split = engine_split(original)
-    pieces = piece_split()
     traces = backward_trace(original, args.out) if args.trace else {}
     timed = rounds(original, args.rounds) if args.rounds else {}
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 commit=os.environ.get("LIK_COMMIT", "unknown"), python=sys.version.split()[0])
     with open(os.path.join(args.out, "msda_host_parts.json"), "w") as fh:
-        json.dump(dict(meta=meta, host_us=rows, do_bench_ms=timed, engine_split=split, pieces=pieces, backward_tables=traces), fh,
+        json.dump(dict(meta=meta, host_us=rows, do_bench_ms=timed, engine_split=split, backward_tables=traces), fh,
                   indent=1)
     print(json.dumps(meta))
     for name, values in timed.items():

@@ -30,7 +30,6 @@ import triton.language as tl
 from ..._config import cdiv, maxsim_backward_config, next_power_of_2
 from ..._dispatch import BACKWARD_MODES
 from ..._launch import launch
-from ..._memory import zeros
 from ...core.segments import PADDED, PAIRS, find_segment, search_steps
 from .backward_sorted import launch_dd_sorted
 from .forward import set_strides
@@ -262,7 +261,7 @@ def scatter_dd_atomic(grad, q, argmax, d_shape, dtype, *, cfg, block_k: int, n_k
     by ``4 B Ld d`` bytes); fp32 inputs accumulate straight into the result."""
     n_sets, n_docs, l_d, dim = d_shape
     if dtype == torch.float32:
-        dd = zeros(d_shape, torch.float32, grad.device)
+        dd = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
         launch_dd_atomic(grad, q, argmax, dd, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
         return dd
     dd = torch.empty(d_shape, dtype=dtype, device=grad.device)

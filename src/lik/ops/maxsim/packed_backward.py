@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from ..._config import maxsim_backward_config
-from ..._memory import zeros
 from .backward import PairWeights, feature_blocks, launch_dd_atomic, maxsim_backward_dq
 from .backward_sorted import launch_dd_sorted
 from .packing import PackedInputs
@@ -70,7 +69,7 @@ def packed_backward_dd(
         launch_dd_sorted(grad_v, q_v, argmax_v, _documents(dd, 1), per_query=inputs.pairs, cfg=cfg,
                          block_k=block_k, n_k_blocks=n_k_blocks, cu_d=inputs.cu_d, pairs=inputs.pairs)
         return dd
-    dd32 = zeros(d.shape, torch.float32, d.device)
+    dd32 = torch.zeros(d.shape, dtype=torch.float32, device=d.device)
     launch_dd_atomic(grad_v, q_v, argmax_v, _documents(dd32, argmax_v.shape[1]), cfg=cfg, block_k=block_k,
                      n_k_blocks=n_k_blocks, pairs=pairs)
     return dd32.to(d.dtype)

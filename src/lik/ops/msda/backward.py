@@ -22,7 +22,6 @@ import triton.language as tl
 
 from ..._config import cdiv, msda_backward_config
 from ..._launch import launch
-from ..._memory import zeros
 from .forward import RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, kernel_value
 from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
 
@@ -212,7 +211,7 @@ def msda_backward(
         no_bucket = n * heads * n_cells
         buckets = torch.empty(n_samples, dtype=torch.int64, device=device)
     else:
-        gvalue = zeros(value.shape, torch.float32, device)
+        gvalue = torch.zeros(value.shape, dtype=torch.float32, device=device)
         cells, n_cells, no_bucket, buckets = starts, 0, 0, gvalue
 
     launch(
