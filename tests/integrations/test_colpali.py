@@ -126,6 +126,38 @@ def test_score_multi_vector_joins_pages_once(colpali_scoring, rng, monkeypatch, 
     assert len(joined) == joins
 
 
+@pytest.mark.parametrize("lengths", [(6, 6, 6, 6), (1,), (6, 12, 0, 6), (6, 3, 9, 6), (0, 5, 5, 0)])
+def test_score_multi_vector_equal_pages_skip_the_shape_pass(colpali_scoring, rng, monkeypatch, lengths):
+    """An early-joined list whose pages all match the first is proven so by element counts, without the
+    per-page shape pass; anything else (a page of another length, as many rows as equal pages would have, empty
+    pages) still takes the pass and matches colpali-engine."""
+    _, processing, _ = colpali_scoring
+    stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
+    stock = getattr(stock, "lik_stock", stock)
+    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: True)
+    passes = []
+    sizes = lik_colpali._sizes
+    monkeypatch.setattr(lik_colpali, "_sizes", lambda name, items: passes.append(name) or sizes(name, items))
+    ps = _ragged(rng, lengths)
+    qs = _ragged(rng, (3, 2))
+    got = lik_colpali.score_multi_vector(qs, ps, batch_size=2, device="cpu")
+    torch.testing.assert_close(got, stock(qs, ps, batch_size=2, device="cpu"), rtol=1e-6, atol=1e-5)
+    equal = len(set(lengths)) == 1 and lengths[0] > 0
+    assert passes.count("ps") == (0 if equal else 1)
+
+
+@pytest.mark.parametrize("first, middle", [(6, (12, None)), (0, (None,))])
+def test_score_multi_vector_legacy_empty_page_is_named_after_an_early_join(rng, monkeypatch, first, middle):
+    # torch.cat skips a legacy empty 1-D tensor, so the early join succeeds with as many rows as pages of the
+    # first's length would have (four pages of 6; three empty pages): element counts must not pass it as a page.
+    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: True)
+    ps = [torch.randn(first, 16)] + [torch.empty(0) if n is None else torch.randn(n, 16) for n in middle]
+    ps.append(torch.randn(first, 16))
+    bad = middle.index(None) + 1
+    with pytest.raises(ValueError, match=rf"ps\[{bad}\] must be a \[L, d\] tensor, got torch.Size\(\[0\]\)"):
+        lik_colpali.score_multi_vector(_ragged(rng, (3,), dim=16), ps, device="cpu")
+
+
 def test_score_multi_vector_errors(rng):
     with pytest.raises(ValueError, match="No queries provided"):
         lik_colpali.score_multi_vector([], _ragged(rng, (3,)), device="cpu")

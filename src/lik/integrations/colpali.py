@@ -182,6 +182,15 @@ def _join_early(pages: list[torch.Tensor], device: torch.device, max_pages: int)
         return None
 
 
+def _all_like_first(pages: list[torch.Tensor]) -> bool:
+    """Whether every page of a list that ``torch.cat`` has just joined has the first page's shape, decided from
+    element counts alone: the join has checked that all are 2-D of one width (a legacy empty 1-D tensor, which it
+    skips, counts 0 elements), so equal counts mean equal lengths. A C-level pass over ints costs half of
+    :func:`_sizes`' pass, which builds a ``torch.Size`` per page (~0.2 us each, 1 000 pages)."""
+    count = pages[0].numel()
+    return count > 0 and set(map(torch.Tensor.numel, pages)) == {count}
+
+
 def _needs_zero_token(lengths: np.ndarray, batch_size: int) -> np.ndarray:
     """Which pages colpali-engine's per-block padding gives at least one zero token (a longer page shares their
     block of ``batch_size``): bool ``[n_pages]``."""
@@ -332,6 +341,9 @@ def score_multi_vector(
                 # usual ColPali case): the kernel then runs while the host checks, and its result is kept only
                 # if the pass below proves the guess.
                 early_scores = score(joined.view(len(pages), *pages[0].shape))
+                if _all_like_first(pages):
+                    # One group of equal pages, no zero token (the join's bounds are the groups'): the guess held.
+                    return early_scores.cpu().float()
             lengths = _lengths(_sizes("ps", pages))
             padded = _needs_zero_token(lengths, batch_size)
             row_bytes = pages[0].shape[1] * pages[0].element_size()
