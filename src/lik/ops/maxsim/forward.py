@@ -51,7 +51,7 @@ NARROW_TAIL_MAX = 32
 def whole_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> bool:
     """Whether the long-query loop (neither persistent nor feature-chunked) reads an unmasked padded 8-bit corpus's
     whole tiles without a row clamp or a last-tile select: when its length is a multiple of the document tile or
-    at most :data:`NARROW_TAIL_MAX` tokens past one (those then take :func:`narrow_tail`'s tiles).
+    at most :data:`NARROW_TAIL_MAX` tokens past one (those then take :func:`last_tiles`' narrow tiles).
 
     Flags on the length's remainder, not on the length: at most three variants per config (clamped, whole, whole
     and a narrow tail), and False wherever the loop does not use them, so they add no variant there. 8-bit rows
@@ -62,19 +62,17 @@ def whole_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> bool:
     return feature_chunks(dim, cfg.block_k)[1] == 1  # features resident (no streamed-k loop)
 
 
-def narrow_tail(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> int:
-    """The width of the tiles the long-query loop reads after a corpus's :func:`whole_tiles` (its last
-    ``doc_len % block_n`` tokens), or 0 when it reads whole tiles only or none."""
-    if doc_len % cfg.block_n == 0 or not whole_tiles(cfg, doc_len, dim, loader, masked):
-        return 0
-    return min(NARROW_TAIL_N, cfg.block_n)
-
-
 def last_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> tuple[bool, int]:
-    """The forward launch's ``(WHOLE_TILES, TAIL_N)`` for a document length: :func:`whole_tiles` and
-    :func:`narrow_tail` together (the launcher and ``lik.warmup`` ask for both)."""
+    """The forward launch's ``(WHOLE_TILES, TAIL_N)`` for a document length: :func:`whole_tiles`, and the width of
+    the tiles the long-query loop reads after the whole tiles (its last ``doc_len % block_n`` tokens), 0 when it
+    reads whole tiles only or none (the launcher and ``lik.warmup`` ask for both)."""
     whole = whole_tiles(cfg, doc_len, dim, loader, masked)
     return whole, (min(NARROW_TAIL_N, cfg.block_n) if whole and doc_len % cfg.block_n else 0)
+
+
+def narrow_tail(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> int:
+    """``TAIL_N`` alone: :func:`last_tiles`' second value."""
+    return last_tiles(cfg, doc_len, dim, loader, masked)[1]
 
 
 def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -363,7 +363,7 @@ def stream_document(
     With ``WHOLE_TILES`` (an unmasked document), its whole ``BLOCK_N``-token tiles are read as they are, with
     neither row clamp nor last-tile select, and the tokens after them, if any, in unpipelined tiles of ``TAIL_N``
     (a 1 030-token ColPali page: eight 128-token tiles and one of 16, instead of nine of 128); the launcher
-    (``forward.whole_tiles``, ``forward.narrow_tail``) sets ``TAIL_N`` > 0 exactly when there are such tokens, and
+    (``forward.last_tiles``) sets ``TAIL_N`` > 0 exactly when there are such tokens, and
     only when they are few. Otherwise every tile is ``BLOCK_N`` wide and the ragged last one clamped and
     selected."""
     n_valid = tl.zeros((), tl.int32)
