@@ -148,8 +148,9 @@ def tile_variants(monkeypatch):
 def test_int8_corpus_of_whole_tiles_and_a_narrow_tail(rng, doc_len, variant, tile_variants):
     """Long queries over an unmasked 8-bit corpus read its whole 64-token tiles without row clamp or select and at
     most 32 tokens after them in 16-token tiles (more take the clamped loop): a tie between a token of the first
-    tile and the last token, an inf or NaN scale in the last token, a non-contiguous view all score as the reference (one-token
-    queries: bit for bit), whichever loop runs."""
+    tile and the last token, an inf or NaN scale in the last token, a view whose documents lie apart (rows still
+    back to back: whole tiles) and one whose features are strided (the clamped loop) all score as the reference
+    (one-token queries: bit for bit), whichever loop runs."""
     Q = torch.randn(5, 1, 24, generator=rng).abs()
     D = torch.randn(4, doc_len, 24, generator=rng)
     D[3] = -D[3].abs()  # every similarity negative: a column read past the end (similarity 0) would win
@@ -159,15 +160,17 @@ def test_int8_corpus_of_whole_tiles_and_a_narrow_tail(rng, doc_len, variant, til
     d_scale[2, doc_len - 1] = float("nan")
     wide = torch.zeros(4, doc_len, 48, dtype=INT8)
     wide[..., ::2] = D_q
+    apart = torch.full((4, doc_len + 7, 24), 127, dtype=INT8)  # garbage after each document: read if the document
+    apart[:, :doc_len] = D_q                                    # stride were taken from the length
     config = _config.MaxSimForwardConfig(32, 1, 64, 32, 4, 1)
-    for docs, scales in [(D_q, d_scale), (wide[..., ::2], d_scale)]:
+    for docs, scales in [(D_q, d_scale), (apart[:, :doc_len], d_scale), (wide[..., ::2], d_scale)]:
         with _config.override(maxsim_forward=config):
             scores = lik.maxsim(Q, docs, d_scale=scales)
         torch.testing.assert_close(scores, lik.maxsim_reference(Q, docs, d_scale=scales), rtol=0, atol=0,
                                    equal_nan=True)
         assert scores[:, 2].isnan().all()
         assert torch.isfinite(scores[:, [0, 3]]).all() and (scores[:, 3] < 0).all()
-    assert tile_variants == [variant, variant]
+    assert tile_variants == [variant, variant, (False, 0)]
 
 
 @pytest.mark.parametrize("dtype", [INT8, FP8])

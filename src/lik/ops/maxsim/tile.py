@@ -282,7 +282,8 @@ def document_tile(
     (:func:`tile_scales`); otherwise they are loaded here, before the product. With ``WINDOW``, an unmasked
     document's ragged last tile is read as its last ``BLOCK_N`` tokens (:func:`tile_window`). ``WHOLE_TILES``
     promises that this tile of an unmasked document lies within it (:func:`stream_document`'s whole tiles): it is
-    read as it is, with neither a row clamp nor a last-tile select."""
+    read as it is, with neither a row clamp nor a last-tile select, and promises rows stored back to back
+    (``stride_dl == DIM``, ``stride_dk == 1``)."""
     if HAS_D_MASK:
         cols = start + tl.arange(0, BLOCK_N)
         in_range = cols < doc_len
@@ -310,9 +311,11 @@ def document_tile(
         # clamped once per document, not per tile (benchmarks/NOTES.md, "Predicate-free full tiles", "One loop,
         # no checked tail loop", "The last tile ends at the document's end").
         if WHOLE_TILES:
+            # Rows back to back (the launcher's promise): a compile-time row stride makes each row address shifts
+            # and adds, not a 64-bit multiply per row and tile (benchmarks/NOTES.md "Whole tiles addressed ...").
             first = start
             cols = start + tl.arange(0, BLOCK_N)
-            col_ptrs = doc_ptr + cols.to(tl.int64) * stride_dl
+            col_ptrs = doc_ptr + cols.to(tl.int64) * DIM
         elif WINDOW:
             first = tile_window(start, doc_len, BLOCK_N)
             rows = tl.minimum(tl.arange(0, BLOCK_N), doc_len - 1).to(tl.int64) * stride_dl
