@@ -281,6 +281,39 @@ def test_forced_launch_configs_agree(rng, forced):
             assert rel_err(s, rs) < 2e-6 and rel_err(dq, rdq) < 2e-6 and rel_err(dd, rdd) < 2e-6
 
 
+@pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
+def test_inference_row_maxima_by_column_class(rng, monkeypatch, mask_mode):
+    """Inference through the long-query loop keeps each row's max per column class (``tile.class_tile_max``, TF32
+    products: tensor-core layouts) and combines the classes at the document's end: a NaN in one class reaches
+    the row, a tie across classes and tiles, masked columns, a ragged last tile, an all-masked document and
+    documents whose every similarity is negative all score as the reference."""
+    from lik.ops.maxsim import tile
+
+    calls = []
+    original = tile.class_tile_max
+    monkeypatch.setattr(tile, "class_tile_max", lambda *a: calls.append(1) or original(*a))
+    Q, D, _, dm = rand_problem(rng, 3, 37, 6, 45, 24)
+    D[1] = -D[1].abs()
+    Q = Q.abs()  # document 1: every similarity negative, so a -inf or a zero from a wrong class would show
+    dm[1] = True  # (a masked token is a 0 in "zero" mode)
+    D[2, 41, 3] = float("nan")  # the ragged last tile, one class
+    D[3, 9] = D[3, 30] = Q[0, 0] * 5  # the same winner in two tiles and two classes
+    dm[4] = False
+    dm[5, 11:19] = False
+    torch.set_float32_matmul_precision("high")
+    try:
+        with _config.override(maxsim_forward=_config.MaxSimForwardConfig(16, 1, 16, 32)):
+            s = lik.maxsim(Q, D, None, dm, mask_mode=mask_mode)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    reference = lik.maxsim_reference(Q, D, None, dm, mask_mode=mask_mode)
+    assert torch.equal(s.isnan(), reference.isnan()) and s[:, 2].isnan().all()
+    clean = [0, 1, 3, 4, 5]
+    assert rel_err(s[:, clean], reference[:, clean]) < 2e-6
+    assert (s[:, 1] < 0).all()
+    assert calls if uses_kernels(Q) else not calls
+
+
 def test_persistent_launch_with_per_query_documents(rng):
     """A persistent launch over per-query candidate documents (each query its own document set)."""
     Q, D, qm, dm = rand_problem(rng, 3, 19, 5, 21, 24, per_query=True)

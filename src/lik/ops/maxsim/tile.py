@@ -21,7 +21,7 @@ __all__ = [
     "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
     "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys", "nan_winner_keys",
     "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
-    "FP8_PROMOTION_K", "tile_scales", "tile_window",
+    "FP8_PROMOTION_K", "tile_scales", "tile_window", "class_tile_max", "ROW_MAX_CLASSES",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
@@ -49,6 +49,20 @@ def fresh_rows(BLOCK_M: tl.constexpr):
 def nan_max(a, b):
     """Maximum that returns NaN if either side is NaN (the reference's ``torch.max`` behaviour)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+# A tensor-core accumulator row is spread over four lanes: column c lives in the lane of class (c // 2) % 4 (mma.sync
+# and wgmma alike: pairs of columns per register, eight columns per group). A running max kept per class until the
+# document ends folds each tile in registers; the four classes meet once per document, not once per tile.
+ROW_MAX_CLASSES = tl.constexpr(4)
+
+
+@triton.jit
+def class_tile_max(sim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[BLOCK_M, ROW_MAX_CLASSES]``: each row's NaN-propagating max over the tile's columns of each class
+    (``(column // 2) % 4``; ``BLOCK_N`` a multiple of 8). The max over the classes is the row's max, exactly."""
+    grouped = tl.reshape(sim, (BLOCK_M, BLOCK_N // 8, ROW_MAX_CLASSES, 2))  # column = 8 * group + 2 * class + pair
+    return tl.reduce(tl.reduce(grouped, 3, nan_max), 1, nan_max)
 
 
 @triton.jit
@@ -271,6 +285,7 @@ def document_tile(
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX, LOADER: tl.constexpr = FLOAT,
     SCALES_AHEAD: tl.constexpr = False, WINDOW: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
+    CLASS_MAX: tl.constexpr = False,
 ):
     """One step of every tile loop: the similarities of the document tokens ``start .. start + BLOCK_N``, masked,
     folded into ``(best, key)`` by :func:`absorb_tile` (or by :func:`absorb_nan_tile` in the NaN pass), and the
@@ -283,7 +298,8 @@ def document_tile(
     document's ragged last tile is read as its last ``BLOCK_N`` tokens (:func:`tile_window`). ``WHOLE_TILES``
     promises that this tile of an unmasked document lies within it (:func:`stream_document`'s whole tiles): it is
     read as it is, with neither a row clamp nor a last-tile select, and promises rows stored back to back
-    (``stride_dl == DIM``, ``stride_dk == 1``)."""
+    (``stride_dl == DIM``, ``stride_dk == 1``). With ``CLASS_MAX`` (no winner tracked), ``best`` holds the rows'
+    maxima per column class (:func:`class_tile_max`, ``[BLOCK_M, ROW_MAX_CLASSES]``) and ``key`` is passed through."""
     if HAS_D_MASK:
         cols = start + tl.arange(0, BLOCK_N)
         in_range = cols < doc_len
@@ -347,6 +363,8 @@ def document_tile(
         n_valid += tl.minimum(doc_len - start, BLOCK_N)
     if NAN_PASS:
         key = absorb_nan_tile(sim, col_key, key)
+    elif CLASS_MAX:
+        best = nan_max(best, class_tile_max(sim, BLOCK_M, BLOCK_N))
     else:
         best, key = reduce_tile(sim, col_key, best, key, TRACK_ARGMAX, REDUCTION)
     return best, key, n_valid
@@ -372,6 +390,14 @@ def stream_document(
     n_valid = tl.zeros((), tl.int32)
     # The NaN pass is rare: unpipelined, so its loop adds no shared-memory stages and few registers.
     STAGES: tl.constexpr = 1 if NAN_PASS else None
+    # Without winners, rows keep their maxima per column class over the document (tensor-core products only: an
+    # fp32 product outside the tensor cores has another layout).
+    CLASS_MAX: tl.constexpr = (not TRACK_ARGMAX and not NAN_PASS and REDUCTION == REDUCE_MAX
+                               and BLOCK_N % 8 == 0 and TAIL_N % 8 == 0
+                               and (LOADER != FLOAT or q_rows.dtype != tl.float32 or DOT_PRECISION != "ieee"))
+    running = best
+    if CLASS_MAX:
+        running = tl.full((BLOCK_M, ROW_MAX_CLASSES), float("-inf"), tl.float32)
     AHEAD: tl.constexpr = LOADER != FLOAT and not HAS_D_MASK  # (tile_scales says why)
     AHEAD_LOADER: tl.constexpr = LOADER if AHEAD else FLOAT
     col_scale = tile_scales(doc_scale_ptr, 0, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER)
@@ -380,22 +406,26 @@ def stream_document(
         tiled_end = (doc_len // BLOCK_N) * BLOCK_N
     for start in tl.range(0, tiled_end, BLOCK_N, num_stages=STAGES):
         next_scale = tile_scales(doc_scale_ptr, start + BLOCK_N, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER)
-        best, key, n_valid = document_tile(
+        running, key, n_valid = document_tile(
             q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
-            stride_dml, best, key, n_valid, doc_scale_ptr, stride_dsl, col_scale,
+            stride_dml, running, key, n_valid, doc_scale_ptr, stride_dsl, col_scale,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, NAN_PASS, DOT_PRECISION,
-            REDUCTION, LOADER, AHEAD, False, WHOLE_TILES,
+            REDUCTION, LOADER, AHEAD, False, WHOLE_TILES, CLASS_MAX,
         )
         col_scale = next_scale
     if TAIL_N > 0:
         # (after the whole tiles, so a tie keeps the earlier token as in the one-width loop)
         for start in tl.range(tiled_end, doc_len, TAIL_N, num_stages=1):
-            best, key, n_valid = document_tile(
+            running, key, n_valid = document_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, doc_ptr, doc_mask_ptr, start, doc_len, stride_dl, stride_dk,
-                stride_dml, best, key, n_valid, doc_scale_ptr, stride_dsl, col_scale,
+                stride_dml, running, key, n_valid, doc_scale_ptr, stride_dsl, col_scale,
                 DIM, BLOCK_M, TAIL_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, TRACK_ARGMAX, NAN_PASS, DOT_PRECISION,
-                REDUCTION, LOADER, False, False, False,
+                REDUCTION, LOADER, False, False, False, CLASS_MAX,
             )
+    if CLASS_MAX:
+        best = nan_max(best, tl.reduce(running, 1, nan_max))
+    else:
+        best = running
     return best, key, n_valid
 
 
