@@ -314,6 +314,36 @@ def test_inference_row_maxima_by_column_class(rng, monkeypatch, mask_mode):
     assert calls if uses_kernels(Q) else not calls
 
 
+@pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
+def test_persistent_stacked_inference_row_maxima_by_column_class(rng, monkeypatch, mask_mode):
+    """Stacked queries in a persistent launch (one program walks every document) keep each document's row maxima
+    per column class and combine them on its last tile: a strong document followed by weaker ones (the classes
+    start afresh per document), a NaN in one document only, a tie across tiles, all-negative similarities, masked
+    columns, an all-masked document and a ragged last tile (the window) all score as the reference."""
+    from lik.ops.maxsim import tile
+
+    calls = []
+    original = tile.class_tile_max
+    monkeypatch.setattr(tile, "class_tile_max", lambda *a: calls.append(1) or original(*a))
+    Q, D, _, dm = rand_problem(rng, 4, 9, 7, 37, 24)
+    Q = Q.abs()
+    D[0] = D[0].abs() * 4  # strong: its maxima would leak into the next documents without a fresh start
+    D[1] = -D[1].abs()  # every similarity negative
+    dm[1] = True  # (a masked token is a 0 in "zero" mode)
+    D[3, 35, 2] = float("nan")  # the ragged last tile
+    D[4, 5] = D[4, 21] = Q[0, 0] * 5  # the same winner in two tiles
+    dm[5] = False
+    forced = _config.MaxSimForwardConfig(group_rows=16, groups=2, block_n=16, block_k=32, programs_per_sm=1)
+    with _config.override(maxsim_forward=forced):
+        s = lik.maxsim(Q, D, None, dm, mask_mode=mask_mode)
+    reference = lik.maxsim_reference(Q, D, None, dm, mask_mode=mask_mode)
+    assert torch.equal(s.isnan(), reference.isnan()) and s[:, 3].isnan().all()
+    clean = [0, 1, 2, 4, 5, 6]
+    assert rel_err(s[:, clean], reference[:, clean]) < 2e-6
+    assert (s[:, 1] < 0).all() and (s[:, 2] < s[:, 0]).all()
+    assert calls if uses_kernels(Q) else not calls
+
+
 def test_persistent_launch_with_per_query_documents(rng):
     """A persistent launch over per-query candidate documents (each query its own document set)."""
     Q, D, qm, dm = rand_problem(rng, 3, 19, 5, 21, 24, per_query=True)

@@ -19,8 +19,8 @@ from ...core.quantized import FLOAT, reset_similarity, row_scales, scale_rows, s
 from ...core.segments import PAIRS, document_scales, document_span
 from .pairs import score_pairs
 from .tile import (
-    NO_KEY, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, fresh_rows, query_rows,
-    store_group_sums, stream_document, tile_scales,
+    NO_KEY, ROW_MAX_CLASSES, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, fresh_rows,
+    nan_max, query_rows, store_group_sums, stream_document, tile_scales,
 )
 
 __all__ = ["maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "score_documents"]
@@ -333,9 +333,16 @@ def score_documents(
         AHEAD: tl.constexpr = (LOADER != FLOAT and not HAS_D_MASK) and GROUPS == 1  # (tile_scales says why)
         AHEAD_LOADER: tl.constexpr = LOADER if AHEAD else FLOAT
         col_scale = tile_scales(doc_scale_base + doc * stride_dsb, 0, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER, True)
+        # Without winners, stacked rows keep a document's row maxima per column class until its last tile
+        # (tile.class_tile_max). One short query's tile spreads its columns over warps, where the classes cost
+        # more than they save (offline sm_90 SASS), so it keeps the per-tile row max.
+        CLASS_MAX: tl.constexpr = not STORE_ARGMAX and GROUPS > 1 and BLOCK_N % 8 == 0
+        running = best
+        if CLASS_MAX:
+            running = tl.full((BLOCK_M, ROW_MAX_CLASSES), float("-inf"), tl.float32)
         for _ in tl.range(0, my_docs * tiles):
             first_tile = start == 0
-            best = tl.where(first_tile, float("-inf"), best)
+            running = tl.where(first_tile, float("-inf"), running)
             key = tl.where(first_tile, NO_KEY, key)
             n_valid = tl.where(first_tile, 0, n_valid)
             last_tile = start + BLOCK_N >= doc_len
@@ -345,16 +352,20 @@ def score_documents(
                 doc_scale_base + next_doc * stride_dsb, next_start, tl.where(next_doc < n_docs, doc_len, 0), stride_dsl,
                 BLOCK_N, AHEAD_LOADER, True,
             )
-            best, key, n_valid = document_tile(
+            running, key, n_valid = document_tile(
                 q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb,
-                start, doc_len, stride_dl, stride_dk, stride_dml, best, key, n_valid,
+                start, doc_len, stride_dl, stride_dk, stride_dml, running, key, n_valid,
                 doc_scale_base + doc * stride_dsb, stride_dsl, col_scale,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
-                REDUCTION, LOADER, AHEAD, True,
+                REDUCTION, LOADER, AHEAD, True, False, CLASS_MAX,
             )
             if last_tile:
+                if CLASS_MAX:
+                    row_max = tl.reduce(running, 1, nan_max)
+                else:
+                    row_max = running
                 nan_rows |= write_document(
-                    best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
+                    row_max, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
                     argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
                     0, q_scale, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
                 )

@@ -53,7 +53,8 @@ def nan_max(a, b):
 
 # A tensor-core accumulator row is spread over four lanes: column c lives in the lane of class (c // 2) % 4 (mma.sync
 # and wgmma alike: pairs of columns per register, eight columns per group). A running max kept per class until the
-# document ends folds each tile in registers; the four classes meet once per document, not once per tile.
+# document ends folds each tile in registers; the four classes meet once per document, not once per tile. (Other
+# layouts, such as an fp32 product on the CUDA cores, get the same maxima with a few more shuffles.)
 ROW_MAX_CLASSES = tl.constexpr(4)
 
 
@@ -390,11 +391,8 @@ def stream_document(
     n_valid = tl.zeros((), tl.int32)
     # The NaN pass is rare: unpipelined, so its loop adds no shared-memory stages and few registers.
     STAGES: tl.constexpr = 1 if NAN_PASS else None
-    # Without winners, rows keep their maxima per column class over the document (tensor-core products only: an
-    # fp32 product outside the tensor cores has another layout).
-    CLASS_MAX: tl.constexpr = (not TRACK_ARGMAX and not NAN_PASS and REDUCTION == REDUCE_MAX
-                               and BLOCK_N % 8 == 0 and TAIL_N % 8 == 0
-                               and (LOADER != FLOAT or q_rows.dtype != tl.float32 or DOT_PRECISION != "ieee"))
+    # Without winners, rows keep their maxima per column class over the document (class_tile_max).
+    CLASS_MAX: tl.constexpr = not TRACK_ARGMAX and not NAN_PASS and BLOCK_N % 8 == 0 and TAIL_N % 8 == 0
     running = best
     if CLASS_MAX:
         running = tl.full((BLOCK_M, ROW_MAX_CLASSES), float("-inf"), tl.float32)
