@@ -170,12 +170,39 @@ def test_score_multi_vector_errors(rng):
                                        device="cpu")
     with pytest.raises(ValueError, match=r"ps\[1\] must be a \[L, d\] tensor, got list"):
         lik_colpali.score_multi_vector(_ragged(rng, (3,)), [torch.randn(3, 16), [1.0]], device="cpu")
+    # Query lists are joined before their shapes are read: what the join would let through is still named.
+    with pytest.raises(ValueError, match=r"qs\[1\] must be a \[L, d\] tensor, got torch.Size\(\[0\]\)"):
+        lik_colpali.score_multi_vector([torch.randn(3, 16), torch.randn(0), torch.randn(2, 16)], _ragged(rng, (3,)),
+                                       device="cpu")
+    with pytest.raises(ValueError, match=r"qs\[0\] must be a \[L, d\] tensor, got torch.Size\(\[1, 3, 16\]\)"):
+        lik_colpali.score_multi_vector([torch.randn(1, 3, 16), torch.randn(2, 16)], _ragged(rng, (3,)), device="cpu")
     with pytest.raises(ValueError, match=r"qs: every item must have the same embedding width, got \[8, 16\]"):
         lik_colpali.score_multi_vector(_ragged(rng, (3,)) + _ragged(rng, (2,), dim=8), _ragged(rng, (3,)),
                                        device="cpu")
     with pytest.raises(ValueError, match=r"ps: every item must have the same embedding width"):
         lik_colpali.score_multi_vector(_ragged(rng, (3,)), _ragged(rng, (3, 4)) + _ragged(rng, (2,), dim=8),
                                        device="cpu")
+
+
+def test_query_lengths_from_element_counts(colpali_scoring, rng):
+    """Query lengths come from element counts over the width once the join has checked the shapes: ragged,
+    empty and one-token queries in bfloat16 score as colpali-engine's, and zero-width rows (whose counts say
+    nothing of their lengths) as well; the zero row appended to each join is shared per device, dtype and width
+    and never written."""
+    _, processing, _ = colpali_scoring
+    stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
+    stock = getattr(stock, "lik_stock", stock)
+    qs = _ragged(rng, (6, 0, 1, 11, 2), dtype=torch.bfloat16)
+    ps = _ragged(rng, (5, 5, 5), dtype=torch.bfloat16)
+    for _ in range(2):
+        torch.testing.assert_close(lik_colpali.score_multi_vector(qs, ps, device="cpu"),
+                                   stock(qs, ps, device="cpu"), rtol=1e-2, atol=5e-2)
+    zero = lik_colpali._ZERO_ROWS[(torch.device("cpu"), torch.bfloat16, 16)]
+    assert zero.shape == (1, 16) and not zero.any()
+    narrow = [torch.randn(3, 0), torch.randn(0, 0), torch.randn(2, 0)]
+    pages = [torch.randn(4, 0), torch.randn(1, 0)]
+    got = lik_colpali.score_multi_vector(narrow, pages, device="cpu")
+    assert torch.equal(got, stock(narrow, pages, device="cpu")) and got.shape == (3, 2)
 
 
 def test_inbatch_and_kd_match_and_train(colpali_scoring, rng):

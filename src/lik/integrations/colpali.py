@@ -138,15 +138,31 @@ def _lengths(checked: tuple[list[torch.Size], set[torch.Size]]) -> np.ndarray:
     return np.fromiter((size[0] for size in sizes), dtype=np.int64, count=len(sizes))
 
 
-def _join(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(tensors)``; a list spread over several devices is named (checked only when the join fails)."""
+def _join(name: str, tensors: list[torch.Tensor], items: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """``torch.cat(tensors)``; when the join fails, ``items`` (the caller's list, unchecked so far) get
+    :func:`_sizes`' named checks, and a list spread over several devices is named."""
     try:
         return torch.cat(tensors)
     except RuntimeError as error:
+        if items is not None:
+            _sizes(name, items)
         devices = sorted({str(t.device) for t in tensors})
         if len(devices) > 1:
             raise ValueError(f"{name}: every item must be on one device, got {devices}") from error
         raise
+
+
+# One zero row per (device, dtype, width), appended to every joined query list: a fill launch less per call.
+_ZERO_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def _zero_row(like: torch.Tensor) -> torch.Tensor:
+    """A ``[1, d]`` zero row on ``like``'s device, in its dtype (``like``: ``[L, d]``); read, never written."""
+    key = (like.device, like.dtype, like.shape[1])
+    row = _ZERO_ROWS.get(key)
+    if row is None:
+        row = _ZERO_ROWS[key] = like.new_zeros(1, like.shape[1])
+    return row
 
 
 def _overlaps_host(device: torch.device) -> bool:
@@ -240,17 +256,27 @@ class _QueryRows:
     A zero-padded tensor keeps its padding rows (a zero token adds exactly what it adds in colpali-engine). A
     list gets one zero row after its tokens, and the sums gather each query's rows padded to the longest query
     with that zero row: exactly the padding colpali-engine adds, summed in a fixed order (no atomics). The gather
-    index is built on the host at the first sum, once the first kernel is queued (the host work overlaps it)."""
+    index is built on the host at the first sum, once the first kernel is queued (the host work overlaps it).
 
-    def __init__(self, queries, sizes, device):
+    A list is joined before its shapes are read: the ``cat`` checks that every item is 2-D of one width (a
+    failed join names the bad item), so each length is its element count over the width, one C-level pass over
+    ints where a ``torch.Size`` per query cost more host time before the first kernel."""
+
+    def __init__(self, queries, device):
         if isinstance(queries, torch.Tensor):
             n, length, dim = queries.shape
             self.rows = queries.to(device).reshape(n * length, 1, dim)
             self.n_queries, self.length, self.lengths = n, length, None
             return
-        self.lengths = _lengths(sizes)
-        zero = queries[0].new_zeros(1, queries[0].shape[1])
-        self.rows = _join("qs", [*queries, zero]).to(device).unsqueeze(1)
+        if set(map(torch.Tensor.dim, queries)) != {2}:  # (a legacy empty 1-D tensor would pass the join)
+            _name_bad_item("qs", queries)
+        joined = _join("qs", [*queries, _zero_row(queries[0])], queries)
+        if joined.shape[1]:
+            self.lengths = np.fromiter(map(torch.Tensor.numel, queries), dtype=np.int64, count=len(queries))
+            self.lengths //= joined.shape[1]
+        else:  # zero-width rows: their element counts say nothing of their lengths
+            self.lengths = _lengths(_sizes("qs", queries))
+        self.rows = joined.to(device).unsqueeze(1)
         self.n_queries, self.length = len(queries), int(self.lengths.max())
         self.gather = None
 
@@ -313,7 +339,7 @@ def score_multi_vector(
     if len(pages) == 0:
         raise ValueError("No passages provided")
     # Before any page copy: the gather index's host-to-device copy waits for the work already queued.
-    q = _QueryRows(queries, None if isinstance(queries, torch.Tensor) else _sizes("qs", queries), device)
+    q = _QueryRows(queries, device)
     # Pages per kernel call so that the per-row maxima (and the gathered sums) stay bounded.
     bytes_per_page = 4 * (q.rows.shape[0] + q.n_queries * q.length)
     pages_per_call = max(1, _ROW_SCORES_BUDGET_BYTES // max(1, bytes_per_page))
