@@ -53,7 +53,7 @@ def whole_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool, strided_
     whole tiles without a row clamp or a last-tile select: when its length is a multiple of the document tile or
     at most :data:`NARROW_TAIL_MAX` tokens past one (those then take :func:`last_tiles`' narrow tiles), and its rows
     are stored back to back (``strided_rows`` False: row stride ``dim``, feature stride 1), which lets the loop
-    address a tile's rows from one base (``tile.document_tile``).
+    address them with the compile-time width as their stride (``tile.document_tile``).
 
     Flags on the length's remainder, not on the length: at most three variants per config (clamped, whole, whole
     and a narrow tail), and False wherever the loop does not use them, so they add no variant there. 8-bit rows

@@ -19,8 +19,8 @@ from ...core.quantized import FLOAT, reset_similarity, row_scales, scale_rows, s
 from ...core.segments import PAIRS, document_scales, document_span
 from .pairs import score_pairs
 from .tile import (
-    NO_KEY, ROW_MAX_CLASSES, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile, fresh_rows,
-    nan_max, query_rows, store_group_sums, stream_document, tile_scales,
+    NO_KEY, REDUCE_MAX, ROW_MAX_CLASSES, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile,
+    fresh_rows, nan_max, query_rows, store_group_sums, stream_document, tile_scales,
 )
 
 __all__ = ["maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "score_documents"]
@@ -336,7 +336,7 @@ def score_documents(
         # Without winners, stacked rows keep a document's row maxima per column class until its last tile
         # (tile.class_tile_max). One short query's tile spreads its columns over warps, where the classes cost
         # more than they save (offline sm_90 SASS), so it keeps the per-tile row max.
-        CLASS_MAX: tl.constexpr = not STORE_ARGMAX and GROUPS > 1 and BLOCK_N % 8 == 0
+        CLASS_MAX: tl.constexpr = not STORE_ARGMAX and REDUCTION == REDUCE_MAX and GROUPS > 1 and BLOCK_N % 8 == 0
         running = best
         if CLASS_MAX:
             running = tl.full((BLOCK_M, ROW_MAX_CLASSES), float("-inf"), tl.float32)

@@ -392,7 +392,8 @@ def stream_document(
     # The NaN pass is rare: unpipelined, so its loop adds no shared-memory stages and few registers.
     STAGES: tl.constexpr = 1 if NAN_PASS else None
     # Without winners, rows keep their maxima per column class over the document (class_tile_max).
-    CLASS_MAX: tl.constexpr = not TRACK_ARGMAX and not NAN_PASS and BLOCK_N % 8 == 0 and TAIL_N % 8 == 0
+    CLASS_MAX: tl.constexpr = (not TRACK_ARGMAX and not NAN_PASS and REDUCTION == REDUCE_MAX and BLOCK_N % 8 == 0
+                               and TAIL_N % 8 == 0)
     running = best
     if CLASS_MAX:
         running = tl.full((BLOCK_M, ROW_MAX_CLASSES), float("-inf"), tl.float32)
