@@ -283,10 +283,10 @@ def test_forced_launch_configs_agree(rng, forced):
 
 @pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
 def test_inference_row_maxima_by_column_class(rng, monkeypatch, mask_mode):
-    """Inference through the long-query loop keeps each row's max per column class (``tile.class_tile_max``, TF32
-    products: tensor-core layouts) and combines the classes at the document's end: a NaN in one class reaches
-    the row, a tie across classes and tiles, masked columns, a ragged last tile, an all-masked document and
-    documents whose every similarity is negative all score as the reference."""
+    """Inference through the long-query loop keeps each row's max per column class (``tile.class_tile_max``) and
+    combines the classes at the document's end: a NaN in one class reaches the row, a tie across classes and
+    tiles, masked columns, a ragged last tile, an all-masked document and documents whose every similarity is
+    negative all score as the reference."""
     from lik.ops.maxsim import tile
 
     calls = []
@@ -300,12 +300,8 @@ def test_inference_row_maxima_by_column_class(rng, monkeypatch, mask_mode):
     D[3, 9] = D[3, 30] = Q[0, 0] * 5  # the same winner in two tiles and two classes
     dm[4] = False
     dm[5, 11:19] = False
-    torch.set_float32_matmul_precision("high")
-    try:
-        with _config.override(maxsim_forward=_config.MaxSimForwardConfig(16, 1, 16, 32)):
-            s = lik.maxsim(Q, D, None, dm, mask_mode=mask_mode)
-    finally:
-        torch.set_float32_matmul_precision("highest")
+    with _config.override(maxsim_forward=_config.MaxSimForwardConfig(16, 1, 16, 32)):
+        s = lik.maxsim(Q, D, None, dm, mask_mode=mask_mode)
     reference = lik.maxsim_reference(Q, D, None, dm, mask_mode=mask_mode)
     assert torch.equal(s.isnan(), reference.isnan()) and s[:, 2].isnan().all()
     clean = [0, 1, 3, 4, 5]
