@@ -8,7 +8,9 @@ path (N 1, two small levels, 16 queries), so that the loop times the host alone.
 down to Triton's launcher (replayed with tensors and with their addresses, as ``lik._launch`` passes them); the
 original Deformable-DETR op (built from its source, ``msda_original_op.py``) down to its C++ calls. With
 ``--rounds K`` the decoder forward and backward of lik and the op are also timed by ``do_bench`` (L2 flushed, as
-``msda_vs_cuda.py``) in K alternating rounds. Usage on the device::
+``msda_vs_cuda.py``) in K alternating rounds at 300 and 900 queries, with each backward also timed behind a GPU
+sleep (its device time under the same flush, the host out of the way). lik's backward is measured with the replay
+of its recorded launch (shipped) and without it (the general path), in the same process. Usage on the device::
 
     PYTHONPATH=src:benchmarks python3 benchmarks/msda_host_parts.py --original-src /path/to/Deformable-DETR \
         --rounds 5 --out $OUT
@@ -138,6 +140,10 @@ def backward_parts(original) -> dict:
         msda_backward_module, lambda: msda_backward_module.msda_backward(g, v, s, st, lc, w, deterministic=False))
     parts = {
         "backward: lik, autograd.grad": lambda: torch.autograd.grad(out, leaves, g, retain_graph=True),
+        "backward: lik, autograd.grad, replay off": without_replay(
+            lambda: torch.autograd.grad(out, leaves, g, retain_graph=True)),
+        "backward: msda_backward, replay off": without_replay(
+            lambda: msda_backward_module.msda_backward(g, v, s, st, lc, w, deterministic=False)),
         "backward: an empty autograd Function, autograd.grad": lambda: torch.autograd.grad(
             empty_out, leaves, g, retain_graph=True),
         "backward: msda_backward (validated inputs: allocate, config, launch)": lambda: (
@@ -161,6 +167,19 @@ def backward_parts(original) -> dict:
         parts["backward: original op's C++ backward alone (zeros + launch)"] = lambda: cpp.ms_deform_attn_backward(
             v, s, st, lc, w, g, 64)
     return parts
+
+
+def without_replay(fn):
+    """``fn`` run with the atomic backward's replay of recorded launches switched off (the general path: tile
+    choice, layout checks, launch key), for A/B against the shipped path in the same process."""
+    def call():
+        real = msda_backward_module.replay_allowed
+        msda_backward_module.replay_allowed = lambda: False
+        try:
+            return fn()
+        finally:
+            msda_backward_module.replay_allowed = real
+    return call
 
 
 class _SavedContext:
@@ -259,23 +278,55 @@ def backward_trace(original, out_dir: str) -> dict:
     return tables
 
 
-def rounds(original, count: int) -> dict:
-    """``do_bench`` medians (L2 flushed) of the decoder forward and backward, lik and the op alternating."""
-    p = make_problem(DECODER, "realistic", torch.float32)
+def rounds(original, count: int, queries: int = 300) -> dict:
+    """``do_bench`` medians (L2 flushed) of the decoder forward and backward, lik (replay on and off) and the op
+    alternating. ``lag`` rows: the same backward behind a GPU sleep long enough that the host has issued
+    everything before the GPU gets to it, minus the sleep alone: the device time under ``do_bench``'s
+    conditions (flushed L2, no host in the way)."""
+    p = make_problem(dict(DECODER, queries=queries), "realistic", torch.float32)
     s, st, g = p["shapes"], p["starts"], p["grad"]
     leaves = [p[k].detach().clone().requires_grad_() for k in ("value", "loc", "weights")]
     methods = {"lik": lambda v, lc, w: lik.ms_deform_attn(v, s, st, lc, w)}
     if original is not None:
         methods["cuda-op"] = lambda v, lc, w: original.apply(v, s, st, lc, w, 64)
     bench = lambda f: triton.testing.do_bench(f, return_mode="median")  # noqa: E731
-    times = {f"{name} {phase}": [] for name in methods for phase in ("fwd", "bwd")}
     outs = {name: fn(*leaves) for name, fn in methods.items()}
+    backward = {name: (lambda out=out: torch.autograd.grad(out, leaves, g, retain_graph=True))
+                for name, out in outs.items()}
+    backward["lik, replay off"] = without_replay(backward["lik"])
+    sleep_cycles = 1_000_000  # ~0.5 ms at H100 / H200 clocks, longer than any host path here
+    sleep = lambda: torch.cuda._sleep(sleep_cycles)  # noqa: E731
+    times = {}
     for _ in range(count):
         for name, fn in methods.items():
-            times[f"{name} fwd"].append(bench(lambda: fn(*leaves)))
-            times[f"{name} bwd"].append(bench(lambda: torch.autograd.grad(outs[name], leaves, g, retain_graph=True)))
-        print("  ".join(f"{k} {v[-1] * 1e3:.1f} us" for k, v in times.items()), flush=True)
-    return times
+            times.setdefault(f"{name} fwd", []).append(bench(lambda: fn(*leaves)))
+        for name, fn in backward.items():
+            times.setdefault(f"{name} bwd", []).append(bench(fn))
+        slept = bench(sleep)
+        for name, fn in backward.items():
+            lagged = bench(lambda: (sleep(), fn()))
+            times.setdefault(f"{name} bwd lag", []).append(lagged - slept)
+        print(f"Lq {queries}  " + "  ".join(f"{k} {v[-1] * 1e3:.1f} us" for k, v in times.items()), flush=True)
+    return {f"Lq{queries} {k}": v for k, v in times.items()}
+
+
+def decoder_host(original, queries: int = 300) -> dict:
+    """Host time per backward at decoder scale (300 calls without synchronising, median of five loops): what a
+    loop of these calls costs the CPU; lik with and without the replay, the op."""
+    p = make_problem(dict(DECODER, queries=queries), "realistic", torch.float32)
+    s, st, g = p["shapes"], p["starts"], p["grad"]
+    leaves = [p[k].detach().clone().requires_grad_() for k in ("value", "loc", "weights")]
+    calls = {"lik": lik.ms_deform_attn(leaves[0], s, st, leaves[1], leaves[2])}
+    if original is not None:
+        calls["cuda-op"] = original.apply(leaves[0], s, st, leaves[1], leaves[2], 64)
+    fns = {name: (lambda out=out: torch.autograd.grad(out, leaves, g, retain_graph=True)) for name, out in calls.items()}
+    fns["lik, replay off"] = without_replay(fns["lik"])
+    rows = {}
+    for name, fn in fns.items():
+        rows[f"decoder Lq {queries} backward host: {name}"] = sorted(host_us(fn, 300) for _ in range(5))[2]
+        print(f"{rows[f'decoder Lq {queries} backward host: {name}']:7.1f} us  decoder Lq {queries} backward host: "
+              f"{name}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -291,9 +342,13 @@ def main() -> None:
         for name, fn in parts.items():
             rows[name] = sorted(host_us(fn, 300) for _ in range(5))[2]
             print(f"{rows[name]:7.1f} us  {name}", flush=True)
+    for queries in (300, 900):
+        rows.update(decoder_host(original, queries))
     split = engine_split(original)
     traces = backward_trace(original, args.out) if args.trace else {}
-    timed = rounds(original, args.rounds) if args.rounds else {}
+    timed = {}
+    for queries in (300, 900) if args.rounds else ():
+        timed.update(rounds(original, args.rounds, queries))
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 commit=os.environ.get("LIK_COMMIT", "unknown"), python=sys.version.split()[0])
     with open(os.path.join(args.out, "msda_host_parts.json"), "w") as fh:
@@ -301,7 +356,7 @@ def main() -> None:
                   indent=1)
     print(json.dumps(meta))
     for name, values in timed.items():
-        print(f"{name:12} do_bench median of rounds {sorted(values)[len(values) // 2] * 1e3:6.1f} us "
+        print(f"{name:28} do_bench median of rounds {sorted(values)[len(values) // 2] * 1e3:6.1f} us "
               f"(rounds {', '.join(f'{v * 1e3:.1f}' for v in values)})")
 
 

@@ -47,7 +47,7 @@ import triton
 from triton.runtime.jit import JITFunction
 
 __all__ = [
-    "launch", "argument_key", "argument_keyer", "argument_keys", "cache_key", "keyword_layout", "triton_version_tested",
+    "launch", "recorded", "replay_allowed", "argument_key", "argument_keyer", "argument_keys", "cache_key", "keyword_layout", "triton_version_tested",
     "TESTED_TRITON",
 ]
 
@@ -366,3 +366,33 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     n = len(grid)
     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), function, packed,
         None, None, None, *launch_args, *tail)
+
+
+def replay_allowed() -> bool:
+    """Whether a recorded launch may be replayed now: the cached path is on and no Triton launch hook is installed
+    (a profiler's hook must see every launch). Callers that keep their own replays (see :func:`recorded`) test
+    this before each one, as :func:`launch` does."""
+    return ENABLED and _get_stream is not None and not _hooks_installed()
+
+
+def recorded(kernel, *args, **kwargs):
+    """What :func:`launch` recorded for a call with these arguments (the same cache key): ``(run, function,
+    packed, tail)``, where ``run(gx, gy, gz, stream, function, packed, None, None, None, *launch_args, *tail)``
+    launches it again with ``launch_args`` the positional arguments, each tensor given as its data address. None
+    when nothing is recorded (no launch with this key yet, or the kernel runs through Triton's own path).
+
+    For callers that launch one kernel with the same shapes many times (a decoder layer's backward) and can tell
+    from a cheaper key of their own that a call has this cache key: their replay then skips the per-call key.
+
+    Example:
+        >>> launch(add_kernel, (4,), x, y, out, n, BLOCK=1024)
+        >>> run, function, packed, tail = recorded(add_kernel, x, y, out, n, BLOCK=1024)
+    """
+    table = getattr(kernel, "_lik_launch_table", None)
+    if table is None or table.entries is None or _get_stream is None:
+        return None
+    key = cache_key(kernel, _current_device(), args, kwargs)
+    try:
+        return None if key is None else table.entries.get(key)
+    except TypeError:  # an unhashable keyword value: never recorded
+        return None
