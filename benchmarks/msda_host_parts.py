@@ -9,8 +9,8 @@ down to Triton's launcher (replayed with tensors and with their addresses, as ``
 original Deformable-DETR op (built from its source, ``msda_original_op.py``) down to its C++ calls. With
 ``--rounds K`` the decoder forward and backward of lik and the op are also timed by ``do_bench`` (L2 flushed, as
 ``msda_vs_cuda.py``) in K alternating rounds at 300 and 900 queries, with each backward also timed behind a GPU
-sleep (its device time under the same flush, the host out of the way). lik's backward is measured with the replay
-of its recorded launch (shipped) and without it (the general path), in the same process. Usage on the device::
+sleep (its device time under the same flush, the host out of the way). lik is measured with the replays of its
+recorded launches (shipped) and without them (the general path), in the same process. Usage on the device::
 
     PYTHONPATH=src:benchmarks python3 benchmarks/msda_host_parts.py --original-src /path/to/Deformable-DETR \
         --rounds 5 --out $OUT
@@ -102,8 +102,11 @@ def forward_parts(original) -> dict:
         "lik.ms_deform_attn, inputs require grad (autograd Function)": lambda: lik.ms_deform_attn(
             leaves[0], s, st, leaves[1], leaves[2]),
         "lik.ms_deform_attn, inference": lambda: lik.ms_deform_attn(v, s, st, lc, w),
+        "lik.ms_deform_attn, inputs require grad, replay off": without_replay(lambda: lik.ms_deform_attn(
+            leaves[0], s, st, leaves[1], leaves[2])),
         "msda_forward (validated inputs: allocate, config, launch)": lambda: msda_forward_module.msda_forward(
             v, s, st, lc, w),
+        "msda_forward, replay off": without_replay(lambda: msda_forward_module.msda_forward(v, s, st, lc, w)),
         "check_inputs": lambda: check_inputs(v, s, st, lc, w, 64),
         "torch.empty of the output": lambda: torch.empty(out_shape, device=v.device),
         "lik._launch.launch (key + Triton's launcher)": lambda: _launch.launch(kernel, grid, *launch_args,
@@ -170,15 +173,15 @@ def backward_parts(original) -> dict:
 
 
 def without_replay(fn):
-    """``fn`` run with the atomic backward's replay of recorded launches switched off (the general path: tile
+    """``fn`` run with the replays of recorded launches switched off, forward and backward (the general path: tile
     choice, layout checks, launch key), for A/B against the shipped path in the same process."""
     def call():
-        real = msda_backward_module.replay_allowed
-        msda_backward_module.replay_allowed = lambda: False
+        real = msda_forward_module.replay_allowed
+        msda_forward_module.replay_allowed = lambda: False
         try:
             return fn()
         finally:
-            msda_backward_module.replay_allowed = real
+            msda_forward_module.replay_allowed = real
     return call
 
 
@@ -279,7 +282,7 @@ def backward_trace(original, out_dir: str) -> dict:
 
 
 def rounds(original, count: int, queries: int = 300) -> dict:
-    """``do_bench`` medians (L2 flushed) of the decoder forward and backward, lik (replay on and off) and the op
+    """``do_bench`` medians (L2 flushed) of the decoder forward and backward, lik (replays on and off) and the op
     alternating. ``lag`` rows: the same backward behind a GPU sleep long enough that the host has issued
     everything before the GPU gets to it, minus the sleep alone: the device time under ``do_bench``'s
     conditions (flushed L2, no host in the way)."""
@@ -300,6 +303,7 @@ def rounds(original, count: int, queries: int = 300) -> dict:
     for _ in range(count):
         for name, fn in methods.items():
             times.setdefault(f"{name} fwd", []).append(bench(lambda: fn(*leaves)))
+        times.setdefault("lik, replay off fwd", []).append(bench(without_replay(lambda: methods["lik"](*leaves))))
         for name, fn in backward.items():
             times.setdefault(f"{name} bwd", []).append(bench(fn))
         slept = bench(sleep)

@@ -12,7 +12,8 @@ from triton.runtime.jit import JITFunction
 
 from lik import _launch
 from lik._launch import (
-    _record, _Uncached, argument_key, argument_keyer, cache_key, keyword_layout, launch, triton_version_tested,
+    _record, _Uncached, argument_key, argument_keyer, cache_key, keyword_layout, launch, replay_allowed, replay_of,
+    triton_version_tested,
 )
 
 
@@ -272,6 +273,43 @@ def test_a_host_tensor_gets_tritons_error_not_a_launch():
     with pytest.raises((ValueError, RuntimeError), match="(?i)cpu"):
         launch(scale_rows, (2,), x.cpu(), out, 256, 1, 1.0, BLOCK=128)
     torch.cuda.synchronize()  # the context is still usable
+
+
+def test_replay_of_a_recorded_launch_calls_the_same_launcher(monkeypatch):
+    """``replay_of`` finds what ``launch`` recorded for the same key (nothing before the first launch, nothing for
+    another key) and its ``Replay`` calls the compiled launcher with the recorded grid, the current stream, the
+    addresses given and the recorded trailing constexprs."""
+    replays = []
+
+    class Metadata:
+        num_warps, num_stages, maxnreg, num_ctas = 2, 1, None, 1
+
+    class Compiled:
+        function, packed_metadata, metadata = 11, (), Metadata()
+
+        @staticmethod
+        def run(*launch_args):
+            replays.append(launch_args)
+
+    class FakeJIT(JITFunction):
+        def run(self, *args, grid, warmup, **kwargs):
+            return Compiled()
+
+    kernel = FakeJIT(_scale_rows)
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(_launch, "_get_stream", lambda device: 99)
+    monkeypatch.setattr(_launch, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    x, out = torch.zeros(32), torch.zeros(32)
+    assert replay_of(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=2, num_stages=1) is None
+    launch(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=2, num_stages=1)
+    assert replay_allowed()
+    replay = replay_of(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=2, num_stages=1)
+    assert replay_of(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=32, num_warps=2, num_stages=1) is None
+    replay(123, 456, 32, 1, 2.0)
+    assert replays == [(2, 1, 1, 99, 11, (), None, None, None, 123, 456, 32, 1, 2.0, 16, False)]
+    monkeypatch.setattr(_launch, "_hooks_installed", lambda: True)
+    assert not replay_allowed()
 
 
 @pytest.mark.gpu

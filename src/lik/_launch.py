@@ -47,8 +47,8 @@ import triton
 from triton.runtime.jit import JITFunction
 
 __all__ = [
-    "launch", "recorded", "replay_allowed", "argument_key", "argument_keyer", "argument_keys", "cache_key", "keyword_layout", "triton_version_tested",
-    "TESTED_TRITON",
+    "launch", "Replay", "replay_of", "replay_allowed", "argument_key", "argument_keyer", "argument_keys", "cache_key",
+    "keyword_layout", "triton_version_tested", "TESTED_TRITON",
 ]
 
 _I32 = 2**31
@@ -368,31 +368,51 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         None, None, None, *launch_args, *tail)
 
 
+
 def replay_allowed() -> bool:
-    """Whether a recorded launch may be replayed now: the cached path is on and no Triton launch hook is installed
-    (a profiler's hook must see every launch). Callers that keep their own replays (see :func:`recorded`) test
-    this before each one, as :func:`launch` does."""
+    """Whether a :class:`Replay` may launch now: the cached path is on and no Triton launch hook is installed (a
+    profiler's hook must see every launch). Callers test this before each replay, as :func:`launch` does."""
     return ENABLED and _get_stream is not None and not _hooks_installed()
 
 
-def recorded(kernel, *args, **kwargs):
-    """What :func:`launch` recorded for a call with these arguments (the same cache key): ``(run, function,
-    packed, tail)``, where ``run(gx, gy, gz, stream, function, packed, None, None, None, *launch_args, *tail)``
-    launches it again with ``launch_args`` the positional arguments, each tensor given as its data address. None
-    when nothing is recorded (no launch with this key yet, or the kernel runs through Triton's own path).
+class Replay:
+    """A launch that :func:`launch` recorded, bound to its grid: ``replay(*launch_args)`` launches the same compiled
+    kernel again on the current stream of the device it was recorded on, with ``launch_args`` the kernel's
+    positional arguments, each tensor given as its data address.
 
-    For callers that launch one kernel with the same shapes many times (a decoder layer's backward) and can tell
-    from a cheaper key of their own that a call has this cache key: their replay then skips the per-call key.
+    For callers that launch one kernel with the same shapes many times (a decoder layer) and can tell from a key of
+    their own that a call would have the recorded call's cache key (same dtypes, same 16-byte alignment, same
+    integers and keywords): the replay skips computing that key. Test :func:`replay_allowed` before each one."""
+
+    __slots__ = ("run", "function", "packed", "tail", "grid", "device")
+
+    def __init__(self, entry: tuple, grid: tuple[int, ...], device: int):
+        self.run, self.function, self.packed, self.tail = entry
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.device = device
+
+    def __call__(self, *launch_args) -> None:
+        grid = self.grid
+        self.run(grid[0], grid[1], grid[2], _get_stream(self.device), self.function, self.packed, None, None, None,
+                 *launch_args, *self.tail)
+
+
+def replay_of(kernel, grid: tuple[int, ...], *args, **kwargs) -> Replay | None:
+    """The :class:`Replay` of what :func:`launch` recorded for a call with these arguments (the same cache key), or
+    None when nothing is recorded (no launch with this key yet, or the kernel runs through Triton's own path).
 
     Example:
         >>> launch(add_kernel, (4,), x, y, out, n, BLOCK=1024)
-        >>> run, function, packed, tail = recorded(add_kernel, x, y, out, n, BLOCK=1024)
+        >>> replay = replay_of(add_kernel, (4,), x, y, out, n, BLOCK=1024)
+        >>> replay(x2.data_ptr(), y2.data_ptr(), out2.data_ptr(), n)   # same n, same alignment, same dtypes
     """
     table = getattr(kernel, "_lik_launch_table", None)
     if table is None or table.entries is None or _get_stream is None:
         return None
-    key = cache_key(kernel, _current_device(), args, kwargs)
+    device = _current_device()
+    key = cache_key(kernel, device, args, kwargs)
     try:
-        return None if key is None else table.entries.get(key)
+        entry = None if key is None else table.entries.get(key)
     except TypeError:  # an unhashable keyword value: never recorded
         return None
+    return None if entry is None else Replay(entry, grid, device)

@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import _OVERRIDES, cdiv, msda_backward_config
-from ..._launch import _current_device, _get_stream, launch, recorded, replay_allowed
-from .forward import RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, kernel_value
+from ..._config import cdiv, msda_backward_config
+from ..._launch import launch
+from .forward import (RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, dense_addresses,
+                      kernel_value, remember, replay_key)
 from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
 
 __all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward"]
@@ -169,50 +170,23 @@ def msda_bwd_value_kernel(
     tl.store(out[:, None] + (chan * stride_gvd)[None, :], acc, mask=row_ok[:, None] & chan_ok[None, :])
 
 
-class _AtomicReplay:
-    """The atomic backward of one problem shape, ready to launch again.
-
-    A decoder layer repeats its shapes every step, and at that size the backward is host bound (~90 us on the GPU,
-    the rest of the op's time is the host's). Once :func:`msda_backward` has launched a shape through
-    :func:`lik._launch.launch`, this keeps what that launch depended on beyond the shapes and dtypes (the grid, the
-    integer arguments, the compiled kernel) so that a later call with the same shapes and dtypes skips the tile
-    choice, the layout checks and the launch key: it reads the addresses, checks what the recorded launch had
-    (every tensor dense and 16-byte aligned) and launches. A call that differs goes the general way (None)."""
-
-    __slots__ = ("run", "function", "packed", "tail", "grid", "ints", "device")
-
-    def __init__(self, entry, grid: tuple[int, int], ints: tuple[int, ...], device: int):
-        self.run, self.function, self.packed, self.tail = entry
-        self.grid, self.ints, self.device = grid, ints, device
-
-    def __call__(self, grad_out, value, shapes, starts, loc, attn):
-        if not (value.is_contiguous() and loc.is_contiguous() and attn.is_contiguous() and grad_out.is_contiguous()
-                and shapes.is_contiguous() and starts.is_contiguous()):
-            return None
-        p_value, p_shapes, p_starts = value.data_ptr(), shapes.data_ptr(), starts.data_ptr()
-        p_loc, p_attn, p_grad = loc.data_ptr(), attn.data_ptr(), grad_out.data_ptr()
-        if (p_value | p_shapes | p_starts | p_loc | p_attn | p_grad) & 15:
-            return None
-        # Fresh allocations are aligned, as they were when the launch was recorded.
-        gvalue = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
-        gloc, gattn = torch.empty_like(loc), torch.empty_like(attn)
-        p_gvalue = gvalue.data_ptr()
-        self.run(self.grid[0], self.grid[1], 1, _get_stream(self.device), self.function, self.packed, None, None,
-                 None, p_value, p_shapes, p_starts, p_starts, p_loc, p_attn, p_grad, p_gvalue, gloc.data_ptr(),
-                 gattn.data_ptr(), p_gvalue, *self.ints, *self.tail)
-        return _in_value_dtype(gvalue, value), gloc, gattn
+# Replays of the atomic backward by problem shape (:func:`lik.ops.msda.forward.replay_key`, with the gradient's dtype).
+_REPLAYS: dict[tuple, tuple] = {}
 
 
-# Replays by (current device, value / loc shapes, every dtype); bounded, cleared when full.
-_REPLAYS: dict[tuple, _AtomicReplay] = {}
-_REPLAYS_MAX = 256
-
-
-def _replay_key(grad_out, value, shapes, starts, loc, attn) -> tuple:
-    """What fixes an atomic backward's launch besides addresses and alignment: shapes (they give the tile, the
-    grid and every integer argument), dtypes and the current device (Triton launches there)."""
-    return (_current_device(), value.device, value.shape, loc.shape, value.dtype, loc.dtype, attn.dtype,
-            grad_out.dtype, shapes.dtype, starts.dtype)
+def _replay_atomic(recorded: tuple, addresses: tuple[int, ...], value, loc, attn):
+    """The atomic backward replayed: ``recorded`` is ``(replay, ints)``, ``addresses`` those of value, shapes,
+    starts, loc, attn and grad_out (dense and aligned). Fresh allocations are aligned, as when it was recorded."""
+    replay, ints = recorded
+    p_value, p_shapes, p_starts, p_loc, p_attn, p_grad = addresses
+    gvalue = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+    gloc, gattn = torch.empty_like(loc), torch.empty_like(attn)
+    p_gvalue = gvalue.data_ptr()
+    # The kernel's order: value, shapes, starts, cells (starts here), loc, attn, grad_out, the three gradients, buckets
+    # (unused here: the value gradient's address).
+    replay(p_value, p_shapes, p_starts, p_starts, p_loc, p_attn, p_grad, p_gvalue, gloc.data_ptr(), gattn.data_ptr(),
+           p_gvalue, *ints)
+    return _in_value_dtype(gvalue, value), gloc, gattn
 
 
 def _in_value_dtype(gvalue: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -220,19 +194,6 @@ def _in_value_dtype(gvalue: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if gvalue.dtype == value.dtype:
         return gvalue
     return torch.empty(gvalue.shape, dtype=value.dtype, device=gvalue.device).copy_(gvalue)
-
-
-def _record_replay(key: tuple, grid: tuple[int, int], tensors: tuple, ints: tuple, options: dict) -> None:
-    """Keep the atomic launch just made for later calls with ``key``, when every tensor it was given was dense and
-    16-byte aligned (what the replay checks of its own inputs)."""
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
-        return
-    entry = recorded(msda_bwd_kernel, *tensors, *ints, **options)
-    if entry is None:
-        return
-    if len(_REPLAYS) >= _REPLAYS_MAX:
-        _REPLAYS.clear()
-    _REPLAYS[key] = _AtomicReplay(entry, grid, ints, _current_device())
 
 
 def msda_backward(
@@ -246,16 +207,14 @@ def msda_backward(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(grad_value, grad_sampling_locations, grad_attention_weights)``, each in its input's dtype (any
-    strides: non-contiguous inputs are copied once). A repeated atomic backward replays its recorded launch
-    (:class:`_AtomicReplay`)."""
-    replay_key = None
-    if not deterministic and value.is_cuda and not _OVERRIDES and replay_allowed():
-        replay_key = _replay_key(grad_out, value, shapes, starts, loc, attn)
-        replay = _REPLAYS.get(replay_key)
-        if replay is not None:
-            grads = replay(grad_out, value, shapes, starts, loc, attn)
-            if grads is not None:
-                return grads
+    strides: non-contiguous inputs are copied once). An atomic backward whose shapes were launched before replays
+    that launch."""
+    key = None if deterministic else replay_key(value, shapes, starts, loc, attn, grad_out.dtype)
+    recorded = None if key is None else _REPLAYS.get(key)
+    if recorded is not None:
+        addresses = dense_addresses((value, shapes, starts, loc, attn, grad_out))
+        if addresses is not None:
+            return _replay_atomic(recorded, addresses, value, loc, attn)
     check_pixel_count(value)
     n, n_pixels, heads, dim = value.shape
     _, n_queries, _, n_levels, n_points, _ = loc.shape
@@ -300,8 +259,8 @@ def msda_backward(
         gloc = gloc.sum(0).to(loc.dtype)
         gattn = gattn.sum(0).to(attn.dtype)
     if not deterministic:
-        if replay_key is not None and n_chunks == 1 and not head_major:
-            _record_replay(replay_key, grid, tensors, ints, options)
+        if key is not None and n_chunks == 1 and not head_major:
+            remember(_REPLAYS, key, msda_bwd_kernel, grid, tensors, ints, options)
         if head_major:
             gvalue = gvalue.transpose(1, 2)  # back to [N, S, M, D] (head-major storage)
         return _in_value_dtype(gvalue, value), gloc, gattn

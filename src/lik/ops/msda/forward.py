@@ -11,16 +11,19 @@ at the end. The only write is the ``[N, Lq, M*D]`` result: nothing of the size `
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import or_
+
 import torch
 import triton
 import triton.language as tl
 
-from ..._config import cdiv, msda_forward_config
-from ..._launch import launch
+from ..._config import _OVERRIDES, cdiv, msda_forward_config
+from ..._launch import _current_device, launch, replay_allowed, replay_of
 from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
 
 __all__ = ["msda_fwd_kernel", "msda_forward", "contiguous_strides", "kernel_value", "dense", "check_pixel_count",
-           "check_point_tile", "RUNTIME_INTS"]
+           "check_point_tile", "RUNTIME_INTS", "replay_key", "dense_addresses", "remember"]
 
 # Batch, query count, heads, levels and points vary per call and never trigger a recompile.
 RUNTIME_INTS = ["n_rows", "n_pixels", "n_queries", "n_heads", "n_levels", "n_points"]
@@ -141,6 +144,45 @@ def check_pixel_count(value: torch.Tensor) -> None:
         )
 
 
+# Replays of recorded launches by problem shape. A decoder layer repeats its shapes every step and is host bound:
+# the tile choice, layout checks and launch key of such a call are fixed by its shapes and dtypes, so a call whose
+# shapes were launched before reads only its addresses and replays the launch (docs/design.md, "The launch cache").
+REPLAY_LIMIT = 256
+_FORWARD_REPLAYS: dict[tuple, tuple] = {}
+
+
+def replay_key(value, shapes, starts, loc, attn, *more) -> tuple | None:
+    """What fixes a launch besides addresses and alignment (the current device, where Triton launches; ``value``'s
+    device; the value and location shapes, which give the tile, the grid and every integer argument; every dtype;
+    ``more``), or None when no launch may be replayed now (CPU tensors, a forced config, a launch hook)."""
+    if not value.is_cuda or _OVERRIDES or not replay_allowed():
+        return None
+    return (_current_device(), value.device, value.shape, loc.shape, value.dtype, loc.dtype, attn.dtype, shapes.dtype,
+            starts.dtype, *more)
+
+
+def dense_addresses(tensors: tuple) -> tuple[int, ...] | None:
+    """The data addresses of ``tensors`` if every one is contiguous and 16-byte aligned (what a replayed launch was
+    recorded with), else None."""
+    if not all(map(torch.Tensor.is_contiguous, tensors)):
+        return None
+    addresses = tuple(map(torch.Tensor.data_ptr, tensors))
+    return None if reduce(or_, addresses) & 15 else addresses
+
+
+def remember(table: dict, key: tuple, kernel, grid, tensors: tuple, ints: tuple, options: dict, *extra) -> None:
+    """File under ``key`` the launch just made, ``(replay, ints, *extra)``, when every tensor it was given was dense
+    and aligned and :func:`lik._launch.launch` recorded it; the table is cleared when it holds REPLAY_LIMIT."""
+    if dense_addresses(tensors) is None:
+        return
+    replay = replay_of(kernel, grid, *tensors, *ints, **options)
+    if replay is None:
+        return
+    if len(table) >= REPLAY_LIMIT:
+        table.clear()
+    table[key] = (replay, ints, *extra)
+
+
 def msda_forward(
     value: torch.Tensor,
     shapes: torch.Tensor,
@@ -149,7 +191,16 @@ def msda_forward(
     attn: torch.Tensor,
 ) -> torch.Tensor:
     """Launch the forward on validated inputs (any strides: non-contiguous ones are copied once); returns
-    ``[N, Lq, M*D]`` in ``value``'s dtype."""
+    ``[N, Lq, M*D]`` in ``value``'s dtype. A call whose shapes were launched before replays that launch."""
+    key = replay_key(value, shapes, starts, loc, attn)
+    recorded = None if key is None else _FORWARD_REPLAYS.get(key)
+    if recorded is not None:
+        addresses = dense_addresses((value, shapes, starts, loc, attn))
+        if addresses is not None:
+            replay, ints, out_shape = recorded
+            out = torch.empty(out_shape, dtype=value.dtype, device=value.device)  # fresh: aligned, as recorded
+            replay(*addresses, out.data_ptr(), *ints)
+            return out
     check_pixel_count(value)
     n, n_pixels, heads, dim = value.shape
     _, n_queries, _, n_levels, n_points, _ = loc.shape
@@ -160,16 +211,12 @@ def msda_forward(
     cfg = msda_forward_config(n_rows=n_rows, dim=dim, n_points=n_points, device=value.device)
     check_point_tile(cfg.block_points, n_points)
     value, head_major = kernel_value(value, cfg.transpose)
-    launch(
-        msda_fwd_kernel, (cdiv(n_rows, cfg.block_rows), cdiv(dim, cfg.block_d)),
-        value, dense(shapes), dense(starts), dense(loc), dense(attn), out,
-        n_rows, n_pixels, n_queries, heads, n_levels, n_points,
-        DIM=dim,
-        BLOCK_R=cfg.block_rows,
-        BLOCK_P=cfg.block_points,
-        BLOCK_D=cfg.block_d,
-        HEAD_MAJOR=head_major,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    grid = (cdiv(n_rows, cfg.block_rows), cdiv(dim, cfg.block_d))
+    tensors = (value, dense(shapes), dense(starts), dense(loc), dense(attn), out)
+    ints = (n_rows, n_pixels, n_queries, heads, n_levels, n_points)
+    options = dict(DIM=dim, BLOCK_R=cfg.block_rows, BLOCK_P=cfg.block_points, BLOCK_D=cfg.block_d,
+                   HEAD_MAJOR=head_major, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch(msda_fwd_kernel, grid, *tensors, *ints, **options)
+    if key is not None and not head_major:
+        remember(_FORWARD_REPLAYS, key, msda_fwd_kernel, grid, tensors, ints, options, out.shape)
     return out
