@@ -163,8 +163,9 @@ def test_cache_key_separates_every_launch_option_and_ignores_keyword_order():
     assert cache_key(kernel, 0, args, {"BLOCK": 64, "factor": 2.0}) is None
 
 
-def test_cached_path_records_then_replays_with_the_callers_options(monkeypatch):
-    """The whole cached path on CPU, with a stand-in for Triton's compiled kernel and launcher."""
+def _fake_cached_path(monkeypatch):
+    """A JIT function whose compile step is a stand-in for Triton's (its compiled kernel's launcher records each
+    call), with the cached path switched on as on a GPU: ``(kernel, runs, replays)``."""
     runs, replays = [], []
 
     class Metadata:
@@ -182,11 +183,16 @@ def test_cached_path_records_then_replays_with_the_callers_options(monkeypatch):
             runs.append((grid, args, kwargs))
             return Compiled()
 
-    kernel = FakeJIT(_scale_rows)
     monkeypatch.setattr(_launch, "ENABLED", True)
     monkeypatch.setattr(_launch, "_get_stream", lambda device: 99)
     monkeypatch.setattr(_launch, "_hooks_installed", lambda: False)
     monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    return FakeJIT(_scale_rows), runs, replays
+
+
+def test_cached_path_records_then_replays_with_the_callers_options(monkeypatch):
+    """The whole cached path on CPU, with a stand-in for Triton's compiled kernel and launcher."""
+    kernel, runs, replays = _fake_cached_path(monkeypatch)
     x, out = torch.zeros(32), torch.zeros(32)
     for _ in range(3):
         launch(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=2, num_stages=1)
@@ -279,27 +285,7 @@ def test_replay_of_a_recorded_launch_calls_the_same_launcher(monkeypatch):
     """``replay_of`` finds what ``launch`` recorded for the same key (nothing before the first launch, nothing for
     another key) and its ``Replay`` calls the compiled launcher with the recorded grid, the current stream, the
     addresses given and the recorded trailing constexprs."""
-    replays = []
-
-    class Metadata:
-        num_warps, num_stages, maxnreg, num_ctas = 2, 1, None, 1
-
-    class Compiled:
-        function, packed_metadata, metadata = 11, (), Metadata()
-
-        @staticmethod
-        def run(*launch_args):
-            replays.append(launch_args)
-
-    class FakeJIT(JITFunction):
-        def run(self, *args, grid, warmup, **kwargs):
-            return Compiled()
-
-    kernel = FakeJIT(_scale_rows)
-    monkeypatch.setattr(_launch, "ENABLED", True)
-    monkeypatch.setattr(_launch, "_get_stream", lambda device: 99)
-    monkeypatch.setattr(_launch, "_hooks_installed", lambda: False)
-    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    kernel, runs, replays = _fake_cached_path(monkeypatch)
     x, out = torch.zeros(32), torch.zeros(32)
     assert replay_of(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=2, num_stages=1) is None
     launch(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=2, num_stages=1)
@@ -307,6 +293,7 @@ def test_replay_of_a_recorded_launch_calls_the_same_launcher(monkeypatch):
     replay = replay_of(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=16, num_warps=2, num_stages=1)
     assert replay_of(kernel, (2,), x, out, 32, 1, 2.0, BLOCK=32, num_warps=2, num_stages=1) is None
     replay(123, 456, 32, 1, 2.0)
+    assert len(runs) == 1  # compiled once, by the launch
     assert replays == [(2, 1, 1, 99, 11, (), None, None, None, 123, 456, 32, 1, 2.0, 16, False)]
     monkeypatch.setattr(_launch, "_hooks_installed", lambda: True)
     assert not replay_allowed()
