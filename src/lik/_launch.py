@@ -368,7 +368,6 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         None, None, None, *launch_args, *tail)
 
 
-
 def replay_allowed() -> bool:
     """Whether a :class:`Replay` may launch now: the cached path is on and no Triton launch hook is installed (a
     profiler's hook must see every launch). Callers test this before each replay, as :func:`launch` does."""
