@@ -172,16 +172,22 @@ def bench_pylate(minilm: str, batch_sizes, q_len=32, d_len=180):
     return rows
 
 
-def bench_colpali(n_pages=1000, page_len=1030, query_counts=(16, 128), dim=128):
+def bench_colpali(n_pages=1000, page_len=1030, query_counts=(16, 128), dim=128, ragged_from=None):
     """``score_multi_vector`` stock vs lik, pages as a list of tensors and as one padded tensor (colpali-engine's
-    two input forms)."""
+    two input forms). ``ragged_from``: pages of random lengths in [ragged_from, page_len] instead (dynamic-resolution
+    models such as ColQwen2), as a list only."""
     import lik.integrations.colpali as lik_colpali
 
     processing = _import_colpali_scoring()
     stock = processing.BaseVisualRetrieverProcessor.score_multi_vector
     g = torch.Generator(device="cuda").manual_seed(0)
-    pages = [torch.nn.functional.normalize(torch.randn(page_len, dim, device="cuda", generator=g), dim=-1)
-             .bfloat16() for _ in range(n_pages)]
+    if ragged_from is None:
+        page_lengths = [page_len] * n_pages
+    else:
+        page_lengths = torch.randint(ragged_from, page_len + 1, (n_pages,), generator=torch.Generator().manual_seed(1))
+        page_lengths = page_lengths.tolist()
+    pages = [torch.nn.functional.normalize(torch.randn(length, dim, device="cuda", generator=g), dim=-1)
+             .bfloat16() for length in page_lengths]
     rows = []
     for n_queries in query_counts:
         lengths = torch.randint(18, 23, (n_queries,), generator=torch.Generator().manual_seed(n_queries)).tolist()
@@ -190,9 +196,10 @@ def bench_colpali(n_pages=1000, page_len=1030, query_counts=(16, 128), dim=128):
         exact = lik_colpali.score_multi_vector([q.float() for q in queries], [p.float() for p in pages[:50]])
         stock_small = _with_env("COLPALI_SCORES_BACKEND", "torch", lambda: stock(queries, pages[:50], device="cuda"))()
         lik_small = lik_colpali.score_multi_vector(queries, pages[:50], device="cuda")
-        for form in ("list", "tensor"):
-            corpus = pages if form == "list" else torch.stack(pages)
+        for form in ("list", "tensor") if ragged_from is None else ("ragged list",):
+            corpus = torch.stack(pages) if form == "tensor" else pages
             result = {"n_queries": n_queries, "n_pages": n_pages, "page_len": page_len, "dim": dim, "pages": form,
+                      "page_lengths": [min(page_lengths), max(page_lengths), sum(page_lengths)],
                       "stock_max_err_vs_fp32": (stock_small - exact).abs().max().item(),
                       "lik_max_err_vs_fp32": (lik_small - exact).abs().max().item()}
             methods = {
@@ -342,7 +349,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batches", default="32,128")
     parser.add_argument("--peers", default=None, help="folder holding flash_maxsim and late_interaction_kernels")
-    parser.add_argument("--parts", default="colpali,pylate", help="comma-separated: colpali, colpali-rows, pylate")
+    parser.add_argument("--parts", default="colpali,pylate", help="comma-separated: colpali, colpali-ragged, colpali-rows, pylate")
     args = parser.parse_args()
     stubbed = _stub_missing(["datasets", "ujson", "voyager", "sqlitedict", "fast_plaid", "fastkmeans", "pandas",
                              "accelerate"])
@@ -357,6 +364,10 @@ def main() -> None:
             json.dump(record, f, indent=1)
     if "colpali" in parts:
         record["colpali"] = bench_colpali()
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    if "colpali-ragged" in parts:
+        record["colpali_ragged"] = bench_colpali(ragged_from=512)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
     if "pylate" in parts:
