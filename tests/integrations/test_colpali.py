@@ -97,9 +97,9 @@ def test_score_multi_vector_bf16_sums_in_fp32(colpali_scoring, rng):
 @pytest.mark.parametrize("lengths, batch_size, budget, joins", [
     ((6, 6, 6, 6), 128, None, 1),  # equal pages: the early join is the dense batch
     ((6, 4, 6, 6), 1, None, 1),  # ragged, no page padded (blocks of one): the early join is the packed copy
-    ((6, 4, 5, 6), 128, None, 2),  # ragged and padded: dropped, the packed copy with zero tokens made after checks
+    ((6, 4, 5, 6), 128, None, 1),  # ragged and padded: the early join is the packed copy (zero tokens on the maxima)
     ((6, 4), 128, None, 1),  # first and last differ: no early join
-    ((5, 3, 7, 5), 128, None, 2),  # as many rows as four pages of 5: scored early, dropped after the shape pass
+    ((5, 3, 7, 5), 128, None, 1),  # as many rows as four pages of 5: that early score dropped, the join kept
     ((2, 40, 2), 1, 1000, 1),  # joined early, but the long middle page splits the copy budget: dropped
 ])
 def test_score_multi_vector_joins_pages_once(colpali_scoring, rng, monkeypatch, lengths, batch_size, budget, joins):
@@ -126,15 +126,16 @@ def test_score_multi_vector_joins_pages_once(colpali_scoring, rng, monkeypatch, 
     assert len(joined) == joins
 
 
-@pytest.mark.parametrize("lengths", [(6, 6, 6, 6), (1,), (6, 12, 0, 6), (6, 3, 9, 6), (0, 5, 5, 0)])
-def test_score_multi_vector_equal_pages_skip_the_shape_pass(colpali_scoring, rng, monkeypatch, lengths):
-    """An early-joined list whose pages all match the first is proven so by element counts, without the
-    per-page shape pass; anything else (a page of another length, as many rows as equal pages would have, empty
-    pages) still takes the pass and matches colpali-engine."""
+@pytest.mark.parametrize("lengths", [(6, 6, 6, 6), (1,), (6, 12, 0, 6), (6, 3, 9, 6), (0, 5, 5, 0), (4, 9, 2, 7)])
+@pytest.mark.parametrize("early", [False, True], ids=["join-after-lengths", "join-early"])
+def test_score_multi_vector_page_lengths_without_the_shape_pass(colpali_scoring, rng, monkeypatch, lengths, early):
+    """A list of 2-D pages is measured by element counts, with no per-page shape pass, whether it was joined early
+    or not: equal pages, ragged ones, empty ones, as many rows as equal pages would have; all match colpali-engine.
+    Zero-wide pages (element counts say nothing of their lengths) take the pass."""
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
     stock = getattr(stock, "lik_stock", stock)
-    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: True)
+    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: early)
     passes = []
     sizes = lik_colpali._sizes
     monkeypatch.setattr(lik_colpali, "_sizes", lambda name, items: passes.append(name) or sizes(name, items))
@@ -142,8 +143,39 @@ def test_score_multi_vector_equal_pages_skip_the_shape_pass(colpali_scoring, rng
     qs = _ragged(rng, (3, 2))
     got = lik_colpali.score_multi_vector(qs, ps, batch_size=2, device="cpu")
     torch.testing.assert_close(got, stock(qs, ps, batch_size=2, device="cpu"), rtol=1e-6, atol=1e-5)
-    equal = len(set(lengths)) == 1 and lengths[0] > 0
-    assert passes.count("ps") == (0 if equal else 1)
+    assert passes.count("ps") == 0
+    flat = [torch.zeros(n, 0) for n in lengths]
+    got = lik_colpali.score_multi_vector([torch.zeros(3, 0)], flat, batch_size=2, device="cpu")
+    assert torch.equal(got, torch.zeros(1, len(lengths))) and passes.count("ps") == 1
+
+
+def test_score_multi_vector_zero_token_meets_garbage_and_negative_similarities(colpali_scoring, rng, join_early):
+    """The zero token of a padded page (applied to its row maxima, not copied in) is what colpali-engine's
+    padding gives: it wins where every similarity is negative, and a query row holding inf or NaN meets it as NaN
+    (0 * inf)."""
+    _, processing, _ = colpali_scoring
+    stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
+    stock = getattr(stock, "lik_stock", stock)
+    qs = _ragged(rng, (3, 5, 2))
+    qs[1][2, 4] = float("inf")
+    qs[2][0, 1] = float("nan")
+    ps = _ragged(rng, (6, 3, 5, 6))
+    ps[1] = -qs[0][:1].expand(3, -1).clone() - 0.1  # every similarity with query 0's first token is negative
+    for batch_size in (2, 128):
+        expected = stock(qs, ps, batch_size=batch_size, device="cpu")
+        got = lik_colpali.score_multi_vector(qs, ps, batch_size=batch_size, device="cpu")
+        assert torch.equal(got.isnan(), expected.isnan()) and expected.isnan().any() and not expected.isnan().all()
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5, equal_nan=True)
+
+
+def test_score_multi_vector_names_pages_of_another_width_in_a_later_copy(rng, monkeypatch):
+    """Page lengths are element counts over the first page's width, so a copy whose pages are all of another width
+    (it joins without error) must be named before its lengths are used."""
+    monkeypatch.setattr(lik_colpali, "_PACK_BUDGET_BYTES", 5 * 16 * 4 * 2)  # two pages of 4 x 16 per copy
+    ps = [torch.randn(4, 16), torch.randn(4, 16), torch.randn(8, 8), torch.randn(8, 8)]
+    for batch_size in (1, 128):
+        with pytest.raises(ValueError, match=r"ps: every item must have the same embedding width, got \[8, 16\]"):
+            lik_colpali.score_multi_vector(_ragged(rng, (3,)), ps, batch_size=batch_size, device="cpu")
 
 
 @pytest.mark.parametrize("first, middle", [(6, (12, None)), (0, (None,))])

@@ -4,8 +4,8 @@ one-line switch.
 colpali-engine has no masks: embeddings are zero-padded (per block of ``batch_size`` items in
 ``score_multi_vector``), and a zero token's similarity, 0, takes part in the max like any other. The drop-ins keep
 that exactly, including its consequence that a page shorter than the longest page of its block of
-``batch_size`` competes against one zero token while the longest does not: lik adds one zero token to exactly
-the pages colpali-engine pads. Deliberate differences: the sums run in fp32 (colpali-engine sums bfloat16
+``batch_size`` competes against one zero token while the longest does not: lik lets that zero similarity take part
+in the row maxima of exactly the pages colpali-engine pads. Deliberate differences: the sums run in fp32 (colpali-engine sums bfloat16
 embeddings in bfloat16 and casts the result to float32 afterwards), and nothing of size
 ``[queries, pages, Lq, Ld]`` is ever materialised. Gradients agree with colpali-engine's except at exact ties,
 which only zero padding produces (a zero query row ties across every document token): ``amax`` splits the gradient
@@ -220,8 +220,8 @@ def _needs_zero_token(lengths: np.ndarray, batch_size: int) -> np.ndarray:
 
 
 def _page_groups(lengths: np.ndarray, row_bytes: int, max_pages: int):
-    """``(start, stop)`` runs of pages copied and scored together: at most ``_PACK_BUDGET_BYTES`` packed (one row
-    of room per page for a zero token) and at most ``max_pages`` pages; a page larger than the budget goes alone."""
+    """``(start, stop)`` runs of pages copied and scored together: at most ``_PACK_BUDGET_BYTES`` packed (counting
+    one spare row per page) and at most ``max_pages`` pages; a page larger than the budget goes alone."""
     ends = np.cumsum((lengths + 1) * row_bytes)
     start = 0
     while start < len(lengths):
@@ -232,21 +232,27 @@ def _page_groups(lengths: np.ndarray, row_bytes: int, max_pages: int):
         start = stop
 
 
-def _pack_group(pages: list[torch.Tensor], padded: list[bool], device, joined: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Pages packed on ``device`` (one zero token after each flagged page), their int32 offsets, the longest;
-    ``joined``: the pages already joined (only when no page is flagged)."""
-    lengths = [page.shape[0] + int(pad) for page, pad in zip(pages, padded)]
-    if any(padded):
-        zero = pages[0].new_zeros(1, pages[0].shape[1])
-        pieces = [piece for page, pad in zip(pages, padded) for piece in ((page, zero) if pad else (page,))]
-    else:
-        pieces = pages
-    # One copy (on the pages' device), then at most one transfer.
-    d = (joined if joined is not None else _join("ps", pieces)).to(device)
-    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    return d, torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True), max(lengths)
+def _page_lengths(pages: list[torch.Tensor]) -> tuple[np.ndarray, int]:
+    """int64 ``[n]`` page lengths and the width they were read with (0: read from each page's ``torch.Size``).
+
+    When every page is 2-D and the first is not zero-wide, each length is the page's element count over the first
+    page's width: one C-level pass over ints, where a ``torch.Size`` per page cost twice that host time. A page of
+    another width gets a wrong length here, so every join of pages is checked against that width
+    (:func:`_join_pages`) before its lengths are used."""
+    width = pages[0].shape[1] if pages[0].dim() == 2 else 0
+    if width and set(map(torch.Tensor.dim, pages)) == {2}:
+        counts = np.fromiter(map(torch.Tensor.numel, pages), dtype=np.int64, count=len(pages))
+        return counts // width, width
+    return _lengths(_sizes("ps", pages)), 0
+
+
+def _join_pages(pages: list[torch.Tensor], width: int) -> torch.Tensor:
+    """The pages joined by one ``cat`` (which checks that all are 2-D of one width), and of ``width`` when their
+    lengths were read with it (``width`` 0: nothing to check); a page of another width is named."""
+    joined = _join("ps", pages, pages)
+    if width and joined.shape[1] != width:
+        raise ValueError(f"ps: every item must have the same embedding width, got {sorted({width, joined.shape[1]})}")
+    return joined
 
 
 class _QueryRows:
@@ -267,6 +273,7 @@ class _QueryRows:
             n, length, dim = queries.shape
             self.rows = queries.to(device).reshape(n * length, 1, dim)
             self.n_queries, self.length, self.lengths = n, length, None
+            self.zero = None
             return
         if set(map(torch.Tensor.dim, queries)) != {2}:  # (a legacy empty 1-D tensor would pass the join)
             _name_bad_item("qs", queries)
@@ -278,7 +285,14 @@ class _QueryRows:
             self.lengths = _lengths(_sizes("qs", queries))
         self.rows = joined.to(device).unsqueeze(1)
         self.n_queries, self.length = len(queries), int(self.lengths.max())
-        self.gather = None
+        self.gather = self.zero = None
+
+    def zero_similarity(self) -> torch.Tensor:
+        """``[rows, 1]`` fp32: each row's similarity with a zero token, as colpali-engine's padding computes it (0,
+        or NaN where the row holds inf or NaN)."""
+        if self.zero is None:
+            self.zero = (self.rows[:, 0].float() * 0).sum(dim=-1, keepdim=True)
+        return self.zero
 
     def _gather_index(self) -> torch.Tensor:
         lengths, n_tokens = self.lengths, self.rows.shape[0] - 1
@@ -344,12 +358,17 @@ def score_multi_vector(
     bytes_per_page = 4 * (q.rows.shape[0] + q.n_queries * q.length)
     pages_per_call = max(1, _ROW_SCORES_BUDGET_BYTES // max(1, bytes_per_page))
 
-    def score(docs, cu=None, longest=None):
+    def score(docs, cu=None, longest=None, zero_token=None):
+        """Per-query sums over ``docs`` (padded ``[n, L, d]``, or packed with offsets ``cu``); ``zero_token``: a bool
+        ``[n]`` mask of the pages colpali-engine's padding gives a zero token, whose similarity with each query row
+        (0, or NaN for a row holding inf or NaN) then takes part in their row maxima."""
         if docs.dtype != q.rows.dtype:
             raise TypeError(f"ps has dtype {docs.dtype} but qs has {q.rows.dtype}: pass both in one dtype")
         if q.rows.shape[0] == 0:  # a padded tensor of empty queries: each scores 0
             return torch.zeros(q.n_queries, docs.shape[0] if cu is None else cu.shape[0] - 1, device=device)
         rows = maxsim(q.rows, docs) if cu is None else maxsim_packed(q.rows, docs, cu, max_seqlen_d=longest)
+        if zero_token is not None:
+            rows = torch.where(zero_token, torch.maximum(rows, q.zero_similarity()), rows)
         return q.sums(rows)
 
     scores = []
@@ -370,27 +389,32 @@ def score_multi_vector(
                 if _all_like_first(pages):
                     # One group of equal pages, no zero token (the join's bounds are the groups'): the guess held.
                     return early_scores.cpu().float()
-            lengths = _lengths(_sizes("ps", pages))
+            lengths, width = _page_lengths(pages)
             padded = _needs_zero_token(lengths, batch_size)
             row_bytes = pages[0].shape[1] * pages[0].element_size()
             groups = list(_page_groups(lengths, row_bytes, pages_per_call))
             if len(groups) > 1:
                 joined = early_scores = None  # the early copy guessed one group wrong (a page is longer): dropped
+            # (An early join has proved every page as wide as the first: the lengths read with that width hold.)
             for start, stop in groups:
                 group = pages[start:stop]
                 group_lengths = lengths[start:stop]
                 flagged = padded[start:stop]
+                docs = joined if joined is not None else _join_pages(group, width)
                 if not flagged.any() and group_lengths.min() == group_lengths.max():
                     if early_scores is not None:  # one group of pages all as long as the first: the guess held
                         scores.append(early_scores)
                         continue
-                    # Equal pages: one dense [n, L, d] batch for the padded kernels (a cat of the 2-D pages: no
-                    # per-page view, as a stack would make).
-                    dense = (joined if joined is not None else _join("ps", group)).to(device)
-                    scores.append(score(dense.view(len(group), int(group_lengths[0]), group[0].shape[1])))
-                else:
-                    scores.append(score(*_pack_group(group, flagged.tolist(), device,
-                                                     joined if not flagged.any() else None)))
+                    # Equal pages: one dense [n, L, d] batch for the padded kernels.
+                    scores.append(score(docs.to(device).view(len(group), int(group_lengths[0]), docs.shape[1])))
+                    continue
+                # Ragged pages: packed as they are; the zero token of the pages colpali-engine pads joins their
+                # row maxima afterwards (no zero row copied in per page).
+                cu = np.zeros(len(group) + 1, dtype=np.int64)
+                np.cumsum(group_lengths, out=cu[1:])
+                zero_token = torch.from_numpy(flagged).to(device, non_blocking=True) if flagged.any() else None
+                scores.append(score(docs.to(device), torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True),
+                                    int(group_lengths.max()), zero_token))
     return (scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)).cpu().float()
 
 
