@@ -200,6 +200,13 @@ def test_score_multi_vector_errors(rng):
     with pytest.raises(ValueError, match=r"ps\[1\] must be a \[L, d\] tensor, got torch.Size\(\[3\]\)"):
         lik_colpali.score_multi_vector(_ragged(rng, (3,)), [torch.randn(3, 16), torch.randn(3), torch.randn(3, 16)],
                                        device="cpu")
+    # Ragged lists (lengths read from element counts): a 3-D page, and a legacy empty 1-D one (which a join skips).
+    with pytest.raises(ValueError, match=r"ps\[1\] must be a \[L, d\] tensor, got torch.Size\(\[1, 3, 16\]\)"):
+        lik_colpali.score_multi_vector(_ragged(rng, (3,)), [torch.randn(3, 16), torch.randn(1, 3, 16),
+                                                            torch.randn(5, 16)], device="cpu")
+    with pytest.raises(ValueError, match=r"ps\[1\] must be a \[L, d\] tensor, got torch.Size\(\[0\]\)"):
+        lik_colpali.score_multi_vector(_ragged(rng, (3,)), [torch.randn(3, 16), torch.empty(0), torch.randn(5, 16)],
+                                       device="cpu")
     with pytest.raises(ValueError, match=r"ps\[1\] must be a \[L, d\] tensor, got list"):
         lik_colpali.score_multi_vector(_ragged(rng, (3,)), [torch.randn(3, 16), [1.0]], device="cpu")
     # Query lists are joined before their shapes are read: what the join would let through is still named.

@@ -235,14 +235,17 @@ def _page_groups(lengths: np.ndarray, row_bytes: int, max_pages: int):
 def _page_lengths(pages: list[torch.Tensor]) -> tuple[np.ndarray, int]:
     """int64 ``[n]`` page lengths and the width they were read with (0: read from each page's ``torch.Size``).
 
-    When every page is 2-D and the first is not zero-wide, each length is the page's element count over the first
-    page's width: one C-level pass over ints, where a ``torch.Size`` per page cost twice that host time. A page of
-    another width gets a wrong length here, so every join of pages is checked against that width
-    (:func:`_join_pages`) before its lengths are used."""
+    When the first page is 2-D and not zero-wide, each length is the page's element count over its width: one
+    C-level pass over ints, where a ``torch.Size`` per page cost twice that host time. A page of other dimensions
+    or of another width gets a wrong length here, so every join of pages (which refuses other dimensions) is checked
+    against that width (:func:`_join_pages`) before its lengths are used."""
     width = pages[0].shape[1] if pages[0].dim() == 2 else 0
-    if width and set(map(torch.Tensor.dim, pages)) == {2}:
+    if width:
         counts = np.fromiter(map(torch.Tensor.numel, pages), dtype=np.int64, count=len(pages))
-        return counts // width, width
+        # A page of other dimensions fails the join, except a legacy empty 1-D tensor, which ``cat`` skips: only
+        # the empty pages need their dimensions read here.
+        if all(pages[i].dim() == 2 for i in np.flatnonzero(counts == 0).tolist()):
+            return counts // width, width
     return _lengths(_sizes("ps", pages)), 0
 
 
