@@ -349,7 +349,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batches", default="32,128")
     parser.add_argument("--peers", default=None, help="folder holding flash_maxsim and late_interaction_kernels")
-    parser.add_argument("--parts", default="colpali,pylate", help="comma-separated: colpali, colpali-ragged, colpali-rows, pylate")
+    parser.add_argument("--parts", default="colpali,pylate",
+                        help="comma-separated: colpali, colpali-ragged, colpali-rows, pylate")
     args = parser.parse_args()
     stubbed = _stub_missing(["datasets", "ujson", "voyager", "sqlitedict", "fast_plaid", "fastkmeans", "pandas",
                              "accelerate"])

@@ -323,7 +323,8 @@ def decoder_host(original, queries: int = 300) -> dict:
     calls = {"lik": lik.ms_deform_attn(leaves[0], s, st, leaves[1], leaves[2])}
     if original is not None:
         calls["cuda-op"] = original.apply(leaves[0], s, st, leaves[1], leaves[2], 64)
-    fns = {name: (lambda out=out: torch.autograd.grad(out, leaves, g, retain_graph=True)) for name, out in calls.items()}
+    fns = {name: (lambda out=out: torch.autograd.grad(out, leaves, g, retain_graph=True))
+           for name, out in calls.items()}
     fns["lik, replay off"] = without_replay(fns["lik"])
     rows = {}
     for name, fn in fns.items():

@@ -5,8 +5,8 @@ colpali-engine has no masks: embeddings are zero-padded (per block of ``batch_si
 ``score_multi_vector``), and a zero token's similarity, 0, takes part in the max like any other. The drop-ins keep
 that exactly, including its consequence that a page shorter than the longest page of its block of
 ``batch_size`` competes against one zero token while the longest does not: lik lets that zero similarity take part
-in the row maxima of exactly the pages colpali-engine pads. Deliberate differences: the sums run in fp32 (colpali-engine sums bfloat16
-embeddings in bfloat16 and casts the result to float32 afterwards), and nothing of size
+in the row maxima of exactly the pages colpali-engine pads. Deliberate differences: the sums run in fp32
+(colpali-engine sums bfloat16 embeddings in bfloat16 and casts the result to float32 afterwards), and nothing of size
 ``[queries, pages, Lq, Ld]`` is ever materialised. Gradients agree with colpali-engine's except at exact ties,
 which only zero padding produces (a zero query row ties across every document token): ``amax`` splits the gradient
 among tied tokens, lik gives it to the first; the padding mask of the model that produced the embeddings stops
@@ -416,8 +416,8 @@ def score_multi_vector(
                 cu = np.zeros(len(group) + 1, dtype=np.int64)
                 np.cumsum(group_lengths, out=cu[1:])
                 zero_token = torch.from_numpy(flagged).to(device, non_blocking=True) if flagged.any() else None
-                scores.append(score(docs.to(device), torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True),
-                                    int(group_lengths.max()), zero_token))
+                offsets = torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True)
+                scores.append(score(docs.to(device), offsets, int(group_lengths.max()), zero_token))
     return (scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)).cpu().float()
 
 
