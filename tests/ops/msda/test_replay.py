@@ -11,7 +11,9 @@ from lik.ops.msda import backward as msda_backward_module
 from lik.ops.msda import forward as msda_forward_module
 from lik.ops.msda import ms_deform_attn
 from lik.ops.msda.backward import _replay_atomic, msda_backward
-from lik.ops.msda.forward import dense_addresses, msda_forward, remember
+from lik import _launch
+from lik._launch import dense_addresses, remember
+from lik.ops.msda.forward import msda_forward
 
 from .helpers import rand_problem, reference64, rel_err, with_grads
 
@@ -71,7 +73,7 @@ def test_dense_addresses_decline_what_a_recorded_launch_did_not_have(rng, which,
 
 def test_remember_keeps_only_launches_of_dense_aligned_tensors(rng, monkeypatch):
     asked = []
-    monkeypatch.setattr(msda_forward_module, "replay_of",
+    monkeypatch.setattr(_launch, "replay_of",
                         lambda kernel, grid, *args, **options: asked.append((kernel, grid, args, options)) or "replay")
     value, shapes, starts, loc, attn, grad = _inputs(rng)
     tensors = (value, shapes, starts, loc, attn, grad)
@@ -83,14 +85,14 @@ def test_remember_keeps_only_launches_of_dense_aligned_tensors(rng, monkeypatch)
     remember(table, "third", "kernel", (3, 1), (_strided(value), *tensors[1:]), (5, 6), {"DIM": 8})
     assert list(table) == ["key"] and len(asked) == 1
     # Nothing recorded (Triton's own path): nothing remembered.
-    monkeypatch.setattr(msda_forward_module, "replay_of", lambda *args, **options: None)
+    monkeypatch.setattr(_launch, "replay_of", lambda *args, **options: None)
     remember(table, "fourth", "kernel", (3, 1), tensors, (5, 6), {"DIM": 8})
     assert list(table) == ["key"]
 
 
 def test_remembered_replays_are_bounded(rng, monkeypatch):
-    monkeypatch.setattr(msda_forward_module, "REPLAY_LIMIT", 3)
-    monkeypatch.setattr(msda_forward_module, "replay_of", lambda *args, **options: "replay")
+    monkeypatch.setattr(_launch, "REPLAY_LIMIT", 3)
+    monkeypatch.setattr(_launch, "replay_of", lambda *args, **options: "replay")
     tensors = _inputs(rng)
     table = {}
     for key in range(5):

@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, msda_backward_config
-from ..._launch import launch
-from .forward import (RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, dense_addresses,
-                      kernel_value, remember, replay_key)
+from ..._launch import dense_addresses, launch, remember
+from .forward import (RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, kernel_value,
+                      replay_key)
 from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
 
 __all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward"]

@@ -11,19 +11,16 @@ at the end. The only write is the ``[N, Lq, M*D]`` result: nothing of the size `
 
 from __future__ import annotations
 
-from functools import reduce
-from operator import or_
-
 import torch
 import triton
 import triton.language as tl
 
 from ..._config import _OVERRIDES, cdiv, msda_forward_config
-from ..._launch import _current_device, launch, replay_allowed, replay_of
+from ..._launch import _current_device, dense_addresses, launch, remember, replay_allowed
 from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
 
 __all__ = ["msda_fwd_kernel", "msda_forward", "contiguous_strides", "kernel_value", "dense", "check_pixel_count",
-           "check_point_tile", "RUNTIME_INTS", "replay_key", "dense_addresses", "remember"]
+           "check_point_tile", "RUNTIME_INTS", "replay_key"]
 
 # Batch, query count, heads, levels and points vary per call and never trigger a recompile.
 RUNTIME_INTS = ["n_rows", "n_pixels", "n_queries", "n_heads", "n_levels", "n_points"]
@@ -147,7 +144,6 @@ def check_pixel_count(value: torch.Tensor) -> None:
 # Replays of recorded launches by problem shape. A decoder layer repeats its shapes every step and is host bound:
 # the tile choice, layout checks and launch key of such a call are fixed by its shapes and dtypes, so a call whose
 # shapes were launched before reads only its addresses and replays the launch (docs/design.md, "The launch cache").
-REPLAY_LIMIT = 256
 _FORWARD_REPLAYS: dict[tuple, tuple] = {}
 
 
@@ -159,28 +155,6 @@ def replay_key(value, shapes, starts, loc, attn, *more) -> tuple | None:
         return None
     return (_current_device(), value.device, value.shape, loc.shape, value.dtype, loc.dtype, attn.dtype, shapes.dtype,
             starts.dtype, *more)
-
-
-def dense_addresses(tensors: tuple) -> tuple[int, ...] | None:
-    """The data addresses of ``tensors`` if every one is contiguous and 16-byte aligned (what a replayed launch was
-    recorded with), else None."""
-    if not all(map(torch.Tensor.is_contiguous, tensors)):
-        return None
-    addresses = tuple(map(torch.Tensor.data_ptr, tensors))
-    return None if reduce(or_, addresses) & 15 else addresses
-
-
-def remember(table: dict, key: tuple, kernel, grid, tensors: tuple, ints: tuple, options: dict, *extra) -> None:
-    """File under ``key`` the launch just made, ``(replay, ints, *extra)``, when every tensor it was given was dense
-    and aligned and :func:`lik._launch.launch` recorded it; the table is cleared when it holds REPLAY_LIMIT."""
-    if dense_addresses(tensors) is None:
-        return
-    replay = replay_of(kernel, grid, *tensors, *ints, **options)
-    if replay is None:
-        return
-    if len(table) >= REPLAY_LIMIT:
-        table.clear()
-    table[key] = (replay, ints, *extra)
 
 
 def msda_forward(
