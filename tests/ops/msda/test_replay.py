@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lik import _launch
+from lik._launch import dense_addresses, remember
 from lik.ops.msda import backward as msda_backward_module
 from lik.ops.msda import forward as msda_forward_module
 from lik.ops.msda import ms_deform_attn
 from lik.ops.msda.backward import _replay_atomic, msda_backward
-from lik import _launch
-from lik._launch import dense_addresses, remember
 from lik.ops.msda.forward import msda_forward
 
 from .helpers import rand_problem, reference64, rel_err, with_grads
