@@ -241,12 +241,17 @@ def _page_lengths(pages: list[torch.Tensor]) -> tuple[np.ndarray, int]:
     against that width (:func:`_join_pages`) before its lengths are used."""
     width = pages[0].shape[1] if pages[0].dim() == 2 else 0
     if width:
-        counts = np.fromiter(map(torch.Tensor.numel, pages), dtype=np.int64, count=len(pages))
+        lengths = _counted_lengths(pages, width)
         # A page of other dimensions fails the join, except a legacy empty 1-D tensor, which ``cat`` skips: only
         # the empty pages need their dimensions read here.
-        if all(pages[i].dim() == 2 for i in np.flatnonzero(counts == 0).tolist()):
-            return counts // width, width
+        if all(pages[i].dim() == 2 for i in np.flatnonzero(lengths == 0).tolist()):
+            return lengths, width
     return _lengths(_sizes("ps", pages)), 0
+
+
+def _counted_lengths(items: list[torch.Tensor], width: int) -> np.ndarray:
+    """int64 ``[n]`` element counts of ``items`` over ``width`` (their lengths when all are ``[L_i, width]``)."""
+    return np.fromiter(map(torch.Tensor.numel, items), dtype=np.int64, count=len(items)) // width
 
 
 def _join_pages(pages: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -282,8 +287,7 @@ class _QueryRows:
             _name_bad_item("qs", queries)
         joined = _join("qs", [*queries, _zero_row(queries[0])], queries)
         if joined.shape[1]:
-            self.lengths = np.fromiter(map(torch.Tensor.numel, queries), dtype=np.int64, count=len(queries))
-            self.lengths //= joined.shape[1]
+            self.lengths = _counted_lengths(queries, joined.shape[1])
         else:  # zero-width rows: their element counts say nothing of their lengths
             self.lengths = _lengths(_sizes("qs", queries))
         self.rows = joined.to(device).unsqueeze(1)
@@ -294,7 +298,7 @@ class _QueryRows:
         """``[rows, 1]`` fp32: each row's similarity with a zero token, as colpali-engine's padding computes it (0,
         or NaN where the row holds inf or NaN)."""
         if self.zero is None:
-            self.zero = (self.rows[:, 0].float() * 0).sum(dim=-1, keepdim=True)
+            self.zero = (self.rows[:, 0] * 0).sum(dim=-1, keepdim=True, dtype=torch.float32)
         return self.zero
 
     def _gather_index(self) -> torch.Tensor:
