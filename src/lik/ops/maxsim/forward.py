@@ -14,7 +14,7 @@ from .validation import MaxSimInputs
 
 __all__ = [
     "maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "narrow_tail", "last_tiles",
-    "NARROW_TAIL_N", "NARROW_TAIL_MAX",
+    "NARROW_TAIL_N", "NARROW_TAIL_MAX", "TABLE_LOOKUP_STAGES",
 ]
 
 
@@ -41,6 +41,12 @@ def scale_pointers(q_scale: torch.Tensor, d_scale: torch.Tensor) -> tuple[torch.
     shapes; a scale is 1/d of its rows' bytes, so a strided one is copied)."""
     return q_scale.contiguous(), d_scale.contiguous()
 
+
+# A padded program that looks its documents' addresses up inside its tile loop (a persistent one, or one streaming
+# feature chunks) gives Triton's pipeliner an indirect load: it then splits the stages between that lookup and the
+# tiles, and two more stages keep the tiles' prefetch distance and shared memory what they are without the table
+# (sm_90 TTGIR: two tiles in flight, 115.7 KB for colpali-engine's per-row launch, either way).
+TABLE_LOOKUP_STAGES = 2
 
 # The narrow tiles after a long-query loop's whole tiles, and the most tokens they take: more than two narrow
 # tiles cost more than the one clamped tile they replace (H100, benchmarks/NOTES.md "A narrow last tile").
@@ -78,8 +84,14 @@ def narrow_tail(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> int:
     return last_tiles(cfg, doc_len, dim, loader, masked)[1]
 
 
-def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool, doc_table: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on canonical inputs.
+
+    ``doc_table`` (int64 ``[B]``, float rows, no masks, no winners): document ``b`` starts ``doc_table[b]``
+    16-byte units after ``inputs.d``'s first element, its rows ``d`` elements apart; ``inputs.d`` is then a
+    stand-in giving only that origin, the dtype and the shape ``[1, B, Ld, d]``, its strides unread
+    (:mod:`lik.ops.maxsim.document_list`).
 
     Returns fp32 scores ``[Nq, B]`` and, if ``store_argmax``, ``[Nq, B, Lq]`` winner indices (-1 where a row
     gets no gradient: masked query token, empty document, or a masked winner in ``mask_mode="zero"``): int16
@@ -118,17 +130,19 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         scale_ptrs = scale_pointers(inputs.q_scale, d_scale)
     q_mask, q_mask_strides = _mask_arg(inputs.q_mask, q, 2)
     d_mask, d_mask_strides = _mask_arg(inputs.d_mask, d, 3)
-    d_strides = set_strides(d)
+    d_strides = set_strides(d) if doc_table is None else (0, 0, dim, 1)
     d_mask_strides = (0 if n_sets == 1 else d_mask_strides[0], *d_mask_strides[1:])
     argmax_arg = argmax if argmax is not None else partial
     argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
     doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
     grid = (n_row_blocks * doc_programs,)
+    looks_up_in_loop = doc_table is not None and (cfg.programs_per_sm > 0 or num_k > 1)
     whole, tail = last_tiles(cfg, l_d, dim, loader, inputs.d_mask is not None,
                              bool(loader) and (d_strides[2] != dim or d_strides[3] != 1))
     launch(
         maxsim_fwd_kernel, grid,
-        q, d, q_mask, d_mask, partial, partial, partial, argmax_arg, *scale_ptrs,
+        q, d, q_mask, d_mask, partial, partial, partial if doc_table is None else doc_table, partial, argmax_arg,
+        *scale_ptrs,
         n_q, l_q, n_docs, l_d, 0, 0, n_chunks, n_row_blocks, doc_programs,
         *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides,
         DIM=dim,
@@ -147,8 +161,9 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         LOADER=loader,
         WHOLE_TILES=whole,
         TAIL_N=tail,
+        DOC_TABLE=doc_table is not None,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages + (TABLE_LOOKUP_STAGES if looks_up_in_loop else 0),
         maxnreg=cfg.max_registers or None,
     )
     scores = partial[0] if n_chunks == 1 else partial.sum(dim=0)
