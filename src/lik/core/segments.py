@@ -17,7 +17,7 @@ import triton.language as tl
 
 __all__ = [
     "PADDED", "PACKED", "PAIRS", "segment", "find_segment", "search_steps", "document_span", "document_pointer",
-    "table_pointer", "document_scales",
+    "table_offset", "offset_pointer", "table_pointer", "document_scales",
 ]
 
 # How a forward kernel finds its documents (and, for PAIRS, its queries): a constexpr flag.
@@ -60,12 +60,23 @@ def search_steps(n_segments: int) -> int:
 
 
 @triton.jit
-def table_pointer(doc, doc_base, d_table_ptr):
-    """Pointer to token 0 of document ``doc`` from the address table: ``doc_base`` plus the table's offset. The
-    offset counts 16-byte units, so the pointer keeps the base's alignment and the rows still load as wide
-    vectors."""
+def table_offset(doc, d_table_ptr, valid):
+    """Document ``doc``'s entry in the address table (its offset in 16-byte units), 0 where ``valid`` is false."""
+    return tl.load(d_table_ptr + doc, mask=valid, other=0)
+
+
+@triton.jit
+def offset_pointer(doc_base, offset):
+    """``doc_base`` moved by an address-table ``offset``. The offset counts 16-byte units, so the pointer keeps the
+    base's alignment and the rows still load as wide vectors."""
     unit: tl.constexpr = 128 // doc_base.dtype.element_ty.primitive_bitwidth  # elements per 16 bytes
-    return doc_base + tl.load(d_table_ptr + doc) * unit
+    return doc_base + offset * unit
+
+
+@triton.jit
+def table_pointer(doc, doc_base, d_table_ptr):
+    """Pointer to token 0 of document ``doc`` from the address table."""
+    return offset_pointer(doc_base, table_offset(doc, d_table_ptr, True))
 
 
 @triton.jit

@@ -7,11 +7,13 @@ scores must equal lik.maxsim on the stacked documents (equal lengths) or lik.max
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import lik
-from lik.ops.maxsim.document_list import DocumentList, maxsim_document_list
+from lik import _config
+from lik.ops.maxsim.document_list import DocumentList, host_to_device, maxsim_document_list
 from lik.ops.maxsim.reference_varlen import maxsim_packed_reference
 
 from .helpers import rel_err
@@ -31,9 +33,10 @@ def _scores(q, documents, start=0, stop=None):
 
 
 def _reference(q, documents):
-    joined = torch.cat([d.double() for d in documents]) if documents else q.new_zeros(0, q.shape[-1]).double()
+    """float64 on the CPU, whatever device the inputs are on."""
+    joined = torch.cat([d.cpu().double() for d in documents])
     cu = torch.tensor([0] + [len(d) for d in documents]).cumsum(0).to(torch.int32)
-    return maxsim_packed_reference(q.double(), joined, cu)
+    return maxsim_packed_reference(q.cpu().double(), joined, cu).to(q.device)
 
 
 @pytest.mark.parametrize("n_q, l_q, dim, length, n_docs", [
@@ -78,6 +81,26 @@ def test_documents_read_only_inside_their_rows(rng, lengths):
         got = _scores(q, documents, start, stop)
         assert got.shape == expected[:, start:stop].shape
         assert rel_err(got, expected[:, start:stop]) < TOL
+
+
+@pytest.mark.parametrize("forced", [
+    # Persistent launches walking several documents (the lookup carried a document ahead), feature chunks in one
+    # flat loop and nested per tile, a launch per document.
+    _config.MaxSimForwardConfig(group_rows=1, groups=16, block_n=16, block_k=64, programs_per_sm=1),
+    _config.MaxSimForwardConfig(group_rows=1, groups=16, block_n=16, block_k=64, programs_per_sm=3),
+    _config.MaxSimForwardConfig(group_rows=1, groups=16, block_n=16, block_k=16, programs_per_sm=2),
+    _config.MaxSimForwardConfig(group_rows=1, groups=16, block_n=16, block_k=16, programs_per_sm=2, flat_k=False),
+    _config.MaxSimForwardConfig(group_rows=1, groups=16, block_n=16, block_k=16),
+])
+@pytest.mark.parametrize("lengths", [(9,) * 7, (9, 0, 40, 1, 17, 9, 33)])
+def test_forced_launch_configs(rng, forced, lengths):
+    q = torch.randn(20, 1, 40, generator=rng)
+    documents = _docs(rng, lengths, 40)
+    with _config.override(maxsim_forward=forced, maxsim_varlen=forced):
+        got = _scores(q, documents)
+        for start, stop in ((2, 6), (5, 7)):
+            assert rel_err(_scores(q, documents, start, stop), got[:, start:stop]) < TOL
+    assert rel_err(got, _reference(q, documents)) < TOL
 
 
 def test_empty_documents_and_nan(rng):
@@ -172,3 +195,17 @@ def test_gpu_documents_gigabytes_apart(rng):
     q = torch.randn(64, 1, dim, generator=rng).to("cuda", torch.bfloat16)
     assert torch.equal(_scores(q, pieces), lik.maxsim(q, torch.stack(pieces)))
     del buffer, pieces
+
+
+@pytest.mark.gpu
+def test_gpu_host_to_device_does_not_wait_for_queued_work():
+    """The table's copy goes through pinned memory: it returns while a kernel queued before it still runs (a copy
+    from pageable memory would first wait for it)."""
+    values = np.arange(1000, dtype=np.int64)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time queued on the stream
+    copied = host_to_device(values, torch.device("cuda"))
+    still_busy = not torch.cuda.current_stream().query()
+    assert still_busy and copied.device.type == "cuda"
+    assert torch.equal(copied.cpu(), torch.from_numpy(values))
+    assert torch.equal(host_to_device(values, torch.device("cpu")), torch.from_numpy(values))

@@ -30,7 +30,6 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
@@ -42,13 +41,14 @@ from .packed_forward import packed_forward
 from .packing import PackedInputs
 from .validation import MaxSimInputs
 
-__all__ = ["DocumentList", "maxsim_document_list"]
+__all__ = ["DocumentList", "maxsim_document_list", "host_to_device"]
 
 # Where the table's offsets point must be 16-byte aligned: the kernels then load rows as wide vectors.
 _ALIGNMENT = 16
 _nbytes = attrgetter("nbytes")
 _device = attrgetter("device")
 _dtype = attrgetter("dtype")
+_shape = attrgetter("shape")
 _requires_grad = attrgetter("requires_grad")
 
 
@@ -95,27 +95,39 @@ class DocumentList:
         if origin.dtype != like.dtype or (addresses[real] % _ALIGNMENT).any():
             return None
         offsets = np.where(real, (addresses - addresses[first]) // _ALIGNMENT, 0)
-        table = torch.from_numpy(offsets).to(like.device, non_blocking=True)
+        table = host_to_device(offsets, like.device)
         return cls(list(documents), name, origin, table, lengths, dim)
 
     def check(self) -> None:
         """Raise naming what is wrong when a document is not ``[L, d]`` in the origin's dtype, ``d`` being the
-        query rows' width (once per list)."""
+        query rows' width (once per list). Two C-level passes: the shapes (a set, so equal documents are one entry)
+        and the dtypes."""
         if self.checked:
             return
         documents, dtype, name = self.documents, self.origin.dtype, self.name
-        if set(map(torch.Tensor.dim, documents)) != {2}:
+        shapes = set(map(_shape, documents))
+        if set(map(len, shapes)) != {2}:
             i = next(i for i, document in enumerate(documents) if document.dim() != 2)
             raise ValueError(f"{name}[{i}] must be a [L, d] tensor, got {documents[i].shape}")
         if set(map(_dtype, documents)) != {dtype}:
             i = next(i for i, document in enumerate(documents) if document.dtype != dtype)
             raise TypeError(f"{name}[{i}] has dtype {documents[i].dtype}; every item must have dtype {dtype}")
-        widths = set(map(torch.Tensor.size, documents, repeat(1)))
+        widths = {shape[1] for shape in shapes}
         if len(widths) > 1:
             raise ValueError(f"{name}: every item must have the same embedding width, got {sorted(widths)}")
         if widths != {self.dim}:
             raise ValueError(f"{name} has embedding width {widths.pop()} but the queries have {self.dim}")
         self.checked = True
+
+
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device``, copied without waiting for the device's queued work: through pinned host memory on
+    CUDA (a copy from pageable memory first waits for everything queued on the stream, so host work after it
+    could no longer overlap a running kernel)."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host.to(device)
+    return torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host).to(device, non_blocking=True)
 
 
 def maxsim_document_list(q: torch.Tensor, documents: DocumentList, start: int = 0, stop: int | None = None
@@ -148,7 +160,7 @@ def maxsim_document_list(q: torch.Tensor, documents: DocumentList, start: int = 
         np.cumsum(lengths, out=cu[1:])
         if cu[-1] >= 2**31:
             raise ValueError(f"{documents.name}: {cu[-1]} rows in one call; int32 offsets hold fewer than 2**31")
-        cu_d = torch.from_numpy(cu.astype(np.int32)).to(q.device, non_blocking=True)
+        cu_d = host_to_device(cu.astype(np.int32), q.device)
         stand_in = origin.as_strided((int(cu[-1]), dim), (0, 0))
         inputs = PackedInputs(q, stand_in, None, cu_d, None, l_q, False, True)
         scores = packed_forward(inputs, False, table)[0]

@@ -14,7 +14,7 @@ from .validation import MaxSimInputs
 
 __all__ = [
     "maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "narrow_tail", "last_tiles",
-    "NARROW_TAIL_N", "NARROW_TAIL_MAX", "TABLE_LOOKUP_STAGES",
+    "NARROW_TAIL_N", "NARROW_TAIL_MAX",
 ]
 
 
@@ -41,12 +41,6 @@ def scale_pointers(q_scale: torch.Tensor, d_scale: torch.Tensor) -> tuple[torch.
     shapes; a scale is 1/d of its rows' bytes, so a strided one is copied)."""
     return q_scale.contiguous(), d_scale.contiguous()
 
-
-# A padded program that looks its documents' addresses up inside its tile loop (a persistent one, or one streaming
-# feature chunks) gives Triton's pipeliner an indirect load: it then splits the stages between that lookup and the
-# tiles, and two more stages keep the tiles' prefetch distance and shared memory what they are without the table
-# (sm_90 TTGIR: two tiles in flight, 115.7 KB for colpali-engine's per-row launch, either way).
-TABLE_LOOKUP_STAGES = 2
 
 # The narrow tiles after a long-query loop's whole tiles, and the most tokens they take: more than two narrow
 # tiles cost more than the one clamped tile they replace (H100, benchmarks/NOTES.md "A narrow last tile").
@@ -136,7 +130,6 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool, doc_table: torch.Te
     argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
     doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
     grid = (n_row_blocks * doc_programs,)
-    looks_up_in_loop = doc_table is not None and (cfg.programs_per_sm > 0 or num_k > 1)
     whole, tail = last_tiles(cfg, l_d, dim, loader, inputs.d_mask is not None,
                              bool(loader) and (d_strides[2] != dim or d_strides[3] != 1))
     launch(
@@ -163,7 +156,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool, doc_table: torch.Te
         TAIL_N=tail,
         DOC_TABLE=doc_table is not None,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages + (TABLE_LOOKUP_STAGES if looks_up_in_loop else 0),
+        num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers or None,
     )
     scores = partial[0] if n_chunks == 1 else partial.sum(dim=0)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...core.quantized import FLOAT, reset_similarity, row_scales, scale_rows, scale_similarity, zero_similarity
-from ...core.segments import PAIRS, document_pointer, document_scales, document_span
+from ...core.segments import PAIRS, document_pointer, document_scales, document_span, offset_pointer, table_offset
 from .pairs import score_pairs
 from .tile import (
     NO_KEY, REDUCE_MAX, ROW_MAX_CLASSES, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile,
@@ -347,6 +347,11 @@ def score_documents(
         running = best
         if CLASS_MAX:
             running = tl.full((BLOCK_M, ROW_MAX_CLASSES), float("-inf"), tl.float32)
+        # Documents from the address table: each lookup runs one document ahead of its use and is carried, so no
+        # tile's address waits on a load of the same step (which Triton's pipeliner would stage as an indirect
+        # load, shortening the tiles' prefetch).
+        doc_offset = table_offset(doc, d_table_ptr, DOC_TABLE)
+        next_offset = table_offset(doc + doc_programs, d_table_ptr, DOC_TABLE and doc + doc_programs < n_docs)
         for _ in tl.range(0, my_docs * tiles):
             first_tile = start == 0
             running = tl.where(first_tile, float("-inf"), running)
@@ -359,10 +364,16 @@ def score_documents(
                 doc_scale_base + next_doc * stride_dsb, next_start, tl.where(next_doc < n_docs, doc_len, 0), stride_dsl,
                 BLOCK_N, AHEAD_LOADER, True,
             )
+            if DOC_TABLE:
+                tile_doc_ptr = offset_pointer(doc_base, doc_offset)
+                after = next_doc + doc_programs
+                fetched = table_offset(after, d_table_ptr, last_tile & (after < n_docs))
+                doc_offset = tl.where(last_tile, next_offset, doc_offset)
+                next_offset = tl.where(last_tile, fetched, next_offset)
+            else:
+                tile_doc_ptr = doc_base + doc * stride_db
             running, key, n_valid = document_tile(
-                q_rows, q_row_ptrs, row_valid, stride_qk,
-                document_pointer(doc, 0, doc_base, doc_base, d_table_ptr, stride_db, LAYOUT, DOC_TABLE),
-                doc_mask_base + doc * stride_dmb,
+                q_rows, q_row_ptrs, row_valid, stride_qk, tile_doc_ptr, doc_mask_base + doc * stride_dmb,
                 start, doc_len, stride_dl, stride_dk, stride_dml, running, key, n_valid,
                 doc_scale_base + doc * stride_dsb, stride_dsl, col_scale,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
