@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..ops.maxsim import maxsim, maxsim_packed
-from ..ops.maxsim.document_list import DocumentList, host_to_device, maxsim_document_list
+from ..ops.maxsim.document_list import DocumentList, maxsim_document_list
 from . import _patching
 
 __all__ = ["score_multi_vector", "maxsim_inbatch", "maxsim_kd", "enable", "disable", "enabled", "is_enabled"]
@@ -266,7 +266,7 @@ class _QueryRows:
         query = np.repeat(np.arange(self.n_queries), lengths)
         position = np.arange(n_tokens) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         gather[query, position] = np.arange(n_tokens)
-        return host_to_device(gather, self.rows.device)
+        return torch.from_numpy(gather).to(self.rows.device, non_blocking=True)
 
     def sums(self, row_scores: torch.Tensor) -> torch.Tensor:
         """``[rows, B]`` per-row maxima -> ``[n_queries, B]`` per-query sums (fp32)."""
@@ -344,7 +344,7 @@ def score_multi_vector(
         return q.sums(with_zero_token(rows, zero_token))
 
     def zero_tokens(flagged):
-        return host_to_device(flagged, device) if flagged.any() else None
+        return torch.from_numpy(flagged).to(device, non_blocking=True) if flagged.any() else None
 
     scores = []
     with torch.no_grad():
@@ -379,7 +379,7 @@ def score_multi_vector(
                 # row maxima afterwards (no zero row copied in per page).
                 cu = np.zeros(stop - start + 1, dtype=np.int64)
                 np.cumsum(group_lengths, out=cu[1:])
-                offsets = host_to_device(cu.astype(np.int32), device)
+                offsets = torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True)
                 scores.append(score(docs, offsets, int(group_lengths.max()), zero_tokens(flagged)))
     return (scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)).cpu().float()
 

@@ -41,7 +41,7 @@ from .packed_forward import packed_forward
 from .packing import PackedInputs
 from .validation import MaxSimInputs
 
-__all__ = ["DocumentList", "maxsim_document_list", "host_to_device"]
+__all__ = ["DocumentList", "maxsim_document_list"]
 
 # Where the table's offsets point must be 16-byte aligned: the kernels then load rows as wide vectors.
 _ALIGNMENT = 16
@@ -95,7 +95,7 @@ class DocumentList:
         if origin.dtype != like.dtype or (addresses[real] % _ALIGNMENT).any():
             return None
         offsets = np.where(real, (addresses - addresses[first]) // _ALIGNMENT, 0)
-        table = host_to_device(offsets, like.device)
+        table = torch.from_numpy(offsets).to(like.device, non_blocking=True)
         return cls(list(documents), name, origin, table, lengths, dim)
 
     def check(self) -> None:
@@ -118,16 +118,6 @@ class DocumentList:
         if widths != {self.dim}:
             raise ValueError(f"{name} has embedding width {widths.pop()} but the queries have {self.dim}")
         self.checked = True
-
-
-def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``array`` on ``device``, copied without waiting for the device's queued work: through pinned host memory on
-    CUDA (a copy from pageable memory first waits for everything queued on the stream, so host work after it
-    could no longer overlap a running kernel)."""
-    host = torch.from_numpy(array)
-    if device.type != "cuda":
-        return host.to(device)
-    return torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host).to(device, non_blocking=True)
 
 
 def maxsim_document_list(q: torch.Tensor, documents: DocumentList, start: int = 0, stop: int | None = None
@@ -160,7 +150,7 @@ def maxsim_document_list(q: torch.Tensor, documents: DocumentList, start: int = 
         np.cumsum(lengths, out=cu[1:])
         if cu[-1] >= 2**31:
             raise ValueError(f"{documents.name}: {cu[-1]} rows in one call; int32 offsets hold fewer than 2**31")
-        cu_d = host_to_device(cu.astype(np.int32), q.device)
+        cu_d = torch.from_numpy(cu.astype(np.int32)).to(q.device, non_blocking=True)
         stand_in = origin.as_strided((int(cu[-1]), dim), (0, 0))
         inputs = PackedInputs(q, stand_in, None, cu_d, None, l_q, False, True)
         scores = packed_forward(inputs, False, table)[0]
