@@ -224,30 +224,9 @@ def _quantized_workload():
             packed_forward(corpus, store_argmax=False)
 
 
-def _document_list_workload():
-    """Documents read through an address table: the padded (persistent) and packed launches, resident and streamed
-    feature widths. The launchers are called directly (CPU bfloat16 scoring runs the reference)."""
-    from lik.ops.maxsim.forward import maxsim_forward
-    from lik.ops.maxsim.packed_forward import packed_forward
-    from lik.ops.maxsim.packing import PackedInputs
-    from lik.ops.maxsim.validation import MaxSimInputs
-
-    gen = torch.Generator().manual_seed(6)
-    table = torch.tensor([0, 100, 300], dtype=torch.int64)
-    cu_d = torch.tensor([0, 40, 40, 110], dtype=torch.int32)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for n_rows, dim in ((300, 128), (2555, 128), (20, 1000)):
-            q = torch.randn(n_rows, 1, dim, generator=gen).to(dtype)
-            origin = torch.randn(70, dim, generator=gen).to(dtype)
-            padded = origin.as_strided((1, 3, 70, dim), (0, 0, 0, 0))
-            maxsim_forward(MaxSimInputs(q, padded, None, None, "exclude", False, False), False, table)
-            packed = PackedInputs(q, origin.as_strided((110, dim), (0, 0)), None, cu_d, None, 1, False, True)
-            packed_forward(packed, False, table)
-
-
 WORKLOADS = {
     "maxsim": _maxsim_workload, "varlen": _varlen_workload, "msda": _msda_workload, "chamfer": _chamfer_workload,
-    "quantize": _quantize_workload, "quantized": _quantized_workload, "document_list": _document_list_workload,
+    "quantize": _quantize_workload, "quantized": _quantized_workload,
 }
 
 

@@ -7,45 +7,21 @@ import pytest
 import torch
 
 import lik.integrations.colpali as lik_colpali
-from lik._dispatch import uses_kernels
-from lik.ops.maxsim.document_list import DocumentList
 
 
 def _ragged(rng, lengths, dim=16, dtype=torch.float32):
     return [torch.randn(n, dim, generator=rng).to(dtype) for n in lengths]
 
 
-class _PagePath:
-    """Which way a test's page lists reach the kernels, and the in-place calls made (``calls``)."""
-
-    def __init__(self, mode):
-        self.mode, self.calls = mode, []
-
-    def reads_in_place(self, pages) -> bool:
-        """Whether ``pages`` should have been read in place: this mode allows it and the kernels run for them (the
-        GPU, or float32 / float16 pages under the CPU interpreter)."""
-        return self.mode == "in-place" and uses_kernels(pages[0])
-
-    def took_the_expected_path(self, pages) -> bool:
-        taken, self.calls = bool(self.calls), []
-        return taken == self.reads_in_place(pages)
+@pytest.fixture(params=[False, True], ids=["join-after-checks", "join-early"])
+def join_early(request, monkeypatch):
+    """Both orders of a page list's join: after the shape checks (the CPU's), or launched before them (an
+    accelerator's, forced here on the CPU)."""
+    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: request.param)
+    return request.param
 
 
-@pytest.fixture(params=["in-place", "joined"])
-def page_path(request, monkeypatch):
-    """Both ways a page list reaches the kernels: read in place through a table of the pages' addresses, or
-    copied into joined groups (forced here by refusing the table)."""
-    path = _PagePath(request.param)
-    if request.param == "joined":
-        monkeypatch.setattr(DocumentList, "build", classmethod(lambda cls, *args, **kwargs: None))
-    else:
-        score = lik_colpali.maxsim_document_list
-        monkeypatch.setattr(lik_colpali, "maxsim_document_list",
-                            lambda *args, **kwargs: path.calls.append(args[2:]) or score(*args, **kwargs))
-    return path
-
-
-def test_score_multi_vector_matches_block_padding(colpali_scoring, rng, page_path):
+def test_score_multi_vector_matches_block_padding(colpali_scoring, rng, join_early):
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
     stock = getattr(stock, "lik_stock", stock)
@@ -57,18 +33,16 @@ def test_score_multi_vector_matches_block_padding(colpali_scoring, rng, page_pat
         got = lik_colpali.score_multi_vector(qs, ps, batch_size=batch_size, device="cpu")
         assert got.dtype == torch.float32 and got.device.type == "cpu"
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
-        assert page_path.took_the_expected_path(ps)
     equal = _ragged(rng, (6, 6, 6, 6))  # equal pages take the dense path
     torch.testing.assert_close(lik_colpali.score_multi_vector(qs, equal, batch_size=3, device="cpu"),
                                stock(qs, equal, batch_size=3, device="cpu"), rtol=1e-6, atol=1e-5)
-    assert page_path.took_the_expected_path(equal)
     padded = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True)
     torch.testing.assert_close(lik_colpali.score_multi_vector(torch.stack(qs[:1]), padded, device="cpu"),
                                stock(torch.stack(qs[:1]), padded, device="cpu"), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("budgets", [None, (1500, 500)])
-def test_score_multi_vector_rows_of_ragged_queries(colpali_scoring, rng, monkeypatch, budgets, page_path):
+def test_score_multi_vector_rows_of_ragged_queries(colpali_scoring, rng, monkeypatch, budgets, join_early):
     """Query tokens are scored as rows and summed per query: empty queries, one-token queries, the tensor form,
     and several calls when the packed copy or the per-row maxima exceed their budgets."""
     _, processing, _ = colpali_scoring
@@ -84,7 +58,6 @@ def test_score_multi_vector_rows_of_ragged_queries(colpali_scoring, rng, monkeyp
         padded_q = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True)
         torch.testing.assert_close(lik_colpali.score_multi_vector(padded_q, ps, batch_size=3, device="cpu"),
                                    stock(padded_q, ps, batch_size=3, device="cpu"), rtol=1e-6, atol=1e-5)
-        assert page_path.took_the_expected_path(ps)
     empty = _ragged(rng, (0, 0))
     got = lik_colpali.score_multi_vector(empty, _ragged(rng, (5, 2)), device="cpu")
     assert torch.equal(got, torch.zeros(2, 2))
@@ -92,7 +65,7 @@ def test_score_multi_vector_rows_of_ragged_queries(colpali_scoring, rng, monkeyp
                        torch.zeros(2, 2))
 
 
-def test_score_multi_vector_garbage_pages_match_colpali(colpali_scoring, rng, page_path):
+def test_score_multi_vector_garbage_pages_match_colpali(colpali_scoring, rng):
     """inf / NaN in a page reach exactly the scores they reach in colpali-engine (its zero padding of shorter
     queries meets an inf as 0 * inf = NaN; lik's padding row does the same)."""
     _, processing, _ = colpali_scoring
@@ -106,7 +79,6 @@ def test_score_multi_vector_garbage_pages_match_colpali(colpali_scoring, rng, pa
     got = lik_colpali.score_multi_vector(qs, ps, device="cpu")
     assert torch.equal(got.isnan(), expected.isnan()) and expected.isnan().any()
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5, equal_nan=True)
-    assert page_path.took_the_expected_path(ps)
 
 
 def test_score_multi_vector_bf16_sums_in_fp32(colpali_scoring, rng):
@@ -123,18 +95,18 @@ def test_score_multi_vector_bf16_sums_in_fp32(colpali_scoring, rng):
 
 
 @pytest.mark.parametrize("lengths, batch_size, budget, joins", [
-    ((6, 6, 6, 6), 128, None, 1),  # equal pages: one dense batch
-    ((6, 4, 6, 6), 1, None, 1),  # ragged, no page padded (blocks of one): one packed copy
-    ((6, 4, 5, 6), 128, None, 1),  # ragged and padded: one packed copy (zero tokens on the maxima)
-    ((2, 40, 2), 1, 1000, 3),  # the long middle page splits the copy budget: three copies
+    ((6, 6, 6, 6), 128, None, 1),  # equal pages: the early join is the dense batch
+    ((6, 4, 6, 6), 1, None, 1),  # ragged, no page padded (blocks of one): the early join is the packed copy
+    ((6, 4, 5, 6), 128, None, 1),  # ragged and padded: the early join is the packed copy (zero tokens on the maxima)
+    ((6, 4), 128, None, 1),  # first and last differ: no early join
+    ((5, 3, 7, 5), 128, None, 1),  # as many rows as four pages of 5: that early score dropped, the join kept
+    ((2, 40, 2), 1, 1000, 1),  # joined early, but the long middle page splits the copy budget: dropped
 ])
-def test_score_multi_vector_page_copies(colpali_scoring, rng, monkeypatch, page_path, lengths, batch_size, budget,
-                                        joins):
-    """Pages read in place are never joined, in one call however the copy budget is set; joined pages are copied
-    once per group of the copy budget."""
+def test_score_multi_vector_joins_pages_once(colpali_scoring, rng, monkeypatch, lengths, batch_size, budget, joins):
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
     stock = getattr(stock, "lik_stock", stock)
+    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: True)
     if budget is not None:
         monkeypatch.setattr(lik_colpali, "_PACK_BUDGET_BYTES", budget)
     ps = _ragged(rng, lengths)
@@ -143,7 +115,7 @@ def test_score_multi_vector_page_copies(colpali_scoring, rng, monkeypatch, page_
     joined = []
 
     def counting_cat(tensors, *args, **kwargs):
-        if any(t is p for t in tensors for p in ps):
+        if len(tensors) >= len(ps) and all(any(t is p for p in ps) for t in tensors if t.shape[0] > 1):
             joined.append(len(tensors))
         return cat(tensors, *args, **kwargs)
 
@@ -151,20 +123,19 @@ def test_score_multi_vector_page_copies(colpali_scoring, rng, monkeypatch, page_
     got = lik_colpali.score_multi_vector(qs, ps, batch_size=batch_size, device="cpu")
     monkeypatch.setattr(torch, "cat", cat)
     torch.testing.assert_close(got, stock(qs, ps, batch_size=batch_size, device="cpu"), rtol=1e-6, atol=1e-5)
-    in_place = page_path.reads_in_place(ps)
-    assert page_path.calls == ([(0, len(ps))] if in_place else [])
-    assert len(joined) == (0 if in_place else joins)
+    assert len(joined) == joins
 
 
 @pytest.mark.parametrize("lengths", [(6, 6, 6, 6), (1,), (6, 12, 0, 6), (6, 3, 9, 6), (0, 5, 5, 0), (4, 9, 2, 7)])
-def test_score_multi_vector_page_lengths_without_the_shape_pass(colpali_scoring, rng, monkeypatch, lengths,
-                                                                page_path):
-    """A list of 2-D pages is measured by element counts (joined) or byte counts (in place), with no per-page shape
-    pass: equal pages, ragged ones, empty ones, as many rows as equal pages would have; all match colpali-engine.
+@pytest.mark.parametrize("early", [False, True], ids=["join-after-lengths", "join-early"])
+def test_score_multi_vector_page_lengths_without_the_shape_pass(colpali_scoring, rng, monkeypatch, lengths, early):
+    """A list of 2-D pages is measured by element counts, with no per-page shape pass, whether it was joined early
+    or not: equal pages, ragged ones, empty ones, as many rows as equal pages would have; all match colpali-engine.
     Zero-wide pages (element counts say nothing of their lengths) take the pass."""
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
     stock = getattr(stock, "lik_stock", stock)
+    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: early)
     passes = []
     sizes = lik_colpali._sizes
     monkeypatch.setattr(lik_colpali, "_sizes", lambda name, items: passes.append(name) or sizes(name, items))
@@ -172,14 +143,13 @@ def test_score_multi_vector_page_lengths_without_the_shape_pass(colpali_scoring,
     qs = _ragged(rng, (3, 2))
     got = lik_colpali.score_multi_vector(qs, ps, batch_size=2, device="cpu")
     torch.testing.assert_close(got, stock(qs, ps, batch_size=2, device="cpu"), rtol=1e-6, atol=1e-5)
-    assert passes.count("ps") == 0 and page_path.took_the_expected_path(ps)
+    assert passes.count("ps") == 0
     flat = [torch.zeros(n, 0) for n in lengths]
     got = lik_colpali.score_multi_vector([torch.zeros(3, 0)], flat, batch_size=2, device="cpu")
     assert torch.equal(got, torch.zeros(1, len(lengths))) and passes.count("ps") == 1
-    assert not page_path.calls  # zero-wide: never in place
 
 
-def test_score_multi_vector_zero_token_meets_garbage_and_negative_similarities(colpali_scoring, rng, page_path):
+def test_score_multi_vector_zero_token_meets_garbage_and_negative_similarities(colpali_scoring, rng, join_early):
     """The zero token of a padded page (applied to its row maxima, not copied in) is what colpali-engine's
     padding gives: it wins where every similarity is negative, and a query row holding inf or NaN meets it as NaN
     (0 * inf)."""
@@ -196,26 +166,34 @@ def test_score_multi_vector_zero_token_meets_garbage_and_negative_similarities(c
         got = lik_colpali.score_multi_vector(qs, ps, batch_size=batch_size, device="cpu")
         assert torch.equal(got.isnan(), expected.isnan()) and expected.isnan().any() and not expected.isnan().all()
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5, equal_nan=True)
-        assert page_path.took_the_expected_path(ps)
 
 
-def test_score_multi_vector_names_pages_of_another_width(rng, monkeypatch, page_path):
-    """Page lengths are element (or byte) counts over the first page's width, so pages of another width (a later
-    copy of them joins without error) must be named before their lengths are used."""
+def test_score_multi_vector_names_pages_of_another_width_in_a_later_copy(rng, monkeypatch):
+    """Page lengths are element counts over the first page's width, so a copy whose pages are all of another width
+    (it joins without error) must be named before its lengths are used."""
     monkeypatch.setattr(lik_colpali, "_PACK_BUDGET_BYTES", 5 * 16 * 4 * 2)  # two pages of 4 x 16 per copy
     ps = [torch.randn(4, 16), torch.randn(4, 16), torch.randn(8, 8), torch.randn(8, 8)]
     for batch_size in (1, 128):
         with pytest.raises(ValueError, match=r"ps: every item must have the same embedding width, got \[8, 16\]"):
             lik_colpali.score_multi_vector(_ragged(rng, (3,)), ps, batch_size=batch_size, device="cpu")
-    for pages in (ps[2:], torch.stack(ps[2:])):
+
+
+@pytest.mark.parametrize("join_early_order", [False, True])
+def test_score_multi_vector_names_pages_narrower_than_the_queries(rng, monkeypatch, join_early_order):
+    """Pages all of one width that differs from the queries' are named as colpali-engine's arguments (not as
+    lik.maxsim's), in every input form."""
+    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: join_early_order)
+    pages = [torch.randn(8, 8), torch.randn(8, 8)]
+    for ps in (pages, torch.stack(pages), pages + [torch.randn(3, 8)]):
         with pytest.raises(ValueError, match=r"ps has embedding width 8 but the queries have 16"):
-            lik_colpali.score_multi_vector(_ragged(rng, (3,)), pages, device="cpu")
+            lik_colpali.score_multi_vector(_ragged(rng, (3,)), ps, device="cpu")
 
 
 @pytest.mark.parametrize("first, middle", [(6, (12, None)), (0, (None,))])
-def test_score_multi_vector_legacy_empty_page_is_named(rng, page_path, first, middle):
-    # torch.cat skips a legacy empty 1-D tensor, and it holds no bytes: neither a join nor byte counts may pass it
-    # as a page.
+def test_score_multi_vector_legacy_empty_page_is_named_after_an_early_join(rng, monkeypatch, first, middle):
+    # torch.cat skips a legacy empty 1-D tensor, so the early join succeeds with as many rows as pages of the
+    # first's length would have (four pages of 6; three empty pages): element counts must not pass it as a page.
+    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: True)
     ps = [torch.randn(first, 16)] + [torch.empty(0) if n is None else torch.randn(n, 16) for n in middle]
     ps.append(torch.randn(first, 16))
     bad = middle.index(None) + 1
@@ -365,8 +343,8 @@ def test_score_multi_vector_names_a_list_spread_over_devices(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
 def test_score_multi_vector_on_gpu_matches_colpali(colpali_scoring, rng, device):
-    """On the GPU a page list is read in place: equal pages (the dense batch), ragged pages with colpali-engine's
-    zero tokens, and a padded tensor, against colpali-engine on fp32 copies."""
+    """On the GPU a page list is joined while its shapes are checked: equal pages (the dense batch), ragged pages
+    with colpali-engine's zero tokens, and a padded tensor, against colpali-engine on fp32 copies."""
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
     stock = getattr(stock, "lik_stock", stock)
@@ -382,40 +360,3 @@ def test_score_multi_vector_on_gpu_matches_colpali(colpali_scoring, rng, device)
     padded = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True)
     torch.testing.assert_close(lik_colpali.score_multi_vector(qs, padded, device=device),
                                stock([q.float() for q in qs], padded.float(), device="cuda"), rtol=1e-4, atol=1e-3)
-
-
-@pytest.mark.gpu
-def test_score_multi_vector_pages_in_place_on_gpu(colpali_scoring, rng, page_path):
-    """A GPU page list is read where it lies, with no copy of the pages (the call's peak stays far below one copy);
-    pages that cannot be read in place (a strided page, one not 16-byte aligned) make the list take the joined
-    path, with the same scores; a page of another dtype is named."""
-    _, processing, _ = colpali_scoring
-    stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
-    stock = getattr(stock, "lik_stock", stock)
-    qs = [t.cuda() for t in _ragged(rng, (20, 7), dim=128, dtype=torch.bfloat16)]
-    ps = [t.cuda() for t in _ragged(rng, (1030, 700, 1030, 1030) * 16, dim=128, dtype=torch.bfloat16)]
-    expected = stock([q.float() for q in qs], [p.float() for p in ps], batch_size=4, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    got = lik_colpali.score_multi_vector(qs, ps, batch_size=4, device="cuda")
-    peak = torch.cuda.max_memory_allocated() - before
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
-    assert page_path.took_the_expected_path(ps)
-    pages_bytes = sum(p.nbytes for p in ps)
-    assert peak < pages_bytes / 8 if page_path.mode == "in-place" else peak >= pages_bytes
-    buffer = torch.randn(1030 * 128 + 1, device="cuda").to(torch.bfloat16)
-    unaligned = buffer[1:].view(1030, 128)  # 2 bytes past an aligned address
-    strided = ps[0].t().contiguous().t()
-    for odd in (unaligned, strided):
-        pages = ps[:3] + [odd]
-        expected = stock([q.float() for q in qs], [p.float() for p in pages], batch_size=4, device="cuda")
-        torch.testing.assert_close(lik_colpali.score_multi_vector(qs, pages, batch_size=4, device="cuda"), expected,
-                                   rtol=1e-4, atol=1e-3)
-        assert not page_path.calls
-    # (torch.cat promotes a joined list of bfloat16 and float16 pages to float32.)
-    message = (r"ps\[2\] has dtype torch.float16; every item must have dtype torch.bfloat16"
-               if page_path.mode == "in-place" else r"ps has dtype torch.float32 but qs has torch.bfloat16")
-    with pytest.raises(TypeError, match=message):
-        lik_colpali.score_multi_vector(qs, ps[:2] + [ps[2].half()] + ps[3:4], device="cuda")
-

@@ -3,11 +3,7 @@
 A *padded* batch stores sequence ``i`` at ``base + i * stride`` with one length for all (a mask says which
 tokens are real); a *packed* batch stores its sequences back to back, sequence ``i`` being rows
 ``cu_seqlens[i] .. cu_seqlens[i + 1]`` (FlashAttention's convention, int32 offsets read on the device).
-Either may instead find its documents through an *address table* (``DOC_TABLE``): document ``i`` starts
-``table[i]`` 16-byte units after ``base``, so a list of separately allocated documents is read where it lies
-instead of being copied into one tensor first (lengths still come from the layout).
-Kernels ask :func:`document_span` / :func:`document_pointer` for a document and never see which layout it came
-from.
+Kernels ask :func:`document_span` for a document and never see which layout it came from.
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "PADDED", "PACKED", "PAIRS", "segment", "find_segment", "search_steps", "document_span", "document_pointer",
-    "table_offset", "offset_pointer", "table_pointer", "document_scales",
+    "PADDED", "PACKED", "PAIRS", "segment", "find_segment", "search_steps", "document_span", "document_scales",
 ]
 
 # How a forward kernel finds its documents (and, for PAIRS, its queries): a constexpr flag.
@@ -60,50 +55,14 @@ def search_steps(n_segments: int) -> int:
 
 
 @triton.jit
-def table_offset(doc, d_table_ptr, valid):
-    """Document ``doc``'s entry in the address table (its offset in 16-byte units), 0 where ``valid`` is false."""
-    return tl.load(d_table_ptr + doc, mask=valid, other=0)
-
-
-@triton.jit
-def offset_pointer(doc_base, offset):
-    """``doc_base`` moved by an address-table ``offset``. The offset counts 16-byte units, so the pointer keeps the
-    base's alignment and the rows still load as wide vectors."""
-    unit: tl.constexpr = 128 // doc_base.dtype.element_ty.primitive_bitwidth  # elements per 16 bytes
-    return doc_base + offset * unit
-
-
-@triton.jit
-def table_pointer(doc, doc_base, d_table_ptr):
-    """Pointer to token 0 of document ``doc`` from the address table."""
-    return offset_pointer(doc_base, table_offset(doc, d_table_ptr, True))
-
-
-@triton.jit
-def document_pointer(
-    doc, first_doc, first_ptr, doc_base, d_table_ptr, stride_db, LAYOUT: tl.constexpr, DOC_TABLE: tl.constexpr,
-):
-    """Pointer to token 0 of document ``doc`` of a program whose first document ``first_doc`` starts at
-    ``first_ptr`` (:func:`document_span`): a padded program walks strided documents, or looks each up in the
-    address table; a packed program has one document."""
-    if DOC_TABLE and LAYOUT == PADDED:
-        return table_pointer(doc, doc_base, d_table_ptr)
-    return first_ptr + (doc - first_doc) * stride_db
-
-
-@triton.jit
 def document_span(
-    doc, doc_base, doc_mask_base, cu_d_ptr, d_table_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb,
-    LAYOUT: tl.constexpr, DOC_TABLE: tl.constexpr,
+    doc, doc_base, doc_mask_base, cu_d_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb, LAYOUT: tl.constexpr,
 ):
     """Where document ``doc`` lives: ``(pointer to its token 0, pointer to its first mask byte, length, row
     offset)``; the row offset turns a token index into an absolute row of the packed tensor (0 when padded)."""
     if LAYOUT == PADDED:
-        start_ptr = document_pointer(doc, 0, doc_base, doc_base, d_table_ptr, stride_db, LAYOUT, DOC_TABLE)
-        return start_ptr, doc_mask_base + doc * stride_dmb, doc_len, doc * 0
+        return doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb, doc_len, doc * 0
     start, length = segment(cu_d_ptr, doc, n_d_rows)
-    if DOC_TABLE:
-        return table_pointer(doc, doc_base, d_table_ptr), doc_mask_base, length, start
     return doc_base + start * stride_dl, doc_mask_base, length, start
 
 

@@ -78,14 +78,8 @@ def narrow_tail(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> int:
     return last_tiles(cfg, doc_len, dim, loader, masked)[1]
 
 
-def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool, doc_table: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on canonical inputs.
-
-    ``doc_table`` (int64 ``[B]``, float rows, no masks, no winners): document ``b`` starts ``doc_table[b]``
-    16-byte units after ``inputs.d``'s first element, its rows ``d`` elements apart; ``inputs.d`` is then a
-    stand-in giving only that origin, the dtype and the shape ``[1, B, Ld, d]``, its strides unread
-    (:mod:`lik.ops.maxsim.document_list`).
 
     Returns fp32 scores ``[Nq, B]`` and, if ``store_argmax``, ``[Nq, B, Lq]`` winner indices (-1 where a row
     gets no gradient: masked query token, empty document, or a masked winner in ``mask_mode="zero"``): int16
@@ -124,7 +118,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool, doc_table: torch.Te
         scale_ptrs = scale_pointers(inputs.q_scale, d_scale)
     q_mask, q_mask_strides = _mask_arg(inputs.q_mask, q, 2)
     d_mask, d_mask_strides = _mask_arg(inputs.d_mask, d, 3)
-    d_strides = set_strides(d) if doc_table is None else (0, 0, dim, 1)
+    d_strides = set_strides(d)
     d_mask_strides = (0 if n_sets == 1 else d_mask_strides[0], *d_mask_strides[1:])
     argmax_arg = argmax if argmax is not None else partial
     argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
@@ -134,8 +128,7 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool, doc_table: torch.Te
                              bool(loader) and (d_strides[2] != dim or d_strides[3] != 1))
     launch(
         maxsim_fwd_kernel, grid,
-        q, d, q_mask, d_mask, partial, partial, partial if doc_table is None else doc_table, partial, argmax_arg,
-        *scale_ptrs,
+        q, d, q_mask, d_mask, partial, partial, partial, argmax_arg, *scale_ptrs,
         n_q, l_q, n_docs, l_d, 0, 0, n_chunks, n_row_blocks, doc_programs,
         *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides,
         DIM=dim,
@@ -154,7 +147,6 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool, doc_table: torch.Te
         LOADER=loader,
         WHOLE_TILES=whole,
         TAIL_N=tail,
-        DOC_TABLE=doc_table is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers or None,

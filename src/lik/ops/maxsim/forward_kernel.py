@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...core.quantized import FLOAT, reset_similarity, row_scales, scale_rows, scale_similarity, zero_similarity
-from ...core.segments import PAIRS, document_pointer, document_scales, document_span, offset_pointer, table_offset
+from ...core.segments import PAIRS, document_scales, document_span
 from .pairs import score_pairs
 from .tile import (
     NO_KEY, REDUCE_MAX, ROW_MAX_CLASSES, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile,
@@ -75,12 +75,12 @@ def write_document(
 @triton.jit
 def settle_nan_winners(
     q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, doc_end, doc_step,
-    doc_base, doc_mask_base, cu_d_ptr, d_table_ptr, argmax_ptr, doc_len, n_d_rows, stride_qk,
+    doc_base, doc_mask_base, cu_d_ptr, argmax_ptr, doc_len, n_d_rows, stride_qk,
     stride_db, stride_dl, stride_dk, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
     doc_scale_base, stride_dsb, stride_dsl,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_K: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LAYOUT: tl.constexpr, LOADER: tl.constexpr, DOC_TABLE: tl.constexpr,
+    LAYOUT: tl.constexpr, LOADER: tl.constexpr,
 ):
     """Rewrite the stored winner of every row whose max over one of the program's documents is NaN with that
     row's first NaN token, as ``torch.max`` picks it (the tile loop tests equality with the max only).
@@ -90,8 +90,7 @@ def settle_nan_winners(
     H200)."""
     for doc in range(first_doc, doc_end, doc_step):
         doc_ptr, doc_mask_ptr, length, row_offset = document_span(
-            doc, doc_base, doc_mask_base, cu_d_ptr, d_table_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb,
-            LAYOUT, DOC_TABLE,
+            doc, doc_base, doc_mask_base, cu_d_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb, LAYOUT,
         )
         doc_scale_ptr = document_scales(doc, doc_scale_base, row_offset, stride_dsb, stride_dsl, LAYOUT)
         nan_key, n_valid = first_nan_keys(
@@ -138,7 +137,6 @@ def maxsim_fwd_kernel(
     d_mask_ptr,
     cu_q_ptr,  # int32 [N + 1] (PAIRS) or unused
     cu_d_ptr,  # int32 [B + 1] (PACKED, PAIRS) or unused
-    d_table_ptr,  # int64 [B] with DOC_TABLE: document b starts d_table[b] 16-byte units after d_ptr; else unused
     partial_ptr,  # fp32 [n_chunks, Nq, B] ([n_row_blocks, 1, N] for PAIRS)
     argmax_ptr,  # int16 / int32 [Nq, B, Lq] (int32 absolute packed rows: PACKED [Nq, B, Lq], PAIRS [Tq])
     q_scale_ptr,  # fp32 contiguous per-row scales of 8-bit queries ([Nq, Lq]; PAIRS [Tq]); unused for float rows
@@ -176,7 +174,6 @@ def maxsim_fwd_kernel(
     LOADER: tl.constexpr = 0,  # FLOAT, or INT8 / FP8 rows with per-row scales (lik.core.quantized)
     WHOLE_TILES: tl.constexpr = False,  # long queries, PADDED, unmasked: whole tiles read as they are (tile.py)
     TAIL_N: tl.constexpr = 0,  # with WHOLE_TILES: the width of the tiles after them (tile.stream_document)
-    DOC_TABLE: tl.constexpr = False,  # documents addressed through d_table_ptr (lik.core.segments), float rows
 ):
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0).to(tl.int64)
@@ -190,20 +187,19 @@ def maxsim_fwd_kernel(
         )
     else:
         score_documents(
-            q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_d_ptr, d_table_ptr, partial_ptr, argmax_ptr, row_block,
-            pid // n_row_blocks,
+            q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, pid // n_row_blocks,
             n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, n_row_blocks, doc_programs,
             stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
             stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
             q_scale_ptr, d_scale_ptr,
             DIM, GROUP_ROWS, GROUPS, BLOCK_N, BLOCK_K, NUM_K, HAS_Q_MASK, HAS_D_MASK, EXCLUDE, STORE_ARGMAX,
-            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER, WHOLE_TILES, TAIL_N, DOC_TABLE,
+            DOT_PRECISION, PERSISTENT, LAYOUT, FLAT_K, REDUCTION, LOADER, WHOLE_TILES, TAIL_N,
         )
 
 
 @triton.jit
 def score_documents(
-    q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_d_ptr, d_table_ptr, partial_ptr, argmax_ptr, row_block, first_doc,
+    q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, first_doc,
     n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, n_row_blocks, doc_programs,
     stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
     stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
@@ -212,7 +208,7 @@ def score_documents(
     BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, HAS_Q_MASK: tl.constexpr, HAS_D_MASK: tl.constexpr,
     EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
     LAYOUT: tl.constexpr, FLAT_K: tl.constexpr, REDUCTION: tl.constexpr, LOADER: tl.constexpr,
-    WHOLE_TILES: tl.constexpr, TAIL_N: tl.constexpr, DOC_TABLE: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, TAIL_N: tl.constexpr,
 ):
     """A program's query rows (``row_block``) against its documents ``first_doc``, ``first_doc + doc_programs``,
     ...: the documents come from :func:`~lik.core.segments.document_span` (padded or packed), the rest is one
@@ -247,8 +243,7 @@ def score_documents(
     # A program's documents share one length when padded; a packed program has one document (doc_programs ==
     # n_docs), so the flat loops below see one length either way.
     doc_ptr, doc_mask_ptr, length, row_offset = document_span(
-        first_doc, doc_base, doc_mask_base, cu_d_ptr, d_table_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb,
-        LAYOUT, DOC_TABLE,
+        first_doc, doc_base, doc_mask_base, cu_d_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb, LAYOUT,
     )
     doc_scale_ptr = document_scales(first_doc, doc_scale_base, row_offset, stride_dsb, stride_dsl, LAYOUT)
     my_docs = tl.cdiv(n_docs - first_doc, doc_programs).to(tl.int32)
@@ -268,8 +263,7 @@ def score_documents(
             for _ in tl.range(0, my_docs * tiles, num_stages=1):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_ptrs = (
-                    document_pointer(doc, first_doc, doc_ptr, doc_base, d_table_ptr, stride_db, LAYOUT, DOC_TABLE)
-                    + tl.minimum(cols, length - 1).to(tl.int64) * stride_dl
+                    doc_ptr + (doc - first_doc) * stride_db + tl.minimum(cols, length - 1).to(tl.int64) * stride_dl
                 )
                 sim = zero_similarity(BLOCK_M, BLOCK_N, LOADER)
                 for kc in tl.range(0, NUM_K):
@@ -297,8 +291,7 @@ def score_documents(
             for _ in tl.range(0, my_docs * tiles * NUM_K):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_ptrs = (
-                    document_pointer(doc, first_doc, doc_ptr, doc_base, d_table_ptr, stride_db, LAYOUT, DOC_TABLE)
-                    + tl.minimum(cols, length - 1).to(tl.int64) * stride_dl
+                    doc_ptr + (doc - first_doc) * stride_db + tl.minimum(cols, length - 1).to(tl.int64) * stride_dl
                 )
                 sim = chunk_similarity(
                     sim, q_load_ptrs, stride_qk, col_ptrs, stride_dk, chunk * BLOCK_K, DIM, BLOCK_K, DOT_PRECISION,
@@ -347,11 +340,6 @@ def score_documents(
         running = best
         if CLASS_MAX:
             running = tl.full((BLOCK_M, ROW_MAX_CLASSES), float("-inf"), tl.float32)
-        # Documents from the address table: each lookup runs one document ahead of its use and is carried, so no
-        # tile's address waits on a load of the same step (which Triton's pipeliner would stage as an indirect
-        # load, shortening the tiles' prefetch).
-        doc_offset = table_offset(doc, d_table_ptr, DOC_TABLE)
-        next_offset = table_offset(doc + doc_programs, d_table_ptr, DOC_TABLE and doc + doc_programs < n_docs)
         for _ in tl.range(0, my_docs * tiles):
             first_tile = start == 0
             running = tl.where(first_tile, float("-inf"), running)
@@ -364,16 +352,8 @@ def score_documents(
                 doc_scale_base + next_doc * stride_dsb, next_start, tl.where(next_doc < n_docs, doc_len, 0), stride_dsl,
                 BLOCK_N, AHEAD_LOADER, True,
             )
-            if DOC_TABLE:
-                tile_doc_ptr = offset_pointer(doc_base, doc_offset)
-                after = next_doc + doc_programs
-                fetched = table_offset(after, d_table_ptr, last_tile & (after < n_docs))
-                doc_offset = tl.where(last_tile, next_offset, doc_offset)
-                next_offset = tl.where(last_tile, fetched, next_offset)
-            else:
-                tile_doc_ptr = doc_base + doc * stride_db
             running, key, n_valid = document_tile(
-                q_rows, q_row_ptrs, row_valid, stride_qk, tile_doc_ptr, doc_mask_base + doc * stride_dmb,
+                q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb,
                 start, doc_len, stride_dl, stride_dk, stride_dml, running, key, n_valid,
                 doc_scale_base + doc * stride_dsb, stride_dsl, col_scale,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
@@ -408,8 +388,8 @@ def score_documents(
         if tl.max(nan_rows, axis=0) != 0:
             settle_nan_winners(
                 q_rows, q_row_ptrs, row_valid, row_in_range, query, token, first_doc, n_docs, doc_programs,
-                doc_base, doc_mask_base, cu_d_ptr, d_table_ptr, argmax_ptr, doc_len, n_d_rows, stride_qk,
+                doc_base, doc_mask_base, cu_d_ptr, argmax_ptr, doc_len, n_d_rows, stride_qk,
                 stride_db, stride_dl, stride_dk, stride_dmb, stride_dml, stride_an, stride_ab, stride_al,
                 doc_scale_base, stride_dsb, stride_dsl,
-                DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LAYOUT, LOADER, DOC_TABLE,
+                DIM, BLOCK_M, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, DOT_PRECISION, LAYOUT, LOADER,
             )

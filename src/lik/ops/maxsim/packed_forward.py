@@ -16,14 +16,8 @@ from .packing import PackedInputs
 __all__ = ["packed_forward"]
 
 
-def packed_forward(inputs: PackedInputs, store_argmax: bool, doc_table: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on packed inputs.
-
-    ``doc_table`` (int64 ``[B]``, corpus layout, float rows, no winners): document ``b`` starts ``doc_table[b]``
-    16-byte units after ``inputs.d``'s first element, its rows ``dim`` elements apart, instead of at row
-    ``cu_d[b]``; ``inputs.d`` is then a stand-in giving only that origin, the dtype and the packed rows' shape
-    ``[Td, dim]``, its strides unread (:mod:`lik.ops.maxsim.document_list`).
 
     Returns fp32 scores (pairs ``[N]``, corpus ``[Nq, B]``) and, with ``store_argmax``, the int32 winners as
     absolute rows of ``d`` (pairs ``[Tq]``, corpus ``[Nq, B, Lq]``; -1 where a row gets no gradient).
@@ -69,12 +63,10 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool, doc_table: torch.Te
     scales = (partial, partial) if inputs.d_scale is None else scale_pointers(inputs.q_scale, inputs.d_scale)
     launch(
         maxsim_fwd_kernel, (n_row_blocks * n_docs,),
-        q, d, q_mask_arg, d, inputs.cu_q if inputs.pairs else inputs.cu_d, inputs.cu_d,
-        partial if doc_table is None else doc_table, partial,
+        q, d, q_mask_arg, d, inputs.cu_q if inputs.pairs else inputs.cu_d, inputs.cu_d, partial,
         argmax if argmax is not None else partial, *scales,
         n_q, l_q, n_docs, 0, q.shape[0] if inputs.pairs else 0, d.shape[0], n_chunks, n_row_blocks, n_docs,
-        *q_strides, 0, 0, *(d.stride() if doc_table is None else (dim, 1)), *q_mask_strides, 0, 0, 0,
-        *partial.stride(), *argmax_strides,
+        *q_strides, 0, 0, *d.stride(), *q_mask_strides, 0, 0, 0, *partial.stride(), *argmax_strides,
         DIM=dim,
         GROUP_ROWS=cfg.group_rows,
         GROUPS=1 if inputs.pairs else cfg.groups,
@@ -89,7 +81,6 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool, doc_table: torch.Te
         PERSISTENT=False,
         LAYOUT=(PAIRS if inputs.pairs else PACKED).value,
         LOADER=loader,
-        DOC_TABLE=doc_table is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
