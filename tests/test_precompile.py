@@ -36,7 +36,7 @@ def test_warmup_covers_the_last_tile_variants_of_8bit_corpora(monkeypatch, dtype
     lengths of the same config for the two its first length does not take; nowhere else."""
     from lik import _config
     from lik.core.quantized import loader_of
-    from lik.ops.maxsim.forward import narrow_tail, whole_tiles
+    from lik.ops.maxsim.forward import last_tiles
     from lik.precompile import _document_lengths
 
     monkeypatch.setattr(_config, "interpreting", lambda: False)
@@ -47,8 +47,7 @@ def test_warmup_covers_the_last_tile_variants_of_8bit_corpora(monkeypatch, dtype
         assert masked == (True, False, False)  # (the whole-tile variants exist unmasked only)
         configs = [_config.maxsim_forward_config(q_len=shape[1], n_queries=shape[0], dim=shape[2], dtype=dtype,
                                                  per_query=False, device=cpu, doc_len=n) for n in lengths]
-        variants = [(whole_tiles(c, n, shape[2], loader_of(dtype), masked=False),
-                     narrow_tail(c, n, shape[2], loader_of(dtype), masked=False)) for c, n in zip(configs, lengths)]
+        variants = [last_tiles(c, n, shape[2], loader_of(dtype), masked=False) for c, n in zip(configs, lengths)]
         assert all(c == configs[0] for c in configs) and variants == [(True, 16), (True, 0), (False, 0)]
     assert _document_lengths(1, 1024, 128, torch.float16, cpu) == [(8, True)]  # float rows: one variant
     assert _document_lengths(4, 32, 128, dtype, cpu) == [(8, True)]  # stacked short queries: persistent

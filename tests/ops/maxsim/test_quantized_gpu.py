@@ -178,7 +178,7 @@ def test_long_queries_over_whole_tiles_a_narrow_tail_and_ragged_tiles_after_warm
     tokens after them in narrow tiles (more: the clamped loop): an inf and a NaN scale in the last token reach the
     scores as in the reference, at every length, and after warmup none of the lengths compiles."""
     from lik.core.quantized import loader_of
-    from lik.ops.maxsim.forward import narrow_tail, whole_tiles
+    from lik.ops.maxsim.forward import last_tiles
     from lik.ops.maxsim.forward_kernel import maxsim_fwd_kernel
 
     from ...test_precompile import _variants
@@ -199,8 +199,7 @@ def test_long_queries_over_whole_tiles_a_narrow_tail_and_ragged_tiles_after_warm
         assert torch.equal(scores[:, 1:3].cpu().isinf(), garbage.isinf()) and garbage[:, 0].isinf().all()
         config = _config.maxsim_forward_config(q_len=300, n_queries=1, dim=128, dtype=dtype, per_query=False,
                                                device=D_q.device, doc_len=doc_len)
-        widths.append((whole_tiles(config, doc_len, 128, loader_of(dtype), masked=False),
-                       narrow_tail(config, doc_len, 128, loader_of(dtype), masked=False)))
+        widths.append(last_tiles(config, doc_len, 128, loader_of(dtype), masked=False))
     assert widths == [(True, 0), (True, 16), (False, 0), (True, 16)]
     assert _variants(maxsim_fwd_kernel) == compiled
 

@@ -13,7 +13,7 @@ from .forward_kernel import maxsim_fwd_kernel
 from .validation import MaxSimInputs
 
 __all__ = [
-    "maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "narrow_tail", "last_tiles",
+    "maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "last_tiles",
     "NARROW_TAIL_N", "NARROW_TAIL_MAX",
 ]
 
@@ -71,11 +71,6 @@ def last_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool, strided_r
     reads whole tiles only or none (the launcher and ``lik.warmup`` ask for both; warmup's corpora are contiguous)."""
     whole = whole_tiles(cfg, doc_len, dim, loader, masked, strided_rows)
     return whole, (min(NARROW_TAIL_N, cfg.block_n) if whole and doc_len % cfg.block_n else 0)
-
-
-def narrow_tail(cfg, doc_len: int, dim: int, loader: int, masked: bool) -> int:
-    """``TAIL_N`` alone: :func:`last_tiles`' second value."""
-    return last_tiles(cfg, doc_len, dim, loader, masked)[1]
 
 
 def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
