@@ -96,6 +96,23 @@ def test_persistent_launch_for_stacked_short_queries_and_fp32_long_queries():
     assert heuristic(1024, 1, 128, torch.float32, False, (8, 0), False).programs_per_sm == 0
 
 
+def test_128_stacked_rows_run_one_uncapped_warpgroup():
+    """128 stacked rows (ragged queries scored as rows, a few short queries) take 4 warps with no register cap in
+    inference; 256-row tiles, training (winners), fp32 and 64 stacked rows keep their settings."""
+    rows = heuristic(1, 325, 128, torch.bfloat16, False, (9, 0), False)  # 325 rows: 128-row tiles
+    few = heuristic(32, 4, 128, torch.float16, False, (9, 0), False)
+    for cfg in (rows, few):
+        assert (cfg.group_rows * cfg.groups, cfg.num_warps, cfg.max_registers, cfg.programs_per_sm) == (128, 4, 0, 2)
+    tall = heuristic(32, 32, 128, torch.float16, False, (9, 0), False)
+    assert (tall.group_rows * tall.groups, tall.num_warps, tall.max_registers) == (256, 8, 128)
+    training = heuristic(32, 4, 128, torch.float16, False, (9, 0), False, False, True)
+    assert (training.num_warps, training.max_registers) == (8, 128)
+    fp32 = heuristic(32, 4, 128, torch.float32, False, (9, 0), False)
+    assert (fp32.num_warps, fp32.max_registers) == (8, 0)
+    two = heuristic(32, 2, 128, torch.float16, False, (9, 0), False)
+    assert (two.group_rows * two.groups, two.num_warps, two.max_registers) == (64, 4, 128)
+
+
 def test_training_forward_of_stacked_short_queries_runs_two_capped_programs_per_sm():
     inference = heuristic(32, 512, 128, torch.float16, False, (9, 0), False)
     training = heuristic(32, 512, 128, torch.bfloat16, False, (9, 0), False, False, True)
