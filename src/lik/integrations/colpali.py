@@ -409,26 +409,20 @@ def score_multi_vector(
                 group = pages[start:stop]
                 group_lengths = lengths[start:stop]
                 flagged = padded[start:stop]
-                equal = not flagged.any() and group_lengths.min() == group_lengths.max()
-                if not equal:
-                    # Ragged pages: packed as they are; the zero token of the pages colpali-engine pads joins their
-                    # row maxima afterwards (no zero row copied in per page). The offsets, the flags and the zero
-                    # token's similarity reach the device before the pages' copy is queued: a copy from pageable
-                    # memory waits for the queued work, and the scoring launch then overlaps the pages' copy.
-                    cu = np.zeros(len(group) + 1, dtype=np.int64)
-                    np.cumsum(group_lengths, out=cu[1:])
-                    offsets = torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True)
-                    zero_token = torch.from_numpy(flagged).to(device, non_blocking=True) if flagged.any() else None
-                    if zero_token is not None and q.rows.shape[0]:
-                        q.zero_similarity()
                 docs = joined if joined is not None else _join_pages(group, width)
-                if equal:
+                if not flagged.any() and group_lengths.min() == group_lengths.max():
                     if early_scores is not None:  # one group of pages all as long as the first: the guess held
                         scores.append(early_scores)
                         continue
                     # Equal pages: one dense [n, L, d] batch for the padded kernels.
                     scores.append(score(docs.to(device).view(len(group), int(group_lengths[0]), docs.shape[1])))
                     continue
+                # Ragged pages: packed as they are; the zero token of the pages colpali-engine pads joins their
+                # row maxima afterwards (no zero row copied in per page).
+                cu = np.zeros(len(group) + 1, dtype=np.int64)
+                np.cumsum(group_lengths, out=cu[1:])
+                zero_token = torch.from_numpy(flagged).to(device, non_blocking=True) if flagged.any() else None
+                offsets = torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True)
                 scores.append(score(docs.to(device), offsets, int(group_lengths.max()), zero_token))
     return (scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)).cpu().float()
 
