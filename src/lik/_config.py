@@ -242,8 +242,8 @@ def _maxsim_forward_heuristic(
             programs_per_sm = 2
             if dtype != torch.float32 and group_rows * groups == 128 and not argmax:
                 # 128 stacked rows fit one warpgroup's product (64 accumulator registers a thread): 4 warps with no
-                # cap, two programs per SM as before (H100 A/B, benchmarks/NOTES.md "128-row stacked tiles":
-                # colpali-engine's 325 rows x 1 000 pages 0.210 -> 0.183 ms, ten 32-token queries -6 to -7%).
+                # cap, still two programs per SM (H100 A/B, benchmarks/NOTES.md "128-row stacked tiles on one
+                # warpgroup": colpali-engine's 325 rows x 1 000 pages 0.210 -> 0.183 ms, ten 32-token queries -6%).
                 warps = 4
             elif dtype != torch.float32:
                 # Two programs of 256 threads per SM need <= 128 registers; the flat (document, tile) loop takes
