@@ -144,6 +144,9 @@ def _varlen_workload():
         for backward in ("fast", "deterministic"):
             lik.maxsim_varlen(q, d, cu_q, cu_d, 33, 70, backward=backward).sum().backward()
             lik.maxsim_packed(Q, d, cu_d, max_seqlen_d=70, backward=backward).sum().backward()
+        # Inference of stacked rows (64, 128 and 256 of them): the persistent packed launch.
+        for rows in (Q.detach(), torch.randn(325, 1, dim, generator=gen).to(dtype), torch.randn(20, 32, dim).to(dtype)):
+            lik.maxsim_packed(rows, d.detach(), cu_d, max_seqlen_d=70)
 
 
 def _msda_workload():

@@ -477,10 +477,12 @@ def maxsim_varlen_config(
 @functools.lru_cache(maxsize=256)
 def _varlen_tiles(cfg: MaxSimForwardConfig, dtype: torch.dtype, dim: int, pairs: bool) -> MaxSimForwardConfig:
     # Cached: a packed call is launch-bound, and building a dataclass per call is host time.
-    # The packed kernels have no persistent launch (programs_per_sm is the padded kernel's).
+    # Stacked fp16 / bf16 rows of a corpus keep the padded heuristic's tiles and persistent launch (the packed
+    # launcher takes it for inference); other packed launches have a program per document.
     measured = dtype in (torch.float16, torch.bfloat16) and dim <= 128 and cfg.block_m <= 32
     if not measured:
-        return replace(cfg, programs_per_sm=0)
+        stacked = not pairs and cfg.groups > 1 and dtype in (torch.float16, torch.bfloat16)
+        return cfg if stacked else replace(cfg, programs_per_sm=0)
     return replace(cfg, block_n=32 if pairs else 128, num_warps=4, num_stages=3, programs_per_sm=0)
 
 

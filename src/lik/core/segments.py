@@ -13,6 +13,7 @@ import triton.language as tl
 
 __all__ = [
     "PADDED", "PACKED", "PAIRS", "segment", "find_segment", "search_steps", "document_span", "document_scales",
+    "program_tiles",
 ]
 
 # How a forward kernel finds its documents (and, for PAIRS, its queries): a constexpr flag.
@@ -22,11 +23,16 @@ PAIRS = tl.constexpr(2)  # queries and documents packed, query i against documen
 
 
 @triton.jit
-def segment(cu_ptr, index, n_rows):
+def segment(cu_ptr, index, n_rows, valid=None):
     """Rows ``[start, start + length)`` of packed sequence ``index``, clamped to ``[0, n_rows]`` (offsets that
-    were not checked on the host can give wrong numbers, never an out-of-bounds access)."""
-    start = tl.load(cu_ptr + index).to(tl.int64)
-    end = tl.load(cu_ptr + index + 1).to(tl.int64)
+    were not checked on the host can give wrong numbers, never an out-of-bounds access); ``valid`` false: an
+    empty sequence at row 0, nothing read (an index past the last sequence)."""
+    if valid is None:
+        start = tl.load(cu_ptr + index).to(tl.int64)
+        end = tl.load(cu_ptr + index + 1).to(tl.int64)
+    else:
+        start = tl.load(cu_ptr + index, mask=valid, other=0).to(tl.int64)
+        end = tl.load(cu_ptr + index + 1, mask=valid, other=0).to(tl.int64)
     start = tl.minimum(tl.maximum(start, 0), n_rows)
     end = tl.minimum(tl.maximum(end, start), n_rows)
     return start, (end - start).to(tl.int32)
@@ -47,6 +53,23 @@ def find_segment(cu_ptr, rows, n_segments, n_steps):
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
     return lo
+
+
+@triton.jit
+def program_tiles(cu_ptr, first, n_segments, step, n_rows, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr = 128):
+    """Tiles of ``BLOCK_N`` rows a persistent program walks over packed sequences ``first``, ``first + step``, ...
+    (each at least one: an empty sequence still takes a step, in which it is written)."""
+    total = tl.zeros((), tl.int32)
+    for chunk in range(0, tl.cdiv(n_segments - first, step), CHUNK):
+        index = first + (chunk + tl.arange(0, CHUNK)) * step
+        valid = index < n_segments
+        start = tl.load(cu_ptr + index, mask=valid, other=0).to(tl.int64)
+        end = tl.load(cu_ptr + index + 1, mask=valid, other=0).to(tl.int64)
+        start = tl.minimum(tl.maximum(start, 0), n_rows)
+        end = tl.minimum(tl.maximum(end, start), n_rows)
+        tiles = tl.maximum(tl.cdiv(end - start, BLOCK_N), 1).to(tl.int32)
+        total += tl.sum(tl.where(valid, tiles, 0), axis=0)
+    return total
 
 
 def search_steps(n_segments: int) -> int:

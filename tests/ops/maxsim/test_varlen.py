@@ -140,6 +140,36 @@ def test_wide_embeddings_split_over_k_chunks(rng):
         _check_corpus(rng, 2, 5, [9, 3], 40)
 
 
+@pytest.mark.parametrize("forced", [
+    # One program walks every document; several programs, strided; more programs than documents.
+    _config.MaxSimForwardConfig(group_rows=1, groups=16, block_n=16, block_k=32, programs_per_sm=1),
+    _config.MaxSimForwardConfig(group_rows=4, groups=4, block_n=16, block_k=32, programs_per_sm=7),
+    _config.MaxSimForwardConfig(group_rows=4, groups=4, block_n=16, block_k=32, programs_per_sm=60),
+])
+def test_persistent_corpus_walks_documents_of_every_length(rng, monkeypatch, forced):
+    """Stacked query rows in inference walk a packed corpus in a persistent launch: empty documents (first, inner,
+    last), documents shorter than a tile, one token, several tiles, a NaN in one; scores equal the reference and the
+    training launch (a program per document), and only the inference launch is persistent."""
+    from lik.ops.maxsim import packed_forward
+
+    persistent = []
+    launch = packed_forward.launch
+    monkeypatch.setattr(packed_forward, "launch", lambda *a, **k: persistent.append(k["PERSISTENT"]) or launch(*a, **k))
+    lengths = [0, 9, 1, 40, 0, 17, 33, 5, 0]
+    with _config.override(maxsim_varlen=forced):
+        _check_corpus(rng, 5, 3, lengths, 24)
+        assert persistent == [False, True]  # (the training launch, then the inference one)
+        Q = torch.randn(5, 3, 24, generator=rng)
+        d, cu_d, _ = lik.pack(_rand_list(rng, lengths, 24))
+        d[cu_d[3] + 21, 4] = float("nan")  # document 3's second tile
+        scores = lik.maxsim_packed(Q, d, cu_d)
+        reference = lik.maxsim_packed_reference(Q.double(), d.double(), cu_d)
+    assert torch.equal(scores.isnan(), reference.isnan()) and scores[:, 3].isnan().all()
+    clean = [i for i in range(len(lengths)) if i != 3]
+    assert rel_err(scores[:, clean], reference[:, clean]) < TOL
+    assert not scores[:, [0, 4, 8]].any()  # empty documents score 0
+
+
 def test_deterministic_over_many_short_documents(rng):
     """1-3 token documents and an empty one: each packed row finds its own document (binary search)."""
     lengths = [1, 2, 3, 0, 1, 2, 3, 1, 1, 2, 3, 2, 1, 1, 3]

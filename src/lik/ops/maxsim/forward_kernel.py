@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...core.quantized import FLOAT, reset_similarity, row_scales, scale_rows, scale_similarity, zero_similarity
-from ...core.segments import PAIRS, document_scales, document_span
+from ...core.segments import PACKED, PAIRS, document_scales, document_span, program_tiles, segment
 from .pairs import score_pairs
 from .tile import (
     NO_KEY, REDUCE_MAX, ROW_MAX_CLASSES, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile,
@@ -329,7 +329,10 @@ def score_documents(
         # Its last tile ends at the document's end (document_tile's WINDOW): rows are clamped once, not per tile.
         # (The long-query loop, stream_document, keeps the clamp: the window cost it registers and a program per
         # SM, benchmarks/NOTES.md.)
-        # (Padded only: packed launches are never persistent, so documents are strided, one length.)
+        # Packed documents (stacked rows, inference): each has its own rows and length, looked up one document
+        # ahead and carried (a lookup feeding the same step's tile address is an indirect load to Triton's
+        # pipeliner, which then splits its stages between lookup and tiles); every document, even an empty one,
+        # takes at least one step, in which it is written.
         AHEAD: tl.constexpr = (LOADER != FLOAT and not HAS_D_MASK) and GROUPS == 1  # (tile_scales says why)
         AHEAD_LOADER: tl.constexpr = LOADER if AHEAD else FLOAT
         col_scale = tile_scales(doc_scale_base + doc * stride_dsb, 0, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER, True)
@@ -340,12 +343,28 @@ def score_documents(
         running = best
         if CLASS_MAX:
             running = tl.full((BLOCK_M, ROW_MAX_CLASSES), float("-inf"), tl.float32)
-        for _ in tl.range(0, my_docs * tiles):
+        steps = my_docs * tiles
+        doc_rows, doc_length = row_offset, doc_len
+        next_rows, next_length = row_offset, doc_len
+        if LAYOUT == PACKED:
+            steps = program_tiles(cu_d_ptr, first_doc, n_docs, doc_programs, n_d_rows, BLOCK_N)
+            doc_rows, doc_length = segment(cu_d_ptr, first_doc, n_d_rows)
+            ahead = first_doc + doc_programs
+            next_rows, next_length = segment(cu_d_ptr, ahead, n_d_rows, ahead < n_docs)
+        for _ in tl.range(0, steps):
             first_tile = start == 0
             running = tl.where(first_tile, float("-inf"), running)
             key = tl.where(first_tile, NO_KEY, key)
             n_valid = tl.where(first_tile, 0, n_valid)
-            last_tile = start + BLOCK_N >= doc_len
+            if LAYOUT == PACKED:
+                length = doc_length
+                # An empty document's tile reads its clamped row -1 (document_tile: rows up to length - 1) at row 0
+                # of the packed rows (in bounds: the launch has rows), every column masked.
+                tile_doc_ptr = doc_base + tl.where(doc_length > 0, doc_rows, 1) * stride_dl
+            else:
+                length = doc_len
+                tile_doc_ptr = doc_base + doc * stride_db
+            last_tile = start + BLOCK_N >= length
             next_doc = tl.where(last_tile, doc + doc_programs, doc)
             next_start = tl.where(last_tile, 0, start + BLOCK_N)
             next_scale = tile_scales(  # (past the program's last document: nothing loaded)
@@ -353,8 +372,8 @@ def score_documents(
                 BLOCK_N, AHEAD_LOADER, True,
             )
             running, key, n_valid = document_tile(
-                q_rows, q_row_ptrs, row_valid, stride_qk, doc_base + doc * stride_db, doc_mask_base + doc * stride_dmb,
-                start, doc_len, stride_dl, stride_dk, stride_dml, running, key, n_valid,
+                q_rows, q_row_ptrs, row_valid, stride_qk, tile_doc_ptr, doc_mask_base + doc * stride_dmb,
+                start, length, stride_dl, stride_dk, stride_dml, running, key, n_valid,
                 doc_scale_base + doc * stride_dsb, stride_dsl, col_scale,
                 DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, False, DOT_PRECISION,
                 REDUCTION, LOADER, AHEAD, True, False, CLASS_MAX,
@@ -369,6 +388,13 @@ def score_documents(
                     argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
                     0, q_scale, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
                 )
+            if LAYOUT == PACKED:
+                after = next_doc + doc_programs
+                fetched_rows, fetched_length = segment(cu_d_ptr, after, n_d_rows, last_tile & (after < n_docs))
+                doc_rows = tl.where(last_tile, next_rows, doc_rows)
+                doc_length = tl.where(last_tile, next_length, doc_length)
+                next_rows = tl.where(last_tile, fetched_rows, next_rows)
+                next_length = tl.where(last_tile, fetched_length, next_length)
             doc = next_doc
             start = next_start
             col_scale = next_scale

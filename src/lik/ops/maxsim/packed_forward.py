@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..._config import cdiv, feature_chunks, maxsim_varlen_config
+from ..._config import cdiv, feature_chunks, maxsim_forward_doc_programs, maxsim_varlen_config
 from ..._launch import launch
-from ...core.quantized import loader_chunks, loader_of
+from ...core.quantized import FLOAT, loader_chunks, loader_of
 from ...core.segments import PACKED, PAIRS
 from .forward import dot_precision, scale_pointers
 from .forward_kernel import maxsim_fwd_kernel
@@ -58,14 +58,24 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device)
         q_strides = q.stride()
         argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
+    # Stacked rows in inference walk their documents in a persistent launch, as the padded one does (the kernel's
+    # packed persistent loop); winners, 8-bit rows and streamed feature chunks keep a program per document.
+    persistent = (not inputs.pairs and not store_argmax and cfg.programs_per_sm > 0 and cfg.groups > 1
+                  and loader == FLOAT and num_k == 1)
+    doc_programs = n_docs
+    options = {}
+    if persistent:
+        doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
+        if cfg.max_registers:
+            options["maxnreg"] = cfg.max_registers
     q_mask = inputs.q_mask
     q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
     scales = (partial, partial) if inputs.d_scale is None else scale_pointers(inputs.q_scale, inputs.d_scale)
     launch(
-        maxsim_fwd_kernel, (n_row_blocks * n_docs,),
+        maxsim_fwd_kernel, (n_row_blocks * doc_programs,),
         q, d, q_mask_arg, d, inputs.cu_q if inputs.pairs else inputs.cu_d, inputs.cu_d, partial,
         argmax if argmax is not None else partial, *scales,
-        n_q, l_q, n_docs, 0, q.shape[0] if inputs.pairs else 0, d.shape[0], n_chunks, n_row_blocks, n_docs,
+        n_q, l_q, n_docs, 0, q.shape[0] if inputs.pairs else 0, d.shape[0], n_chunks, n_row_blocks, doc_programs,
         *q_strides, 0, 0, *d.stride(), *q_mask_strides, 0, 0, 0, *partial.stride(), *argmax_strides,
         DIM=dim,
         GROUP_ROWS=cfg.group_rows,
@@ -78,11 +88,12 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         EXCLUDE=True,
         STORE_ARGMAX=store_argmax,
         DOT_PRECISION=dot_precision(q.dtype),
-        PERSISTENT=False,
+        PERSISTENT=persistent,
         LAYOUT=(PAIRS if inputs.pairs else PACKED).value,
         LOADER=loader,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **options,
     )
     scores = partial[0] if n_chunks == 1 else partial.sum(dim=0)
     return (scores[0] if inputs.pairs else scores), argmax
