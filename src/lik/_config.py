@@ -478,7 +478,7 @@ def maxsim_varlen_config(
 def _varlen_tiles(cfg: MaxSimForwardConfig, dtype: torch.dtype, dim: int, pairs: bool) -> MaxSimForwardConfig:
     # Cached: a packed call is launch-bound, and building a dataclass per call is host time.
     # Stacked fp16 / bf16 rows of a corpus keep the padded heuristic's tiles and persistent launch (the packed
-    # launcher takes it for inference); other packed launches have a program per document.
+    # launcher takes it for inference of up to 128 rows); other packed launches have a program per document.
     measured = dtype in (torch.float16, torch.bfloat16) and dim <= 128 and cfg.block_m <= 32
     if not measured:
         stacked = not pairs and cfg.groups > 1 and dtype in (torch.float16, torch.bfloat16)
