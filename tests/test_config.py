@@ -113,6 +113,24 @@ def test_128_stacked_rows_run_one_uncapped_warpgroup():
     assert (two.group_rows * two.groups, two.num_warps, two.max_registers) == (64, 4, 128)
 
 
+def test_packed_corpora_of_up_to_128_stacked_rows_are_persistent(monkeypatch):
+    """The packed launch keeps the padded heuristic's persistent programs for 128 stacked fp16 / bf16 rows; 256-row
+    tiles, single short queries, pairs and fp32 get a program per document."""
+    monkeypatch.setattr(_config, "interpreting", lambda: False)
+    monkeypatch.setattr(_config, "_arch", lambda device: (9, 0))
+    cpu = torch.device("cpu")
+
+    def varlen(q_len, n_queries, dtype=torch.bfloat16, pairs=False):
+        return _config.maxsim_varlen_config(q_len=q_len, n_queries=n_queries, dim=128, dtype=dtype, pairs=pairs,
+                                            device=cpu)
+
+    rows, few = varlen(1, 325), varlen(32, 4, torch.float16)
+    assert (rows.block_m, rows.programs_per_sm) == (128, 2) and (few.block_m, few.programs_per_sm) == (128, 2)
+    for cfg in (varlen(1, 2554), varlen(32, 32, torch.float16), varlen(32, 1), varlen(32, 4, pairs=True),
+                varlen(32, 4, torch.float32)):
+        assert cfg.programs_per_sm == 0
+
+
 def test_training_forward_of_stacked_short_queries_runs_two_capped_programs_per_sm():
     inference = heuristic(32, 512, 128, torch.float16, False, (9, 0), False)
     training = heuristic(32, 512, 128, torch.bfloat16, False, (9, 0), False, False, True)

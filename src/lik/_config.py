@@ -477,11 +477,13 @@ def maxsim_varlen_config(
 @functools.lru_cache(maxsize=256)
 def _varlen_tiles(cfg: MaxSimForwardConfig, dtype: torch.dtype, dim: int, pairs: bool) -> MaxSimForwardConfig:
     # Cached: a packed call is launch-bound, and building a dataclass per call is host time.
-    # Stacked fp16 / bf16 rows of a corpus keep the padded heuristic's tiles and persistent launch (the packed
-    # launcher takes it for inference of up to 128 rows); other packed launches have a program per document.
+    # Up to 128 stacked fp16 / bf16 rows of a corpus keep the padded heuristic's tiles and persistent launch (the
+    # packed launcher takes it in inference; H100: -12 to -22%, benchmarks/NOTES.md "A persistent launch for packed
+    # corpora"). 256-row tiles have a program per document: under their 128-register cap the packed persistent loop
+    # spills (offline ptxas for sm_90) and ran up to 22% slower. So do other packed launches.
     measured = dtype in (torch.float16, torch.bfloat16) and dim <= 128 and cfg.block_m <= 32
     if not measured:
-        stacked = not pairs and cfg.groups > 1 and dtype in (torch.float16, torch.bfloat16)
+        stacked = not pairs and 1 < cfg.groups and cfg.block_m <= 128 and dtype in (torch.float16, torch.bfloat16)
         return cfg if stacked else replace(cfg, programs_per_sm=0)
     return replace(cfg, block_n=32 if pairs else 128, num_warps=4, num_stages=3, programs_per_sm=0)
 

@@ -63,12 +63,8 @@ def program_tiles(cu_ptr, first, n_segments, step, n_rows, BLOCK_N: tl.constexpr
     for chunk in range(0, tl.cdiv(n_segments - first, step), CHUNK):
         index = first + (chunk + tl.arange(0, CHUNK)) * step
         valid = index < n_segments
-        start = tl.load(cu_ptr + index, mask=valid, other=0).to(tl.int64)
-        end = tl.load(cu_ptr + index + 1, mask=valid, other=0).to(tl.int64)
-        start = tl.minimum(tl.maximum(start, 0), n_rows)
-        end = tl.minimum(tl.maximum(end, start), n_rows)
-        tiles = tl.maximum(tl.cdiv(end - start, BLOCK_N), 1).to(tl.int32)
-        total += tl.sum(tl.where(valid, tiles, 0), axis=0)
+        _, length = segment(cu_ptr, index, n_rows, valid)
+        total += tl.sum(tl.where(valid, tl.maximum(tl.cdiv(length, BLOCK_N), 1), 0), axis=0)
     return total
 
 

@@ -170,25 +170,6 @@ def test_persistent_corpus_walks_documents_of_every_length(rng, monkeypatch, for
     assert not scores[:, [0, 4, 8]].any()  # empty documents score 0
 
 
-def test_persistent_corpus_only_up_to_128_rows(rng, monkeypatch):
-    """256 stacked rows keep a program per document (their register cap makes the packed loop spill); the scores
-    are the reference's either way."""
-    from lik.ops.maxsim import packed_forward
-
-    persistent = []
-    launch = packed_forward.launch
-    monkeypatch.setattr(packed_forward, "launch", lambda *a, **k: persistent.append(k["PERSISTENT"]) or launch(*a, **k))
-    d, cu_d, _ = lik.pack(_rand_list(rng, [5, 0, 20], 16))
-    for rows, expected in ((128, True), (256, False)):
-        forced = _config.MaxSimForwardConfig(group_rows=32, groups=rows // 32, block_n=16, block_k=16,
-                                             programs_per_sm=2)
-        Q = torch.randn(rows // 32, 32, 16, generator=rng)
-        with _config.override(maxsim_varlen=forced):
-            scores = lik.maxsim_packed(Q, d, cu_d)
-        assert persistent.pop() is expected
-        assert rel_err(scores, lik.maxsim_packed_reference(Q.double(), d.double(), cu_d)) < TOL
-
-
 def test_deterministic_over_many_short_documents(rng):
     """1-3 token documents and an empty one: each packed row finds its own document (binary search)."""
     lengths = [1, 2, 3, 0, 1, 2, 3, 1, 1, 2, 3, 2, 1, 1, 3]

@@ -58,18 +58,16 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device)
         q_strides = q.stride()
         argmax_strides = argmax.stride() if argmax is not None else (0, 0, 0)
-    # Stacked rows in inference, up to 128 of them, walk their documents in a persistent launch as the padded one
-    # does (the kernel's packed persistent loop; H100: -12 to -22%, benchmarks/NOTES.md "A persistent launch for
-    # packed corpora"). 256-row tiles keep a program per document: under their 128-register cap the packed loop
-    # spills (offline ptxas for sm_90) and ran up to 22% slower. Winners, 8-bit rows and streamed feature chunks
-    # keep a program per document too.
+    # Stacked rows in inference walk their documents in a persistent launch where the config has one (the kernel's
+    # packed persistent loop, as the padded launch's); winners, 8-bit rows and streamed feature chunks keep a
+    # program per document.
     persistent = (not inputs.pairs and not store_argmax and cfg.programs_per_sm > 0 and cfg.groups > 1
-                  and cfg.group_rows * cfg.groups <= 128 and loader == FLOAT and num_k == 1)
+                  and loader == FLOAT and num_k == 1)
     doc_programs = n_docs
     options = {}
     if persistent:
         doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
-        if cfg.max_registers:  # (a forced config's cap)
+        if cfg.max_registers:
             options["maxnreg"] = cfg.max_registers
     q_mask = inputs.q_mask
     q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
