@@ -344,11 +344,10 @@ def score_documents(
         if CLASS_MAX:
             running = tl.full((BLOCK_M, ROW_MAX_CLASSES), float("-inf"), tl.float32)
         steps = my_docs * tiles
-        doc_rows, doc_length = row_offset, doc_len
-        next_rows, next_length = row_offset, doc_len
+        doc_rows, doc_length = row_offset, length  # (the first document's, from document_span)
+        next_rows, next_length = row_offset, length
         if LAYOUT == PACKED:
             steps = program_tiles(cu_d_ptr, first_doc, n_docs, doc_programs, n_d_rows, BLOCK_N)
-            doc_rows, doc_length = segment(cu_d_ptr, first_doc, n_d_rows)
             ahead = first_doc + doc_programs
             next_rows, next_length = segment(cu_d_ptr, ahead, n_d_rows, ahead < n_docs)
         for _ in tl.range(0, steps):
