@@ -241,7 +241,8 @@ def score_documents(
     doc_mask_base = d_mask_ptr + doc_set * stride_dmn
     doc_scale_base = d_scale_ptr + tl.where(stride_dn == 0, 0, doc_set * n_docs * doc_len)
     # A program's documents share one length when padded; a packed program has one document (doc_programs ==
-    # n_docs), so the flat loops below see one length either way.
+    # n_docs), so the flat loops below see one length either way, except the persistent loop over packed
+    # documents, which carries each document's rows and length itself.
     doc_ptr, doc_mask_ptr, length, row_offset = document_span(
         first_doc, doc_base, doc_mask_base, cu_d_ptr, doc_len, n_d_rows, stride_db, stride_dl, stride_dmb, LAYOUT,
     )

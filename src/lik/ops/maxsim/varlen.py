@@ -6,7 +6,8 @@ come from ``cu_seqlens`` through :func:`lik.core.segments.document_span`):
 * :func:`maxsim_varlen` scores ``N`` pairs ``(query i, document i)`` of packed queries ``q [Tq, dim]`` and packed
   documents ``d [Td, dim]`` (a program owns one pair and one chunk of its query rows: :mod:`.pairs`);
 * :func:`maxsim_packed` scores dense queries ``[Nq, Lq, dim]`` against every document of a packed corpus (a
-  program owns one document and a block of query-row groups, short queries stacked as in the padded layout).
+  program owns a block of query-row groups, short queries stacked as in the padded layout, and one document; in
+  inference of up to 128 stacked fp16 / bf16 rows, a persistent program walks every few documents instead).
 
 No padding is read, computed or stored, and no length is specialised on. The saved argmax holds *absolute* rows
 of the packed ``d``. ``cu_seqlens`` offsets read by the kernels are clamped to the packed tensors, so inputs
