@@ -13,7 +13,7 @@ from .forward_kernel import maxsim_fwd_kernel
 from .validation import MaxSimInputs
 
 __all__ = [
-    "maxsim_forward", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "last_tiles",
+    "maxsim_forward", "chunk_sums", "dot_precision", "set_strides", "scale_pointers", "whole_tiles", "last_tiles",
     "NARROW_TAIL_N", "NARROW_TAIL_MAX",
 ]
 
@@ -73,12 +73,16 @@ def last_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool, strided_r
     return whole, (min(NARROW_TAIL_N, cfg.block_n) if whole and doc_len % cfg.block_n else 0)
 
 
-def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def maxsim_forward(
+    inputs: MaxSimInputs, store_argmax: bool, recorder=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on canonical inputs.
 
     Returns fp32 scores ``[Nq, B]`` and, if ``store_argmax``, ``[Nq, B, Lq]`` winner indices (-1 where a row
     gets no gradient: masked query token, empty document, or a masked winner in ``mask_mode="zero"``): int16
     when ``Ld < 32 768`` (half the memory a training step keeps between forward and backward), else int32.
+    ``recorder(grid, args, options, partial)``, if given, is called after the launch with what was launched
+    (:mod:`lik.ops.maxsim.replay` files it for replays); an empty problem launches nothing and calls nothing.
     """
     q, d = inputs.q, inputs.d
     n_q, l_q, dim = q.shape
@@ -121,11 +125,12 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
     grid = (n_row_blocks * doc_programs,)
     whole, tail = last_tiles(cfg, l_d, dim, loader, inputs.d_mask is not None,
                              bool(loader) and (d_strides[2] != dim or d_strides[3] != 1))
-    launch(
-        maxsim_fwd_kernel, grid,
+    args = (
         q, d, q_mask, d_mask, partial, partial, partial, argmax_arg, *scale_ptrs,
         n_q, l_q, n_docs, l_d, 0, 0, n_chunks, n_row_blocks, doc_programs,
         *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides,
+    )
+    options = dict(
         DIM=dim,
         GROUP_ROWS=cfg.group_rows,
         GROUPS=cfg.groups,
@@ -146,5 +151,13 @@ def maxsim_forward(inputs: MaxSimInputs, store_argmax: bool) -> tuple[torch.Tens
         num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers or None,
     )
-    scores = partial[0] if n_chunks == 1 else partial.sum(dim=0)
-    return scores, argmax
+    launch(maxsim_fwd_kernel, grid, *args, **options)
+    if recorder is not None:
+        recorder(grid, args, options, partial)
+    return chunk_sums(partial), argmax
+
+
+def chunk_sums(partial: torch.Tensor) -> torch.Tensor:
+    """Scores ``[Nq, B]`` from the kernel's per-chunk sums ``[n_chunks, Nq, B]`` (a long query's row blocks add up
+    on the host: exact, a score is a sum over query tokens)."""
+    return partial[0] if partial.shape[0] == 1 else partial.sum(dim=0)

@@ -1,0 +1,102 @@
+"""Replays of recorded eager inference launches of :func:`lik.maxsim`.
+
+A serving loop calls ``lik.maxsim`` with the same shapes again and again, and a small call is host bound: checking
+the arguments, building the canonical views, choosing the tile and keying the launch cost more host time than the
+kernel takes on the device (docs/design.md, "The launch cache"). Everything those steps compute is fixed by what
+:func:`replay_key` reads from the arguments (shapes, strides, dtypes, devices, 16-byte alignment, the flags that
+choose the path), so a call whose key was launched before only reads its tensors' addresses, allocates the result
+and replays the recorded launch. The first call with a key runs the full path, checks included, and records it.
+
+A launch is recorded only when every tensor the kernel was given is a view of one of the caller's tensors (same
+address): a call that makes a tensor of its own on the way (an integer mask turned bool, a float query quantized
+to an 8-bit corpus's dtype, a strided scale copied) keeps the full path. Nothing is replayed under
+``torch.compile``, for CPU tensors, while a launch config is forced (:func:`lik._config.override`) or a Triton
+launch hook is installed, or when a gradient is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._config import _OVERRIDES
+from ..._launch import REPLAY_LIMIT, _current_device, replay_allowed, replay_of
+from .forward import chunk_sums
+from .forward_kernel import maxsim_fwd_kernel
+
+__all__ = ["replay_key", "replay", "recorder", "REPLAYS"]
+
+# key -> (replay, slots, partial shape, squeeze), or None for a key whose launch takes a tensor of its own.
+REPLAYS: dict[tuple, tuple | None] = {}
+
+_PARTIAL = -1  # a slot holding the call's own fp32 buffer of per-chunk sums
+
+
+def _tensor_key(x: torch.Tensor) -> tuple:
+    return x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.data_ptr() & 15 == 0
+
+
+def replay_key(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale) -> tuple | None:
+    """What fixes the launch of an eager inference call besides its tensors' addresses, or None when this call may
+    not be replayed (not CUDA tensors, ``torch.compile`` tracing, a forced config or a launch hook, an argument
+    that is not a tensor)."""
+    if (not isinstance(Q, torch.Tensor) or not isinstance(D, torch.Tensor) or not Q.is_cuda or _OVERRIDES
+            or type(mask_mode) is not str or type(backward) is not str or torch.compiler.is_compiling()
+            or not replay_allowed()):
+        return None
+    parts = [_current_device(), mask_mode, backward, torch.is_grad_enabled(), _tensor_key(Q), _tensor_key(D)]
+    for x in (q_mask, d_mask, q_scale, d_scale):
+        if x is None:
+            parts.append(None)
+        elif isinstance(x, torch.Tensor):
+            parts.append(_tensor_key(x))
+        else:
+            return None
+    if Q.dtype == torch.float32:  # fp32 products follow the matmul precision (TF32 or not)
+        parts.append(torch.get_float32_matmul_precision())
+    return tuple(parts)
+
+
+def replay(key: tuple, tensors: tuple) -> torch.Tensor | None:
+    """The scores of a call whose key was recorded, launched from ``tensors`` = ``(Q, D, q_mask, d_mask, q_scale,
+    d_scale)``; None when nothing is recorded for ``key``."""
+    recorded = REPLAYS.get(key)
+    if recorded is None:
+        return None
+    launch, slots, partial_shape, squeeze = recorded
+    partial = torch.empty(partial_shape, dtype=torch.float32, device=tensors[0].device)
+    launch(*[partial.data_ptr() if slot == _PARTIAL else tensors[slot].data_ptr() if isinstance(slot, int) else slot[0]
+             for slot in slots])
+    scores = chunk_sums(partial)
+    return scores[0] if squeeze else scores
+
+
+def recorder(key: tuple, tensors: tuple, squeeze: bool):
+    """A ``maxsim_forward(..., recorder=)`` callback filing the launch it made under ``key``: each tensor argument
+    as the index of the caller's tensor it is a view of (``tensors`` as for :func:`replay`), the buffer of sums
+    as :data:`_PARTIAL`, every other argument as its value."""
+    addresses = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in tensors]
+    given = [a for a in addresses if a is not None]
+
+    def record(grid, args, options, partial):
+        if len(set(given)) != len(given):  # two arguments at one address: which one a slot reads is ambiguous
+            return
+        slots = []
+        for arg in args:
+            if arg is partial:
+                slots.append(_PARTIAL)
+            elif isinstance(arg, torch.Tensor):
+                address = arg.data_ptr()
+                if address not in addresses:  # a tensor this call made: its address changes every call
+                    REPLAYS[key] = None
+                    return
+                slots.append(addresses.index(address))
+            else:
+                slots.append((arg,))
+        launch = replay_of(maxsim_fwd_kernel, grid, *args, **options)
+        if launch is None:  # launched through Triton's own path: nothing recorded to replay
+            return
+        if len(REPLAYS) >= REPLAY_LIMIT:
+            REPLAYS.clear()
+        REPLAYS[key] = (launch, tuple(slots), tuple(partial.shape), squeeze)
+
+    return record
