@@ -9,8 +9,8 @@ Two steps, because the lent GPU has no network and no encoder weights:
 
 On the CPU lik runs its reference (the scores the kernels give, by contract) and the peers' kernels, which need a
 GPU, are replaced by their quantizers as shipped plus their scoring arithmetic evaluated in PyTorch
-(``_emulated``); on a GPU the peers' real kernels run (flash-maxsim compiles and autotunes once per distinct query
-length: allow minutes).
+(``_emulated``); on a GPU the peers' real kernels run beside that emulation (flash-maxsim's int8x8 kernel, which has no
+query mask, gets each query at the padded width with zero rows past its length: exact, and one compile).
 
 ``embed`` encodes real English passages with the demo's all-MiniLM-L6-v2 encoder (``lik.demo.MiniLMEncoder``,
 d = 384, content tokens only, at most ``--max-tokens``): the demo corpus plus paragraphs of the Python standard
@@ -135,8 +135,9 @@ def _methods(Q, q_mask, D, d_mask, *, emulate_peers: bool):
     """``name -> scores [Nq, B]`` of each 8-bit method on fp16 Q [Nq, Lq, d] and D [B, Ld, d] (masks: real tokens).
 
     lik's rows run ``lik.maxsim`` (the kernels on a GPU, the reference on the CPU: the same numbers by contract).
-    The peers' rows run their kernels on a GPU; with ``emulate_peers`` (the CPU) their own quantizers run as
-    shipped and their kernels' scoring arithmetic, read from their source, is evaluated by ``_emulated``."""
+    The peers' "(emulated)" rows run their own quantizers as shipped and their kernels' scoring arithmetic, read
+    from their source, evaluated by ``_emulated`` (any device); without ``emulate_peers`` (a GPU) their real kernels
+    run too."""
     import lik
 
     out = {}
@@ -148,19 +149,20 @@ def _methods(Q, q_mask, D, d_mask, *, emulate_peers: bool):
 
         # Scales are rounded to fp16 by its quantizers and widened to fp32 in its kernel.
         D_i, d_sc = fm.quantize_int8_symmetric(D)
-        if emulate_peers:
-            Q_i, q_sc = fm.quantize_query_int8(Q)
-            out["flash-maxsim int8x8 (emulated)"] = lambda: _emulated(
-                Q_i, q_sc, D_i, d_sc.squeeze(-1), q_mask, d_mask)
-        else:
+        Q_i, q_sc = fm.quantize_query_int8(Q)
+        out["flash-maxsim int8x8 (emulated)"] = lambda: _emulated(Q_i, q_sc, D_i, d_sc.squeeze(-1), q_mask, d_mask)
+        if not emulate_peers:
             lengths = d_mask.sum(1).to(torch.int32)
+            # Its int8x8 kernel takes one 2-D query and no query mask. Each query is passed at the padded width
+            # with zero rows past its length: a zero row quantizes to zeros and adds max(0) = 0 to every score
+            # (exactly), and one width means one compile and autotune instead of one per query length.
+            Q_zero = torch.where(q_mask[..., None], Q, torch.zeros((), dtype=Q.dtype, device=Q.device))
 
             def flash():
                 rows = []
-                for i in range(Q.shape[0]):
-                    q = Q[i, : int(q_mask[i].sum())]
-                    Q_i, q_sc = fm.quantize_query_int8(q)
-                    rows.append(fm.flash_maxsim_int8x8(q, D_i, d_sc, Q_i, q_sc, doc_lengths=lengths))
+                for i in range(Q_zero.shape[0]):
+                    Q_int, q_scale = fm.quantize_query_int8(Q_zero[i])
+                    rows.append(fm.flash_maxsim_int8x8(Q_zero[i], D_i, d_sc, Q_int, q_scale, doc_lengths=lengths))
                 return torch.stack(rows)
 
             out["flash-maxsim int8x8"] = flash
@@ -171,9 +173,8 @@ def _methods(Q, q_mask, D, d_mask, *, emulate_peers: bool):
 
         Q_f, q_sc8 = lk8.quantize_fp8_per_token(Q)
         D_f, d_sc8 = lk8.quantize_fp8_per_token(D)
-        if emulate_peers:
-            out["late-interaction-kernels fp8 (emulated)"] = lambda: _emulated(Q_f, q_sc8, D_f, d_sc8, q_mask, d_mask)
-        else:
+        out["late-interaction-kernels fp8 (emulated)"] = lambda: _emulated(Q_f, q_sc8, D_f, d_sc8, q_mask, d_mask)
+        if not emulate_peers:
             out["late-interaction-kernels fp8"] = lambda: lk8.maxsim_inference_fp8(
                 Q_f, D_f, scale_Q=q_sc8, scale_D=d_sc8, q_mask=q_mask, d_mask=d_mask)
     except ImportError:

@@ -1,0 +1,148 @@
+"""Probe: the 8-bit long-query loop with document tokens as the product's rows (GPU; not a library path).
+
+lik's long-query loop computes ``S = Q_block @ D_tile^T`` ([query rows, tokens]) and multiplies each column by its
+token's scale, which reaches the accumulator's layout through shared memory every tile. With the product
+transposed, ``S^T = D_tile @ Q_block^T`` ([tokens, query rows]), a token's scale is a row factor: a thread holds
+four rows of a 128-row tile, so it loads four scales and nothing is exchanged; the running max is kept per row
+slot of the accumulator (the rows a thread holds are folded in registers) and the slots meet once per document.
+
+Times, in one process and alternating: lik fp16 / int8 / fp8 (the shipped kernels), and this probe's int8 / fp8
+in both orientations (columns: lik's layout without its features; rows: the transposed one), ColPali and visual
+shapes (1 024 / 512 query tokens against B = 1 000 pages of 1 024 tokens, d = 128). Checks each probe against
+lik's scores of the same quantized operands.
+
+    python3 benchmarks/tokens_as_rows_probe.py --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+import lik  # noqa: E402
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def probe_kernel(
+    q_ptr, d_ptr, q_scale_ptr, d_scale_ptr, partial_ptr, n_docs, doc_len, q_len,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT8: tl.constexpr, TOKENS_AS_ROWS: tl.constexpr,
+):
+    row_block = tl.program_id(0)
+    doc = tl.program_id(1)
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    k = tl.arange(0, DIM)
+    q = tl.load(q_ptr + rows[:, None] * DIM + k[None, :])
+    doc_base = d_ptr + doc.to(tl.int64) * doc_len * DIM
+    scale_base = d_scale_ptr + doc.to(tl.int64) * doc_len
+    if TOKENS_AS_ROWS:
+        q_t = tl.trans(q)
+        # row slot = (warp, lane // 4): tile row = 64 * rep + 16 * warp + 8 * half + lane // 4 (wgmma, 4 warps)
+        running = tl.full((32, BLOCK_M), float("-inf"), tl.float32)
+        for start in tl.range(0, doc_len, BLOCK_N):
+            tokens = start + tl.arange(0, BLOCK_N)
+            scale = tl.load(scale_base + tokens)
+            d_tile = tl.load(doc_base + tokens[:, None] * DIM + k[None, :])
+            if INT8:
+                s = tl.dot(d_tile, q_t, out_dtype=tl.int32).to(tl.float32)
+            else:
+                s = tl.dot(d_tile, q_t, max_num_imprecise_acc=DIM)
+            s = s * scale[:, None]
+            grouped = tl.reshape(s, (BLOCK_N // 64, 4, 2, 8, BLOCK_M))
+            folded = tl.reduce(tl.reduce(grouped, 2, _nan_max), 0, _nan_max)
+            running = _nan_max(running, tl.reshape(folded, (32, BLOCK_M)))
+        best = tl.reduce(running, 0, _nan_max)
+    else:
+        running = tl.full((BLOCK_M, 4), float("-inf"), tl.float32)
+        for start in tl.range(0, doc_len, BLOCK_N):
+            tokens = start + tl.arange(0, BLOCK_N)
+            scale = tl.load(scale_base + tokens)
+            d_tile = tl.load(doc_base + tokens[:, None] * DIM + k[None, :])
+            if INT8:
+                s = tl.dot(q, tl.trans(d_tile), out_dtype=tl.int32).to(tl.float32)
+            else:
+                s = tl.dot(q, tl.trans(d_tile), max_num_imprecise_acc=DIM)
+            s = s * scale[None, :]
+            grouped = tl.reshape(s, (BLOCK_M, BLOCK_N // 8, 4, 2))
+            running = _nan_max(running, tl.reduce(tl.reduce(grouped, 3, _nan_max), 1, _nan_max))
+        best = tl.reduce(running, 1, _nan_max)
+    q_scale = tl.load(q_scale_ptr + rows)
+    tl.store(partial_ptr + row_block * n_docs + doc, tl.sum(best * q_scale, axis=0))
+
+
+def probe(q8, q_scale, d8, d_scale, tokens_as_rows, num_stages=3, num_warps=4):
+    lq, dim = q8.shape
+    n_docs, doc_len, _ = d8.shape
+    partial = torch.empty(lq // 128, n_docs, device=q8.device, dtype=torch.float32)
+    probe_kernel[(lq // 128, n_docs)](
+        q8, d8, q_scale, d_scale, partial, n_docs, doc_len, lq,
+        DIM=dim, BLOCK_M=128, BLOCK_N=128, INT8=q8.dtype == torch.int8, TOKENS_AS_ROWS=tokens_as_rows,
+        num_stages=num_stages, num_warps=num_warps,
+    )
+    return partial.sum(0)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    dev = "cuda"
+    shapes = {"colpali": (1024, 1024, 1000), "visual": (512, 1024, 1000)}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "cells": {}}
+    lines = []
+    for name, (lq, ld, b) in shapes.items():
+        q = torch.nn.functional.normalize(torch.randn(lq, 128, device=dev), dim=-1).half()
+        d = torch.nn.functional.normalize(torch.randn(b, ld, 128, device=dev), dim=-1).half()
+        methods = {"lik fp16": lambda q=q, d=d: lik.maxsim(q, d)}
+        for dtype, tag in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8")):
+            d8, ds = lik.quantize(d, dtype)
+            q8, qs = lik.quantize(q, dtype)
+            ref = lik.maxsim(q8, d8, q_scale=qs, d_scale=ds)
+            for rows in (False, True):
+                got = probe(q8, qs, d8, ds, rows)
+                err = (got - ref).abs().max().item()
+                results["cells"][f"{name} probe {tag} {'rows' if rows else 'columns'} max err"] = err
+                lines.append(f"{name} probe {tag} {'rows' if rows else 'columns'}: max |probe - lik| = {err:.3g}")
+            methods[f"lik {tag}"] = lambda q8=q8, qs=qs, d8=d8, ds=ds: lik.maxsim(q8, d8, q_scale=qs, d_scale=ds)
+            methods[f"probe {tag} columns"] = lambda q8=q8, qs=qs, d8=d8, ds=ds: probe(q8, qs, d8, ds, False)
+            methods[f"probe {tag} rows"] = lambda q8=q8, qs=qs, d8=d8, ds=ds: probe(q8, qs, d8, ds, True)
+            for stages in (2, 4):
+                methods[f"probe {tag} rows s{stages}"] = (
+                    lambda q8=q8, qs=qs, d8=d8, ds=ds, s=stages: probe(q8, qs, d8, ds, True, num_stages=s))
+        for fn in methods.values():
+            fn()
+        torch.cuda.synchronize()
+        times = {m: [] for m in methods}
+        for _ in range(args.rounds):
+            for m, fn in methods.items():
+                times[m].append(triton.testing.do_bench(fn, warmup=25, rep=200))
+        for m, t in times.items():
+            results["cells"][f"{name} {m}"] = t
+        fp16 = sorted(times["lik fp16"])[len(times["lik fp16"]) // 2]
+        for m, t in times.items():
+            med = sorted(t)[len(t) // 2]
+            lines.append(f"{name:8s} {m:22s} {med:.4f} ms (x fp16 {fp16 / med:.2f})  rounds {[round(x, 4) for x in t]}")
+        del d
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "tokens_as_rows_probe.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
