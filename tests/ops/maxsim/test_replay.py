@@ -10,7 +10,9 @@ import torch
 import lik
 from lik import _launch
 from lik.ops.maxsim import replay as replay_module
-from lik.ops.maxsim.replay import REPLAYS, recorder, replay, replay_key
+from lik.ops.maxsim.replay import recorder, replay, replay_key
+
+from ...launch_hooks import recorded_launches
 
 
 @pytest.fixture
@@ -232,8 +234,6 @@ def test_gpu_a_misaligned_view_or_new_matmul_precision_is_a_new_key(monkeypatch,
 
 @pytest.mark.gpu
 def test_gpu_gradients_forced_configs_hooks_and_bad_input_skip_the_replay(monkeypatch, fresh_replays):
-    import triton
-
     import lik._config as config
 
     full_launches = _counting_forward(monkeypatch)
@@ -256,14 +256,8 @@ def test_gpu_gradients_forced_configs_hooks_and_bad_input_skip_the_replay(monkey
         lik.maxsim(Q, D, d_mask=torch.ones(50, 71, dtype=torch.bool, device="cuda"))
     with pytest.raises(ValueError, match="mask_mode"):
         lik.maxsim(Q, D, mask_mode="max")
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None or not hasattr(knobs.runtime.launch_enter_hook, "add"):
-        return  # Triton without HookChain launch hooks
-    seen = []
-    hook = seen.append
-    knobs.runtime.launch_enter_hook.add(hook)
-    try:
+    with recorded_launches() as seen:
+        if seen is None:
+            return  # Triton without HookChain launch hooks
         lik.maxsim(Q, D)
-    finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 1  # a profiler's hook sees the launch: the full path took it

@@ -15,6 +15,8 @@ from lik.ops.msda import ms_deform_attn
 from lik.ops.msda.backward import _replay_atomic, msda_backward
 from lik.ops.msda.forward import msda_forward
 
+from ...launch_hooks import recorded_launches
+
 from .helpers import rand_problem, reference64, rel_err, with_grads
 
 HW = [(5, 6), (3, 3)]
@@ -154,8 +156,6 @@ def test_gpu_repeated_calls_replay_with_the_general_paths_numbers(rng, monkeypat
 
 @pytest.mark.gpu
 def test_gpu_replays_decline_strided_inputs_a_forced_tile_and_a_launch_hook(rng, monkeypatch):
-    import triton
-
     import lik._config as config
 
     monkeypatch.setattr(msda_backward_module, "_REPLAYS", {})
@@ -181,17 +181,11 @@ def test_gpu_replays_decline_strided_inputs_a_forced_tile_and_a_launch_hook(rng,
     assert len(launches) == 3 and len(forward_launches) == 3  # forced tiles: the general path
     for g, w in zip(got, want[1:]):
         assert rel_err(g, w) <= 1e-5
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None or not hasattr(knobs.runtime.launch_enter_hook, "add"):
-        return  # Triton without HookChain launch hooks
-    seen = []
-    hook = seen.append
-    knobs.runtime.launch_enter_hook.add(hook)
-    try:
+    with recorded_launches() as seen:
+        if seen is None:
+            return  # Triton without HookChain launch hooks
         msda_backward(grad, value, shapes, starts, loc, weights, deterministic=False)
         msda_forward(value, shapes, starts, loc, weights)
-    finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
     assert len(launches) == 4 and len(forward_launches) == 4 and len(seen) == 2  # a profiler's hook sees both
 
 
