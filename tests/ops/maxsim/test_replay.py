@@ -242,6 +242,9 @@ def test_gpu_gradients_forced_configs_hooks_and_bad_input_skip_the_replay(monkey
     assert len(fresh_replays) == 1
     # A gradient: the autograd path (its forward stores winners), never a replay, nothing recorded.
     Qg = Q.clone().requires_grad_()
+    assert replay_key(Qg, D, None, None, "exclude", "auto", None, None) is None
+    with torch.no_grad():  # without grad the same tensor may replay: its key is an inference key
+        assert replay_key(Qg, D, None, None, "exclude", "auto", None, None) is not None
     lik.maxsim(Qg, D).sum().backward()
     assert Qg.grad is not None and Qg.grad.abs().sum() > 0 and len(fresh_replays) == 1
     assert len(full_launches) == 2

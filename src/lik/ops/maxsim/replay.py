@@ -38,12 +38,16 @@ def _tensor_key(x: torch.Tensor) -> tuple:
 def replay_key(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale) -> tuple | None:
     """What fixes the launch of an eager inference call besides its tensors' addresses, or None when this call may
     not be replayed (not CUDA tensors, ``torch.compile`` tracing, a forced config or a launch hook, an argument
-    that is not a tensor)."""
+    that is not a tensor, a query or documents that require grad while grad is enabled)."""
     if (not isinstance(Q, torch.Tensor) or not isinstance(D, torch.Tensor) or not Q.is_cuda or _OVERRIDES
             or type(mask_mode) is not str or type(backward) is not str or torch.compiler.is_compiling()
             or not replay_allowed()):
         return None
-    parts = [_current_device(), mask_mode, backward, torch.is_grad_enabled(), _tensor_key(Q), _tensor_key(D)]
+    # A call that may need a gradient takes the autograd path (or is refused): no key, so training pays nothing
+    # here. Past this test the grad mode changes no check's outcome, so it is not part of the key.
+    if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
+        return None
+    parts = [_current_device(), mask_mode, backward, _tensor_key(Q), _tensor_key(D)]
     for x in (q_mask, d_mask, q_scale, d_scale):
         if x is None:
             parts.append(None)
