@@ -25,6 +25,38 @@ def test_kernel_matches_reference_bitwise(dim, n_rows, rng):
     assert torch.equal(scale, ref_scale)
 
 
+def _boundary_rows(qmax, amaxes):
+    """float32 rows whose quotients ``x / scale`` lie one float32 step below, on and above every ``k + 0.5`` (int8's
+    rounding boundaries), both signs, plus -0 and +0; each row starts with its max, so ``scale = amax / qmax``.
+    The kernel multiplies by a reciprocal and corrects once: these are the values a wrong last bit would move."""
+    rows = []
+    for amax in amaxes:
+        amax = torch.tensor(amax, dtype=torch.float32)
+        scale = amax / qmax
+        half = (torch.arange(-qmax, qmax, dtype=torch.float32) + 0.5) * scale
+        near = torch.cat([torch.nextafter(half, half + 1), half, torch.nextafter(half, half - 1)])
+        near = near[near.abs() <= amax]
+        rows.append(torch.cat([amax.reshape(1), near, torch.tensor([-0.0, 0.0, -amax])]))
+    width = max(r.numel() for r in rows)
+    return torch.stack([torch.cat([r, r[-1:].expand(width - r.numel())]) for r in rows])
+
+
+@pytest.mark.parametrize("tiny_row", [False, True])
+def test_kernel_quotients_at_rounding_boundaries(tiny_row, rng):
+    """Bit-equal to the reference's correctly rounded division where rounding is decided, including -0; a row
+    whose scale is below 2**-64 sends its block through the division itself (both branches of the kernel)."""
+    amaxes = [1.0, 0.7071, 3.3e-3, 12345.678, 2.0**-60] + torch.rand(6, generator=rng).tolist()
+    x = _boundary_rows(127.0, amaxes)
+    if tiny_row:
+        x[1] = x[1] * 2.0**-120  # scale ~ 2**-127, subnormal: the correction's remainder underflows
+        x[0] = x[0] * 2.0**-125  # a subnormal scale whose reciprocal overflows
+    x_q, scale = quantize_rows(x, torch.int8)
+    ref_q, ref_scale = quantize_reference(x, torch.int8)
+    assert torch.equal(x_q, ref_q)
+    assert torch.equal(scale, ref_scale)
+    assert (x_q[:, 0] == 127).all() and (x_q[:, -1] == -127).all()
+
+
 @pytest.mark.parametrize("dim", [48, 80, 96, 384])
 def test_widths_that_are_not_powers_of_two_take_whole_chunks(dim, rng):
     """A width that is a multiple of 16 but not a power of two is walked in chunks of its largest power-of-two
@@ -170,3 +202,31 @@ def test_gpu_kernel_matches_reference(dtype, in_dtype, dim):
     ref_q, ref_scale = quantize_reference(x.cpu(), dtype)
     assert torch.equal(x_q.cpu().float(), ref_q.float())
     torch.testing.assert_close(scale.cpu(), ref_scale, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QUANTIZED_DTYPES)
+@pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16])
+def test_gpu_kernel_every_16_bit_value_bitwise(dtype, in_dtype):
+    """Every finite 16-bit input value (subnormals, -0) in rows of 300 different maxima, and the rounding-boundary
+    rows, bit for bit against the reference (the byte patterns, so -0 is checked too), both branches of the kernel
+    (a tiny-scale row sends its block through the division)."""
+    if dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 on this GPU")
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    values = bits.view(in_dtype).float()
+    values = values[torch.isfinite(values)]
+    g = torch.Generator().manual_seed(0)
+    maxima = values.abs()[torch.randint(0, values.numel(), (300,), generator=g)]
+    maxima[:3] = torch.tensor([values.abs().max().item(), 2.0**-70, 0.0])
+    rows = []
+    for amax in maxima.tolist():
+        inside = values[values.abs() <= amax]
+        rows.append(torch.cat([torch.tensor([amax]), inside]))
+    width = max(r.numel() for r in rows)
+    x = torch.stack([torch.cat([r, r[-1:].expand(width - r.numel())]) for r in rows]).to(in_dtype)
+    for batch in (x, _boundary_rows(QMAX[dtype], [1.0, 0.37, 4.2e-3, 900.0]).to(in_dtype)):
+        x_q, scale = lik.quantize(batch.cuda(), dtype)
+        ref_q, ref_scale = quantize_reference(batch, dtype)
+        assert torch.equal(x_q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+        torch.testing.assert_close(scale.cpu(), ref_scale, rtol=0, atol=0, equal_nan=True)

@@ -23,16 +23,53 @@ _TILE_ELEMENTS = 1024
 _MAX_BLOCK_D = 8192
 
 
+# Below this scale the one-correction quotient's remainder could underflow (it is exact only while it stays a
+# normal float32); such rows take the correctly rounded division instead. Real embeddings have scales near 1e-3.
+_FAST_MIN_SCALE = tl.constexpr(2.0**-64)
+_ROUNDING_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding it leaves round-half-even(v) in the low mantissa bits
+
+
 @triton.jit
-def _scaled(x, inv_ok, scale, QMAX_VALUE: tl.constexpr, TO_INT8: tl.constexpr):
-    # Correctly rounded division, as the reference's float32 ``x / scale`` (Triton's ``/`` is approximate).
-    values = tl.div_rn(x, tl.where(inv_ok, scale, 1.0)[:, None])
-    values = tl.where(inv_ok[:, None], values, 0.0)
-    values = tl.minimum(tl.maximum(values, -QMAX_VALUE), QMAX_VALUE)
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _row_scales(amax, QMAX_VALUE: tl.constexpr):
+    """``(scale, finite, fast)`` of rows whose NaN-propagating max |x| is ``amax``: scale 0 for a zero or non-finite
+    row; ``fast`` where :func:`_quotients` may multiply by the reciprocal."""
+    finite = amax < float("inf")  # (NaN compares False)
+    scale = tl.div_rn(tl.where(finite, amax, 0.0), QMAX_VALUE)
+    fast = finite & ((scale == 0.0) | (scale >= _FAST_MIN_SCALE))
+    return scale, finite, fast
+
+
+@triton.jit
+def _quotients(x, scale, usable, FAST: tl.constexpr):
+    """``x / scale`` per row, correctly rounded as the reference's float32 division (Triton's ``/`` is approximate),
+    0 in rows that are not ``usable`` (scale 0, or a non-finite row).
+
+    ``FAST`` (every row finite, its scale 0 or at least ``_FAST_MIN_SCALE``): the product with the correctly
+    rounded reciprocal and one exact-remainder correction (Markstein's theorem: the correctly rounded quotient),
+    three FMA-pipe instructions where ``div_rn`` costs a reciprocal and a checked sequence per element. The signs
+    are arranged so that a -0 input gives -0 as the division does, and an unusable row +0."""
+    if FAST:
+        inv = tl.where(usable, tl.div_rn(1.0, tl.where(usable, scale, 1.0)), 0.0)[:, None]
+        divisor = tl.where(usable, scale, 1.0)[:, None]
+        zero_sign = tl.where(usable, -0.0, 0.0)[:, None]  # x * inv + (-0) is x * inv, -0 kept; + 0 makes it +0
+        first = tl.fma(x, inv, zero_sign)
+        return tl.fma(-tl.fma(first, divisor, -x), inv, first)
+    values = tl.div_rn(x, tl.where(usable, scale, 1.0)[:, None])
+    return tl.where(usable[:, None], values, 0.0)
+
+
+@triton.jit
+def _to_8bit(values, QMAX_VALUE: tl.constexpr, TO_INT8: tl.constexpr, out_dtype: tl.constexpr):
+    """Quotients (``|v| <= QMAX`` up to rounding, so no clamp changes a result) to the stored 8-bit values."""
     if TO_INT8:
-        # Round half to even: adding and removing 1.5 * 2**23 leaves the nearest integer (|values| <= 127).
-        values = (values + 12582912.0) - 12582912.0
-    return values
+        # Round half to even without a float-to-int conversion: the integer sits in the low bits of v + 1.5 * 2**23.
+        return (values + _ROUNDING_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
+    return tl.minimum(tl.maximum(values, -QMAX_VALUE), QMAX_VALUE).to(out_dtype)
 
 
 # n_rows stays unspecialized (no recompile per corpus size); dim and the row strides keep Triton's 16-divisibility
@@ -48,33 +85,37 @@ def quantize_rows_kernel(
     cols = tl.arange(0, BLOCK_D)
     x_rows = x_ptr + rows[:, None] * stride_xr
     q_rows = q_ptr + rows[:, None] * stride_qr
+    out_dtype: tl.constexpr = q_ptr.dtype.element_ty
     if SINGLE_CHUNK:
         mask = row_ok[:, None] & (cols[None, :] < dim)
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        # x - x is 0 for finite values and NaN for NaN and inf: one sum flags a non-finite row.
-        finite = tl.sum(x - x, axis=1) == 0.0
+        amax = tl.reduce(tl.abs(x), 1, _nan_max)
     else:
         amax = tl.zeros((BLOCK_ROWS,), tl.float32)
-        finite = tl.full((BLOCK_ROWS,), 1, tl.int1)
         for start in range(0, dim, BLOCK_D):
             mask = row_ok[:, None] & ((start + cols)[None, :] < dim)
             chunk = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(chunk), axis=1))
-            finite = finite & (tl.sum(chunk - chunk, axis=1) == 0.0)
-    amax = tl.where(finite, amax, 0.0)
-    scale = tl.div_rn(amax, QMAX_VALUE)
+            amax = _nan_max(amax, tl.reduce(tl.abs(chunk), 1, _nan_max))
+    scale, finite, fast = _row_scales(amax, QMAX_VALUE)
     usable = scale > 0.0
     tl.store(scale_ptr + rows, tl.where(finite, scale, float("nan")), mask=row_ok)
+    # One branch per program: a block with a non-finite row or a tiny scale takes the division.
+    all_fast = tl.min(fast.to(tl.int32), axis=0) == 1
     if SINGLE_CHUNK:
-        values = _scaled(x, usable, scale, QMAX_VALUE, TO_INT8)
-        tl.store(q_rows + cols[None, :], values.to(q_ptr.dtype.element_ty), mask=mask)
+        if all_fast:
+            values = _quotients(x, scale, usable, True)
+        else:
+            values = _quotients(x, scale, usable, False)
+        tl.store(q_rows + cols[None, :], _to_8bit(values, QMAX_VALUE, TO_INT8, out_dtype), mask=mask)
     else:
         for start in range(0, dim, BLOCK_D):
             mask = row_ok[:, None] & ((start + cols)[None, :] < dim)
             chunk = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            values = _scaled(chunk, usable, scale, QMAX_VALUE, TO_INT8)
-            tl.store(q_rows + start + cols[None, :], values.to(q_ptr.dtype.element_ty), mask=mask)
+            if all_fast:
+                values = _quotients(chunk, scale, usable, True)
+            else:
+                values = _quotients(chunk, scale, usable, False)
+            tl.store(q_rows + start + cols[None, :], _to_8bit(values, QMAX_VALUE, TO_INT8, out_dtype), mask=mask)
 
 
 def quantize_rows(x2d: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
