@@ -225,7 +225,15 @@ def score_documents(
     stride_dsl = 1
     q_scale = row_scales(q_scale_ptr + query * q_len + token, row_valid, LOADER)
     offs_k = tl.arange(0, BLOCK_K)
-    if NUM_K == 1:
+    if NUM_K == 1 and DIM == BLOCK_K and not HAS_Q_MASK:
+        # Rows past the query (a short group's padding, a last block's missing queries) re-read a real token
+        # instead of loading under a row predicate: their maxima never reach a score or a winner (row_valid,
+        # row_in_range). (A masked query keeps the predicate: its masked tokens may hold NaN.)
+        clamped_rows = (
+            q_ptr + tl.minimum(query, n_queries - 1) * stride_qn + tl.minimum(token, q_len - 1) * stride_ql
+        )
+        q_rows = tl.load(clamped_rows[:, None] + offs_k[None, :] * stride_qk)
+    elif NUM_K == 1:
         q_rows = tl.load(
             q_row_ptrs[:, None] + offs_k[None, :] * stride_qk,
             mask=row_valid[:, None] & (offs_k[None, :] < DIM),
