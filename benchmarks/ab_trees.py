@@ -2,10 +2,14 @@
 
 Each tree is imported by path under the name ``lik`` in turn (the first copy is kept by reference when the
 second is imported; its custom operators are registered under another namespace so both can coexist), and
-every cell is timed for both, interleaved round by round, with ``triton.testing.do_bench`` medians. The ratio
-``after / before`` per cell is what carries; the spread between rounds says what noise is.
+every cell is timed for both, interleaved round by round (the tree timed first alternates: the second timing of a
+pair can read a few % fast), with ``triton.testing.do_bench`` medians. The ratio ``after / before`` per cell is
+what carries; the spread between rounds says what noise is. ``--cells`` picks cells by substring, e.g. the 8-bit
+ones (``int8``, ``fp8``: Q and D quantized once, outside the timing) or ``quantize`` (``lik.quantize`` of a
+3 M-token fp16 corpus).
 
     python benchmarks/ab_trees.py --before ../before/src --after src --out $OUT
+    python benchmarks/ab_trees.py --before ../before/src --after src --cells int8,fp8,quantize --out $OUT
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ def normalised(*shape, gen):
     return torch.nn.functional.normalize(torch.randn(*shape, device="cuda", generator=gen), dim=-1).half()
 
 
+def quantize_once(x, dtype):
+    """Per-token symmetric quantization in PyTorch (the contract of ``lik.quantize``), so that both trees score
+    the same 8-bit operands whatever either's quantizer does."""
+    from lik.ops.quantization.reference import quantize_reference  # noqa: PLC0415 (the tree imported last)
+
+    return tuple(t.cuda() for t in quantize_reference(x.cpu(), dtype))
+
+
 def cells(gen):
     """``name -> (inputs, run(lik, inputs))`` for the canonical cells (DESIGN.md), d = 128, fp16."""
     out = {}
@@ -55,6 +67,16 @@ def cells(gen):
                                 ("colpali", (1024, 1024), 128)]:
         out[f"multi/{family}/Nq32xB{b}"] = ((normalised(32, lq, 128, gen=gen), normalised(b, ld, 128, gen=gen)),
                                             lambda lik, x: lik.maxsim(*x))
+
+    for dtype, tag in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8")):
+        for family, (lq, ld), b in [("textual", (32, 300), 10000), ("visual", (512, 1024), 1000),
+                                    ("colpali", (1024, 1024), 1000)]:
+            q, d = normalised(lq, 128, gen=gen), normalised(b, ld, 128, gen=gen)
+            (q8, qs), (d8, ds) = quantize_once(q, dtype), quantize_once(d, dtype)
+            out[f"{tag}/{family}/B{b}"] = ((q8, d8, qs, ds),
+                                           lambda lik, x: lik.maxsim(x[0], x[1], q_scale=x[2], d_scale=x[3]))
+        corpus = torch.randn(3_000_000, 128, device="cuda", generator=gen).half()
+        out[f"quantize/{tag}/3Mx128"] = ((corpus, dtype), lambda lik, x: lik.quantize(*x))
 
     def train(lik, x):
         Q, D = (t.detach().requires_grad_() for t in x)
@@ -88,22 +110,30 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rep-ms", type=float, default=60.0)
+    parser.add_argument("--cells", default="", help="comma-separated substrings of the cell names to run")
     args = parser.parse_args()
     trees = {"before": load_lik(args.before, "lik_before"), "after": load_lik(args.after, "lik_after")}
     gen = torch.Generator(device="cuda").manual_seed(0)
     table = cells(gen)
+    if args.cells:
+        table = {k: v for k, v in table.items() if any(part in k for part in args.cells.split(","))}
     for name, (inputs, run) in table.items():  # compile and check agreement once
         results = {}
         for tree, lik in trees.items():
             with torch.no_grad() if not name.startswith("train") else torch.enable_grad():
                 out = run(lik, inputs)
             results[tree] = out
-        if isinstance(results["before"], torch.Tensor):
+        if name.startswith("quantize"):  # the contract is bit for bit
+            assert all(torch.equal(b.view(torch.uint8) if b.dtype != torch.float32 else b,
+                                   a.view(torch.uint8) if a.dtype != torch.float32 else a)
+                       for b, a in zip(results["before"], results["after"])), name
+        elif isinstance(results["before"], torch.Tensor):
             assert torch.allclose(results["before"], results["after"], rtol=1e-3, atol=1e-3), name
     times = {name: {tree: [] for tree in trees} for name in table}
-    for _ in range(args.rounds):
+    for round_index in range(args.rounds):
         for name, (inputs, run) in table.items():
-            for tree, lik in trees.items():
+            order = list(trees.items()) if round_index % 2 == 0 else list(trees.items())[::-1]
+            for tree, lik in order:
                 ms = triton.testing.do_bench(lambda: run(lik, inputs), warmup=20, rep=args.rep_ms,
                                              return_mode="median")
                 times[name][tree].append(ms)
