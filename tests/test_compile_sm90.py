@@ -186,9 +186,15 @@ def _chamfer_workload():
 
 
 def _quantize_workload():
+    """``lik.quantize``'s int8 launches, and float8's through the launcher (CPU float8 runs the reference)."""
+    from lik.ops.quantization.kernel import quantize_rows
+
     gen = torch.Generator().manual_seed(4)
     for dim in (3, 200, 20000):
         lik.quantize(torch.randn(5, dim, generator=gen), torch.int8)
+    for dim in (128, 96):
+        for in_dtype in (torch.float16, torch.bfloat16):
+            quantize_rows(torch.randn(5, dim, generator=gen).to(in_dtype), torch.float8_e4m3fn)
 
 
 def _quantized_workload():

@@ -45,20 +45,27 @@ def _row_scales(amax, QMAX_VALUE: tl.constexpr):
 
 
 @triton.jit
-def _quotients(x, scale, usable, FAST: tl.constexpr):
+def _quotients(x, scale, usable, FAST: tl.constexpr, SIGNED_ZERO: tl.constexpr):
     """``x / scale`` per row, correctly rounded as the reference's float32 division (Triton's ``/`` is approximate),
-    0 in rows that are not ``usable`` (scale 0, or a non-finite row).
+    0 in rows that are not ``usable`` (scale 0, or a non-finite row); ``SIGNED_ZERO`` (float8 stores -0): a -0
+    input of a usable row gives -0, as the division does.
 
     ``FAST`` (every row finite, its scale 0 or at least ``_FAST_MIN_SCALE``): the product with the correctly
     rounded reciprocal and one exact-remainder correction (Markstein's theorem: the correctly rounded quotient),
-    three FMA-pipe instructions where ``div_rn`` costs a reciprocal and a checked sequence per element. The signs
-    are arranged so that a -0 input gives -0 as the division does, and an unusable row +0."""
+    three FMA-pipe instructions where ``div_rn`` costs a reciprocal and a checked sequence per element. The sign
+    of a zero quotient is then set with bit operations (the compiler may fold a negation across an FMA, which
+    changes only the sign of a zero: seen on sm_90)."""
     if FAST:
         inv = tl.where(usable, tl.div_rn(1.0, tl.where(usable, scale, 1.0)), 0.0)[:, None]
-        divisor = tl.where(usable, scale, 1.0)[:, None]
-        zero_sign = tl.where(usable, -0.0, 0.0)[:, None]  # x * inv + (-0) is x * inv, -0 kept; + 0 makes it +0
-        first = tl.fma(x, inv, zero_sign)
-        return tl.fma(-tl.fma(first, divisor, -x), inv, first)
+        first = x * inv
+        values = tl.fma(tl.fma(first, tl.where(usable, scale, 1.0)[:, None], -x), -inv, first)
+        if SIGNED_ZERO:
+            # A nonzero quotient already has x's sign; a zero one takes it in a usable row and is +0 elsewhere.
+            sign = tl.where(usable, -2147483648, 0)[:, None]  # the float32 sign bit
+            keep = tl.where(usable, -1, 2147483647)[:, None]
+            bits = (values.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & sign)) & keep
+            values = bits.to(tl.float32, bitcast=True)
+        return values
     values = tl.div_rn(x, tl.where(usable, scale, 1.0)[:, None])
     return tl.where(usable[:, None], values, 0.0)
 
@@ -103,18 +110,18 @@ def quantize_rows_kernel(
     all_fast = tl.min(fast.to(tl.int32), axis=0) == 1
     if SINGLE_CHUNK:
         if all_fast:
-            values = _quotients(x, scale, usable, True)
+            values = _quotients(x, scale, usable, True, not TO_INT8)
         else:
-            values = _quotients(x, scale, usable, False)
+            values = _quotients(x, scale, usable, False, not TO_INT8)
         tl.store(q_rows + cols[None, :], _to_8bit(values, QMAX_VALUE, TO_INT8, out_dtype), mask=mask)
     else:
         for start in range(0, dim, BLOCK_D):
             mask = row_ok[:, None] & ((start + cols)[None, :] < dim)
             chunk = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if all_fast:
-                values = _quotients(chunk, scale, usable, True)
+                values = _quotients(chunk, scale, usable, True, not TO_INT8)
             else:
-                values = _quotients(chunk, scale, usable, False)
+                values = _quotients(chunk, scale, usable, False, not TO_INT8)
             tl.store(q_rows + start + cols[None, :], _to_8bit(values, QMAX_VALUE, TO_INT8, out_dtype), mask=mask)
 
 
