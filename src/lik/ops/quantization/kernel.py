@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, next_power_of_2
+from ..maxsim.tile import nan_max
 from .reference import QMAX
 
 __all__ = ["quantize_rows_kernel", "quantize_rows", "quantize_tiles"]
@@ -27,11 +28,6 @@ _MAX_BLOCK_D = 8192
 # normal float32); such rows take the correctly rounded division instead. Real embeddings have scales near 1e-3.
 _FAST_MIN_SCALE = tl.constexpr(2.0**-64)
 _ROUNDING_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding it leaves round-half-even(v) in the low mantissa bits
-
-
-@triton.jit
-def _nan_max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -55,10 +51,11 @@ def _quotients(x, scale, usable, FAST: tl.constexpr, SIGNED_ZERO: tl.constexpr):
     three FMA-pipe instructions where ``div_rn`` costs a reciprocal and a checked sequence per element. The sign
     of a zero quotient is then set with bit operations (the compiler may fold a negation across an FMA, which
     changes only the sign of a zero: seen on sm_90)."""
+    divisor = tl.where(usable, scale, 1.0)
     if FAST:
-        inv = tl.where(usable, tl.div_rn(1.0, tl.where(usable, scale, 1.0)), 0.0)[:, None]
+        inv = tl.where(usable, tl.div_rn(1.0, divisor), 0.0)[:, None]
         first = x * inv
-        values = tl.fma(tl.fma(first, tl.where(usable, scale, 1.0)[:, None], -x), -inv, first)
+        values = tl.fma(tl.fma(first, divisor[:, None], -x), -inv, first)
         if SIGNED_ZERO:
             # A nonzero quotient already has x's sign; a zero one takes it in a usable row and is +0 elsewhere.
             sign = tl.where(usable, -2147483648, 0)[:, None]  # the float32 sign bit
@@ -66,8 +63,19 @@ def _quotients(x, scale, usable, FAST: tl.constexpr, SIGNED_ZERO: tl.constexpr):
             bits = (values.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & sign)) & keep
             values = bits.to(tl.float32, bitcast=True)
         return values
-    values = tl.div_rn(x, tl.where(usable, scale, 1.0)[:, None])
-    return tl.where(usable[:, None], values, 0.0)
+    return tl.where(usable[:, None], tl.div_rn(x, divisor[:, None]), 0.0)
+
+
+@triton.jit
+def _stored_values(x, scale, usable, all_fast, QMAX_VALUE: tl.constexpr, TO_INT8: tl.constexpr,
+                   out_dtype: tl.constexpr):
+    """The 8-bit values of ``x``'s rows: :func:`_quotients` (its fast form when ``all_fast``, a branch per
+    program), then :func:`_to_8bit`."""
+    if all_fast:
+        values = _quotients(x, scale, usable, True, not TO_INT8)
+    else:
+        values = _quotients(x, scale, usable, False, not TO_INT8)
+    return _to_8bit(values, QMAX_VALUE, TO_INT8, out_dtype)
 
 
 @triton.jit
@@ -96,33 +104,27 @@ def quantize_rows_kernel(
     if SINGLE_CHUNK:
         mask = row_ok[:, None] & (cols[None, :] < dim)
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.reduce(tl.abs(x), 1, _nan_max)
+        amax = tl.reduce(tl.abs(x), 1, nan_max)
     else:
         amax = tl.zeros((BLOCK_ROWS,), tl.float32)
         for start in range(0, dim, BLOCK_D):
             mask = row_ok[:, None] & ((start + cols)[None, :] < dim)
             chunk = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            amax = _nan_max(amax, tl.reduce(tl.abs(chunk), 1, _nan_max))
+            amax = nan_max(amax, tl.reduce(tl.abs(chunk), 1, nan_max))
     scale, finite, fast = _row_scales(amax, QMAX_VALUE)
     usable = scale > 0.0
     tl.store(scale_ptr + rows, tl.where(finite, scale, float("nan")), mask=row_ok)
     # One branch per program: a block with a non-finite row or a tiny scale takes the division.
     all_fast = tl.min(fast.to(tl.int32), axis=0) == 1
     if SINGLE_CHUNK:
-        if all_fast:
-            values = _quotients(x, scale, usable, True, not TO_INT8)
-        else:
-            values = _quotients(x, scale, usable, False, not TO_INT8)
-        tl.store(q_rows + cols[None, :], _to_8bit(values, QMAX_VALUE, TO_INT8, out_dtype), mask=mask)
+        tl.store(q_rows + cols[None, :], _stored_values(x, scale, usable, all_fast, QMAX_VALUE, TO_INT8, out_dtype),
+                 mask=mask)
     else:
         for start in range(0, dim, BLOCK_D):
             mask = row_ok[:, None] & ((start + cols)[None, :] < dim)
             chunk = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if all_fast:
-                values = _quotients(chunk, scale, usable, True, not TO_INT8)
-            else:
-                values = _quotients(chunk, scale, usable, False, not TO_INT8)
-            tl.store(q_rows + start + cols[None, :], _to_8bit(values, QMAX_VALUE, TO_INT8, out_dtype), mask=mask)
+            values = _stored_values(chunk, scale, usable, all_fast, QMAX_VALUE, TO_INT8, out_dtype)
+            tl.store(q_rows + start + cols[None, :], values, mask=mask)
 
 
 def quantize_rows(x2d: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
