@@ -41,9 +41,9 @@ venv: $(VENV)/.lik-test
 test: $(VENV)/.lik-test
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
-# On a machine with a CUDA GPU: real compilation, tensor cores, atomics, 64-bit offsets.
+# On a machine with a CUDA GPU: real compilation, tensor cores, atomics, 64-bit offsets (workers spread over the GPUs).
 test-gpu: $(VENV)/.lik-test
-	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+	PYTHON=$(PY) bash tools/test_gpu.sh $(PYTEST_ARGS)
 
 demo: $(VENV)/.lik-demo
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m lik.cli demo $(DEMO_ARGS)

@@ -8,7 +8,15 @@ import os
 import zlib
 
 import pytest
-import torch
+
+# `make test-gpu` spreads pytest-xdist workers over the GPUs listed in LIK_TEST_GPUS (compilation, on the CPU,
+# bounds the GPU suite): each worker sees one GPU, chosen before CUDA starts, so "cuda" and "cuda:0" are that GPU.
+_worker, _gpus = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("LIK_TEST_GPUS")
+if _worker and _gpus:
+    _ids = _gpus.split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _ids[int(_worker.removeprefix("gw")) % len(_ids)]
+
+import torch  # noqa: E402 (after the worker's GPU is chosen)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -71,6 +71,7 @@ def _nccl_rank(rank, world, port, path, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nccl_ranks_match_one_gpu(tmp_path):
     lik.Index.build(random_docs(300), out=tmp_path / "ix", shard_tokens=10_000, progress=False)
