@@ -31,7 +31,7 @@ def _inputs(rng, dtype=torch.float32, n_q=3, l_q=7, n_d=5, l_d=11, dim=16):
 def _garbage(x, mask):
     x = x.clone()
     x[~mask] = float("nan")
-    x[~mask & (torch.arange(x.shape[-2]) % 2 == 0)] = float("inf")
+    x[~mask & (torch.arange(x.shape[-2], device=x.device) % 2 == 0)] = float("inf")
     return x
 
 
@@ -107,6 +107,29 @@ def test_colbert_scores_class_is_query_major(rng, reference_path):
     d_mask = torch.rand(3, 2, 9, generator=rng) > 0.3
     expected = pylate_scores.ColBERTScores()(Q, D, q_mask.float(), d_mask.float(), backend="torch")
     assert torch.equal(lik_pylate.ColBERTScores()(Q, D, q_mask, d_mask), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_scores_and_gradients_match_pylate(rng, dtype):
+    """Compiled kernels on the GPU, garbage in the padding: PyLate's own scores and gradients on fp32 copies of
+    the same values (products of 16-bit values are exact in fp32; only the order of the fp32 sums differs)."""
+    Q, D, q_mask, d_mask = (t.cuda() for t in _inputs(rng, dtype=dtype, n_q=4, l_q=32, n_d=60, l_d=180, dim=128))
+    weights = torch.randn(4, 60, generator=rng).cuda()
+    q_ref, d_ref = (t.to(torch.float32, copy=True).requires_grad_() for t in (Q, D))
+    expected = _stock("colbert_scores")(q_ref, d_ref, q_mask.float(), d_mask.float(), backend="torch")
+    (expected * weights).sum().backward()
+    q, d = _garbage(Q, q_mask).requires_grad_(), _garbage(D, d_mask).requires_grad_()
+    got = lik_pylate.colbert_scores(q, d, q_mask.float(), d_mask)
+    (got * weights).sum().backward()
+    assert got.dtype == torch.float32 and got.is_cuda
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[:, 1], torch.zeros(4, device="cuda"))  # the document with no token
+    # gradients are stored in the inputs' dtype: one rounding of PyLate's fp32 gradient
+    grad_tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}[dtype]
+    torch.testing.assert_close(q.grad.float(), q_ref.grad, rtol=grad_tol, atol=grad_tol)
+    torch.testing.assert_close(d.grad.float(), d_ref.grad, rtol=grad_tol, atol=grad_tol)
+    assert not d.grad[~d_mask].any()
 
 
 def test_bad_arguments_are_named(rng):
