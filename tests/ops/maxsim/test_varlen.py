@@ -407,8 +407,21 @@ GPU_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 def _gpu_lists(n, low, high, dim, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=gen).tolist()
-    tensors = [torch.nn.functional.normalize(torch.randn(k, dim, generator=gen), dim=-1) for k in lengths]
-    return lik.pack([t.to("cuda", dtype) for t in tensors])
+    tensors = [torch.nn.functional.normalize(torch.randn(k, dim, generator=gen), dim=-1).to(dtype) for k in lengths]
+    # Packed on the CPU and sent once: thousands of small copies wait for the GPU's time slice when other test
+    # workers share it (test_gpu_pack_matches_cpu_pack covers packing CUDA tensors).
+    packed, cu_seqlens, max_len = lik.pack(tensors)
+    return packed.cuda(), cu_seqlens.cuda(), max_len
+
+
+@pytest.mark.gpu
+def test_gpu_pack_matches_cpu_pack():
+    gen = torch.Generator().manual_seed(12)
+    tensors = [torch.randn(k, 96, generator=gen).half() for k in (5, 0, 1, 300, 0, 17)]
+    packed, cu_seqlens, max_len = lik.pack([t.cuda() for t in tensors])
+    want = lik.pack(tensors)
+    assert packed.is_cuda and cu_seqlens.is_cuda and max_len == want[2] == 300
+    assert torch.equal(packed.cpu(), want[0]) and torch.equal(cu_seqlens.cpu(), want[1])
 
 
 @pytest.mark.gpu
