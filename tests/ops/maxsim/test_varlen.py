@@ -408,8 +408,8 @@ def _gpu_lists(n, low, high, dim, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=gen).tolist()
     tensors = [torch.nn.functional.normalize(torch.randn(k, dim, generator=gen), dim=-1).to(dtype) for k in lengths]
-    # Packed on the CPU and sent once: thousands of small copies wait for the GPU's time slice when other test
-    # workers share it (test_gpu_pack_matches_cpu_pack covers packing CUDA tensors).
+    # Packed on the CPU and sent in one copy each rather than thousands of small ones (packing CUDA tensors has its
+    # own test: test_gpu_pack_matches_cpu_pack).
     packed, cu_seqlens, max_len = lik.pack(tensors)
     return packed.cuda(), cu_seqlens.cuda(), max_len
 
