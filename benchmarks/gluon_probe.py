@@ -151,6 +151,19 @@ def make_descs(Q, D, block_m, block_n, dtype=gl.float16):
             TensorDescriptor(flat, list(flat.shape), [dim, 1], [block_n, dim], d_layout))
 
 
+def time_rounds(name, runs, row, res, rounds, path):
+    """Time every entry of ``runs`` once per round (alternating), keep the medians in ``row``, print each one's
+    best and rewrite the JSON at ``path``."""
+    for _ in range(rounds):
+        for tag, fn in runs.items():
+            row.setdefault(tag, []).append(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"))
+    res[name] = row
+    best = {t: min(v) for t, v in row.items() if isinstance(v, list)}
+    print(name, {t: round(v, 4) for t, v in sorted(best.items(), key=lambda x: x[1])}, flush=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main():
     import argparse
 
@@ -169,9 +182,6 @@ def main():
     shapes = {"medium": (128, 1024, 1000), "visual": (512, 1024, 1000), "colpali": (1024, 1024, 1000),
               "long-doc": (32, 1024, 1000)}
     variants = [(128, 64, 3, 8), (256, 64, 3, 8), (128, 64, 3, 4), (64, 64, 4, 4)]
-
-    def bench(f):
-        return triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")
 
     res = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}}
     for name, (lq, ld, b) in shapes.items():
@@ -199,24 +209,14 @@ def main():
                         row[tag + "_winners_equal"] = bool(torch.equal(k.long() >> 1, ref_keys))
                     runs[tag] = (lambda bm=bm, bn=bn, st=st, argmax=argmax, overlap=overlap, w=w, descs=descs:
                                  run(Q, D, bm, bn, st, argmax, overlap, w, descs))
-        for r in range(args.rounds):
-            for tag, fn in runs.items():
-                row.setdefault(tag, []).append(bench(fn))
-        res[name] = row
-        best = {t: min(v) for t, v in row.items() if isinstance(v, list)}
-        print(name, {t: round(v, 4) for t, v in sorted(best.items(), key=lambda x: x[1])}, flush=True)
+        time_rounds(name, runs, row, res, args.rounds, os.path.join(args.out, "gluon_probe.json"))
         print("  checks", all(v for k, v in row.items() if k.endswith(("_ok", "_equal"))), flush=True)
-        with open(os.path.join(args.out, "gluon_probe.json"), "w") as f:
-            json.dump(res, f, indent=1)
 
 
 def fp8_main(args):
     """float8 ColPali / visual shapes: lik fp16 and fp8 beside the Gluon schedule with scales loaded in the
     accumulator's layout, without and with the overlap of one tile's fold with the next tile's wgmma."""
     import lik
-
-    def bench(f):
-        return triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")
 
     shapes = {"visual": (512, 1024, 1000), "colpali": (1024, 1024, 1000), "colpali-10k": (1024, 1024, 10000)}
     variants = [(128, 128, 3, 4), (128, 64, 3, 4), (128, 64, 4, 4), (128, 128, 3, 8), (128, 64, 3, 8)]
@@ -243,15 +243,8 @@ def fp8_main(args):
                 row[tag + "_scores_ok"] = bool(torch.allclose(got, ref, rtol=1e-4, atol=1e-3))
                 runs[tag] = (lambda bm=bm, bn=bn, st=st, overlap=overlap, w=w, descs=descs:
                              run_scaled(Q8, D8, q_scale, d_scale, bm, bn, st, overlap, w, descs))
-        for _ in range(args.rounds):
-            for tag, fn in runs.items():
-                row.setdefault(tag, []).append(bench(fn))
-        res[name] = row
-        best = {t: min(v) for t, v in row.items() if isinstance(v, list)}
-        print(name, {t: round(v, 4) for t, v in sorted(best.items(), key=lambda x: x[1])}, flush=True)
+        time_rounds(name, runs, row, res, args.rounds, os.path.join(args.out, "gluon_probe_fp8.json"))
         print("  checks", {k: v for k, v in row.items() if k.endswith(("_ok", "_error"))}, flush=True)
-        with open(os.path.join(args.out, "gluon_probe_fp8.json"), "w") as f:
-            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
