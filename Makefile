@@ -38,8 +38,11 @@ $(VENV)/.lik-demo: $(VENV)/.torch pyproject.toml
 venv: $(VENV)/.lik-test
 
 # Kernels run on the CPU through Triton's interpreter; the `gpu` marker is excluded by default (see pyproject).
+# The interpreter is single-threaded Python, so pytest-xdist workers, one per core (at most 4: each holds up to
+# ~2 GB), divide the suite's time; TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 test: $(VENV)/.lik-test
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # On a machine with a CUDA GPU: real compilation, tensor cores, atomics, 64-bit offsets (workers spread over the GPUs).
 test-gpu: $(VENV)/.lik-test
