@@ -1,0 +1,193 @@
+"""Probe: where do lik's 8-bit long-query launches lose to a bare loop of the same instructions per tile? (GPU)
+
+``tokens_as_rows_probe.py``'s bare loop ("columns") ran float8 ColPali B = 1 000 5% faster than ``lik.maxsim``
+on an H200 while int8 was 1% slower, with the loop bodies the same instructions. This kernel is that bare loop
+with lik's parts switched in one at a time (constexpr flags, lik's own ``@triton.jit`` helpers):
+
+* ``GRID_1D``: a 1-D grid, the row block and document from ``pid % n_row_blocks`` / ``pid // n_row_blocks``
+  (lik's launch) instead of a 2-D grid;
+* ``LIK_QUERY``: the query rows from ``tile.query_rows`` and loaded through lik's clamped row addresses;
+* ``LIK_LOOP``: the document streamed by ``tile.stream_document`` (whole tiles, scales one tile ahead,
+  per-class maxima), not the bare loop;
+* ``LIK_WRITE``: the document written by ``forward_kernel.write_document`` (query scales loaded up front).
+
+Each variant is checked against ``lik.maxsim`` on the same quantized operands, then timed with ``do_bench``
+(alternating rounds, L2 flushed) and with torch.profiler (device time of its kernel alone), beside ``lik.maxsim``.
+Writes ``long_query_gap_probe.json``.
+
+    PYTHONPATH=src:benchmarks python3 benchmarks/long_query_gap_probe.py --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+import lik
+from lik.core.quantized import FP8, INT8, row_scales
+from lik.ops.maxsim.forward_kernel import write_document
+from lik.ops.maxsim.tile import NO_KEY, nan_max, query_rows, stream_document
+
+
+@triton.jit
+def gap_kernel(
+    q_ptr, d_ptr, q_scale_ptr, d_scale_ptr, partial_ptr, n_docs, doc_len, q_len, n_row_blocks,
+    DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOADER: tl.constexpr,
+    GRID_1D: tl.constexpr, LIK_QUERY: tl.constexpr, LIK_LOOP: tl.constexpr, LIK_WRITE: tl.constexpr,
+):
+    if GRID_1D:
+        pid = tl.program_id(0).to(tl.int64)
+        row_block = pid % n_row_blocks
+        doc = pid // n_row_blocks
+    else:
+        row_block = tl.program_id(0)
+        doc = tl.program_id(1)
+    k = tl.arange(0, DIM)
+    if LIK_QUERY:
+        query, token, row_in_range, row_valid = query_rows(
+            row_block, 1, q_len, n_row_blocks, q_ptr, 0, 0, BLOCK_M, 1, False,
+        )
+        clamped = q_ptr + tl.minimum(query, 0) * q_len * DIM + tl.minimum(token, q_len - 1) * DIM
+        q = tl.load(clamped[:, None] + k[None, :])
+    else:
+        token = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        query = token * 0
+        row_in_range = token < q_len
+        row_valid = row_in_range
+        q = tl.load(q_ptr + token[:, None] * DIM + k[None, :])
+    if LIK_WRITE:
+        q_scale = row_scales(q_scale_ptr + query * q_len + token, row_valid, LOADER)
+    doc_base = d_ptr + doc.to(tl.int64) * doc_len * DIM
+    scale_base = d_scale_ptr + doc.to(tl.int64) * doc_len
+    if LIK_LOOP:
+        best, key, n_valid = stream_document(
+            q, q_ptr, row_valid, 1, doc_base, d_ptr, doc_len, DIM, 1, 0,
+            tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32),
+            scale_base, 1,
+            DIM, BLOCK_M, BLOCK_N, DIM, 1, False, True, False, False, "ieee", 0, LOADER, True, 0,
+        )
+    else:
+        running = tl.full((BLOCK_M, 4), float("-inf"), tl.float32)
+        for start in tl.range(0, doc_len, BLOCK_N):
+            tokens = start + tl.arange(0, BLOCK_N)
+            scale = tl.load(scale_base + tokens)
+            d_tile = tl.load(doc_base + tokens[:, None] * DIM + k[None, :])
+            if LOADER == INT8:
+                s = tl.dot(q, tl.trans(d_tile), out_dtype=tl.int32).to(tl.float32)
+            else:
+                s = tl.dot(q, tl.trans(d_tile), max_num_imprecise_acc=DIM)
+            s = s * scale[None, :]
+            grouped = tl.reshape(s, (BLOCK_M, BLOCK_N // 8, 4, 2))
+            running = nan_max(running, tl.reduce(tl.reduce(grouped, 3, nan_max), 1, nan_max))
+        best = tl.reduce(running, 1, nan_max)
+        key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
+        n_valid = doc_len
+    if LIK_WRITE:
+        write_document(
+            best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, partial_ptr,
+            1, n_row_blocks, n_docs, n_docs, 1, 0, 0, 0, 0, q_scale,
+            BLOCK_M, 1, True, False, LOADER,
+        )
+    else:
+        q_scale = tl.load(q_scale_ptr + token)
+        tl.store(partial_ptr + row_block * n_docs + doc, tl.sum(best * q_scale, axis=0))
+
+
+FLAGS = ("GRID_1D", "LIK_QUERY", "LIK_LOOP", "LIK_WRITE")
+VARIANTS = {"bare": (), **{f"+{f.lower()}": (f,) for f in FLAGS}, "all four": FLAGS}
+
+
+def gap(q8, q_scale, d8, d_scale, flags):
+    lq, dim = q8.shape
+    n_docs, doc_len, _ = d8.shape
+    n_row_blocks = lq // 128
+    partial = torch.empty(n_row_blocks, n_docs, device=q8.device, dtype=torch.float32)
+    grid = (n_row_blocks * n_docs,) if "GRID_1D" in flags else (n_row_blocks, n_docs)
+    gap_kernel[grid](
+        q8, d8, q_scale, d_scale, partial, n_docs, doc_len, lq, n_row_blocks,
+        DIM=dim, BLOCK_M=128, BLOCK_N=128, LOADER=INT8 if q8.dtype == torch.int8 else FP8,
+        **{f: f in flags for f in FLAGS}, num_stages=3, num_warps=4,
+    )
+    return partial.sum(0)
+
+
+def kernel_us(fn, flush, calls=20):
+    """Mean device time per call of each kernel ``fn`` launches (L2 flushed before each call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA" and "elementwise" not in event.name.lower():
+            times[event.name[:60]] = times.get(event.name[:60], 0.0) + event.device_time / calls
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    dev = "cuda"
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "commit": os.environ.get("LIK_COMMIT", "unknown"), "cells": {}}
+    lines = []
+    for name, lq in (("colpali", 1024), ("visual", 512)):
+        q = torch.nn.functional.normalize(torch.randn(lq, 128, device=dev), dim=-1).half()
+        d = torch.nn.functional.normalize(torch.randn(1000, 1024, 128, device=dev), dim=-1).half()
+        methods = {"lik fp16": lambda q=q, d=d: lik.maxsim(q, d)}
+        for dtype, tag in ((torch.float8_e4m3fn, "fp8"), (torch.int8, "int8")):
+            if name == "visual" and dtype == torch.int8:
+                continue
+            d8, ds = lik.quantize(d, dtype)
+            q8, qs = lik.quantize(q, dtype)
+            ref = lik.maxsim(q8, d8, q_scale=qs, d_scale=ds)
+            methods[f"lik {tag}"] = lambda q8=q8, qs=qs, d8=d8, ds=ds: lik.maxsim(q8, d8, q_scale=qs, d_scale=ds)
+            for variant, flags in VARIANTS.items():
+                got = gap(q8, qs, d8, ds, flags)
+                err = (got - ref).abs().max().item()
+                results["cells"][f"{name} {tag} {variant} max err"] = err
+                if not err <= 1e-3:
+                    raise SystemExit(f"{name} {tag} {variant}: max |probe - lik| = {err}")
+                methods[f"{tag} {variant}"] = lambda q8=q8, qs=qs, d8=d8, ds=ds, f=flags: gap(q8, qs, d8, ds, f)
+        for fn in methods.values():
+            fn()
+        torch.cuda.synchronize()
+        times = {m: [] for m in methods}
+        for r in range(args.rounds):
+            order = list(methods) if r % 2 == 0 else list(reversed(methods))
+            for m in order:
+                times[m].append(triton.testing.do_bench(methods[m], warmup=25, rep=200))
+        device = {m: kernel_us(fn, flush) for m, fn in methods.items()}
+        fp16 = sorted(times["lik fp16"])[len(times["lik fp16"]) // 2]
+        for m, t in times.items():
+            med = sorted(t)[len(t) // 2]
+            results["cells"][f"{name} {m}"] = dict(do_bench_ms=t, kernels_us=device[m])
+            main_us = max(device[m].values()) if device[m] else float("nan")
+            lines.append(f"{name:8s} {m:22s} do_bench {med:.4f} ms (x fp16 {fp16 / med:.3f})  main kernel "
+                         f"{main_us:7.1f} us  all kernels {sum(device[m].values()):7.1f} us  rounds "
+                         f"{[round(x, 4) for x in t]}")
+        del d
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "long_query_gap_probe.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
