@@ -15,12 +15,13 @@ Each variant is checked against ``lik.maxsim`` on the same quantized operands, t
 (alternating rounds, L2 flushed) and with torch.profiler (device time of its kernel alone), beside ``lik.maxsim``.
 Writes ``long_query_gap_probe.json``.
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/long_query_gap_probe.py --out OUT
+    PYTHONPATH=src:benchmarks python3 benchmarks/long_query_gap_probe.py [--every-combination] [--rounds N] --out OUT
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -102,6 +103,12 @@ FLAGS = ("GRID_1D", "LIK_QUERY", "LIK_LOOP", "LIK_WRITE")
 VARIANTS = {"bare": (), **{f"+{f.lower()}": (f,) for f in FLAGS}, "all four": FLAGS}
 
 
+def every_combination() -> dict:
+    """All 16 subsets of :data:`FLAGS` (``--every-combination``), named by their flags."""
+    return {"+".join(f.lower() for f in flags) or "bare": flags
+            for flags in itertools.chain.from_iterable(itertools.combinations(FLAGS, n) for n in range(5))}
+
+
 def gap(q8, q_scale, d8, d_scale, flags):
     lq, dim = q8.shape
     n_docs, doc_len, _ = d8.shape
@@ -139,6 +146,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="out")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--shapes", default="colpali,visual")
+    parser.add_argument("--dtypes", default="fp8,int8")
+    parser.add_argument("--every-combination", action="store_true", help="time all 16 subsets of the flags")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -147,18 +157,19 @@ def main():
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "commit": os.environ.get("LIK_COMMIT", "unknown"), "cells": {}}
     lines = []
-    for name, lq in (("colpali", 1024), ("visual", 512)):
+    variants = every_combination() if args.every_combination else VARIANTS
+    for name, lq in ((n, {"colpali": 1024, "visual": 512}[n]) for n in args.shapes.split(",")):
         q = torch.nn.functional.normalize(torch.randn(lq, 128, device=dev), dim=-1).half()
         d = torch.nn.functional.normalize(torch.randn(1000, 1024, 128, device=dev), dim=-1).half()
         methods = {"lik fp16": lambda q=q, d=d: lik.maxsim(q, d)}
         for dtype, tag in ((torch.float8_e4m3fn, "fp8"), (torch.int8, "int8")):
-            if name == "visual" and dtype == torch.int8:
+            if tag not in args.dtypes.split(",") or (name == "visual" and dtype == torch.int8):
                 continue
             d8, ds = lik.quantize(d, dtype)
             q8, qs = lik.quantize(q, dtype)
             ref = lik.maxsim(q8, d8, q_scale=qs, d_scale=ds)
             methods[f"lik {tag}"] = lambda q8=q8, qs=qs, d8=d8, ds=ds: lik.maxsim(q8, d8, q_scale=qs, d_scale=ds)
-            for variant, flags in VARIANTS.items():
+            for variant, flags in variants.items():
                 got = gap(q8, qs, d8, ds, flags)
                 err = (got - ref).abs().max().item()
                 results["cells"][f"{name} {tag} {variant} max err"] = err
