@@ -12,6 +12,8 @@ writes everything as JSON. Usage on the device::
     PYTHONPATH=src python3 benchmarks/tune_maxsim.py --dtype fp32 --tiles "256,1,64,8,3;128,1,128,8,2" --out $OUT
     # 8-bit corpora (Q and D quantized per token once, outside the timing; the floor counts 1-byte rows):
     PYTHONPATH=src python3 benchmarks/tune_maxsim.py --dtype int8 --shapes colpali,textual-10k --tiles "..." --out $OUT
+    # an A/B of a few tiles on device time (CUDA graph replays beside the heuristic's), five interleaved rounds:
+    PYTHONPATH=src python3 benchmarks/tune_maxsim.py --dtype int8 --tiles "..." --graph --rounds 5 --out $OUT
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ def main() -> None:
     parser.add_argument("--tiles", default=None,
                         help="time only these forced tiles instead of a sweep: 'none' (the heuristic alone), or "
                              "';'-separated 'group_rows,groups,block_n,warps,stages[,programs_per_sm[,max_registers]]'")
+    parser.add_argument("--graph", action="store_true",
+                        help="time forced tiles by replaying a CUDA graph of the call (device time, no host path)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the forced tiles (median)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dtype = DTYPES[args.dtype]
@@ -180,16 +185,31 @@ def main() -> None:
         else:
             tiles = candidates(l_q, n_q, wide=dtype == torch.float32)
         programs = [int(p) for p in args.programs_per_sm.split(",")]
+        runnable = []
         for cfg in (dataclasses.replace(t, programs_per_sm=p) if p else t for t in tiles for p in programs):
             with _config.override(maxsim_forward=cfg):
                 try:
                     out = lik.maxsim(Q, D, **scales)
                     ok = torch.allclose(out, ref, rtol=1e-3, atol=1e-2)
-                    ms = bench(lambda: lik.maxsim(Q, D, **scales))
+                    call = lambda: lik.maxsim(Q, D, **scales)  # noqa: E731
+                    if args.graph:  # the launch alone: a forced tile's host path is not the shipped one's replay
+                        call = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(call):
+                            lik.maxsim(Q, D, **scales)
+                        call = call.replay
+                    bench(call)
                 except Exception as exc:  # out of shared memory / registers: record and go on
                     rows.append({"config": cfg.__dict__, "error": type(exc).__name__})
                     continue
-            rows.append({"config": cfg.__dict__, "ms": ms, "pct_floor": 100 * floor / ms, "correct": ok})
+            runnable.append((cfg, call, ok, []))
+        for _ in range(args.rounds):  # interleaved, so that a slow stretch touches every tile alike
+            for cfg, call, ok, times in runnable:
+                with _config.override(maxsim_forward=cfg):
+                    times.append(bench(call))
+        for cfg, call, ok, times in runnable:
+            ms = sorted(times)[len(times) // 2]
+            rows.append({"config": cfg.__dict__, "ms": ms, "rounds_ms": times, "pct_floor": 100 * floor / ms,
+                         "correct": ok})
         timed = sorted((r for r in rows if "ms" in r and r["correct"]), key=lambda r: r["ms"])
         results["shapes"][name] = {"shape": shape, "floor_ms": floor, "heuristic_ms": heuristic,
                                    "heuristic_graph_ms": heuristic_graph,
