@@ -42,13 +42,19 @@ def test_single_token_queries_stack_one_row_each():
 
 
 def test_one_short_8bit_query_streams_the_corpus_persistently():
-    """A single short 8-bit query is memory-bound: three persistent programs of 3 stages per SM, 128-token tiles;
-    float8 takes the 64-row warpgroup product (a narrower fp8 tile would be widened to fp16 products), int8 keeps
-    its 32-row tile."""
-    int8 = heuristic(32, 1, 128, torch.int8, False, (9, 0), False)
+    """A single short 8-bit query is memory-bound: persistent programs of 3 stages. float8 takes the 64-row
+    warpgroup product (a narrower fp8 tile would be widened to fp16 products) against 128-token tiles, three
+    programs per SM; int8 keeps its 32-row tile, against 128-token tiles of 4 warps (three programs per SM) for long
+    documents and 64-token tiles of 2 warps (six per SM) for short ones."""
+    int8 = heuristic(32, 1, 128, torch.int8, False, (9, 0), False, True)
+    short_int8 = heuristic(32, 1, 128, torch.int8, False, (9, 0), False, False)
     fp8 = heuristic(32, 1, 128, torch.float8_e4m3fn, False, (9, 0), False)
-    assert (int8.group_rows, int8.groups, int8.block_n, int8.programs_per_sm, int8.num_stages) == (32, 1, 128, 3, 3)
+    assert (int8.group_rows, int8.groups, int8.block_n, int8.programs_per_sm, int8.num_stages, int8.num_warps) == \
+        (32, 1, 128, 3, 3, 4)
+    assert (short_int8.group_rows, short_int8.groups, short_int8.block_n, short_int8.programs_per_sm,
+            short_int8.num_stages, short_int8.num_warps) == (32, 1, 64, 6, 3, 2)
     assert (fp8.group_rows, fp8.groups, fp8.block_n, fp8.programs_per_sm, fp8.num_stages) == (64, 1, 128, 3, 3)
+    assert heuristic(32, 1, 128, torch.float8_e4m3fn, False, (9, 0), False, True) == fp8  # one tile for any length
     assert heuristic(64, 1, 128, torch.float8_e4m3fn, False, (9, 0), False).group_rows == 64
     # per-query documents, long queries, before Hopper and stacked queries keep their own tiles
     assert heuristic(32, 1, 128, torch.int8, True, (9, 0), False).programs_per_sm == 0

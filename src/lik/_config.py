@@ -274,8 +274,12 @@ def _maxsim_forward_heuristic(
         # float8 takes 64 rows, the smallest warpgroup product (a 32-row fp8 tile is widened to fp16 products):
         # textual B = 10 000 int8 0.157 -> 0.148 ms, fp8 0.202 -> 0.151. With the scales loaded a tile ahead,
         # int8 gains from three programs of 3 stages where it took four of 4 (0.148 -> 0.144 ms; benchmarks/NOTES.md
-        # "scales one tile ahead").
-        if dtype == torch.int8 and group_rows <= 32:
+        # "scales one tile ahead"). Short int8 documents stream best in 64-token tiles of 2 warps, six programs per
+        # SM (H200, CUDA graph replays: textual B = 10 000 0.1076 -> 0.1044 ms, B = 1 000 0.0212 -> 0.0209; long
+        # documents lose with them, long-doc B = 1 000 0.0477 -> 0.0502; benchmarks/NOTES.md "Short int8 documents").
+        if dtype == torch.int8 and group_rows <= 32 and not long_docs:
+            block_n, warps, stages, programs_per_sm = 64, 2, 3, 6
+        elif dtype == torch.int8 and group_rows <= 32:
             block_n, warps, stages, programs_per_sm = 128, 4, 3, 3
         elif dtype == torch.float8_e4m3fn:
             group_rows, block_n, warps, stages, programs_per_sm = 64, 128, 4, 3, 3
