@@ -34,6 +34,8 @@ SIZES_MB = {
     "varlen corpus ragged": 17.0, "varlen corpus hotpotqa": 30.1, "varlen corpus uniform": 100.5,
     # 8-bit corpora (BENCHMARKS.md, 8-bit): 1-byte rows plus one fp32 scale per token, 300-token documents
     "8-bit textual B 1000": 1000 * 300 * 132 / 1e6, "8-bit textual B 10000": 10000 * 300 * 132 / 1e6,
+    # 8-bit long documents (1 024 tokens): the 1-byte rows alone, and with their scales
+    "8-bit long-doc B 10000 rows": 10000 * 1024 * 128 / 1e6, "8-bit long-doc B 10000": 10000 * 1024 * 132 / 1e6,
 }
 BLOCKS = (16384, 4096)  # fp16 elements per program (32 KB, 8 KB): the faster one is reported
 
