@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 
 import torch
@@ -32,7 +31,11 @@ import triton.language as tl
 import lik
 from lik.core.quantized import FP8, INT8, row_scales
 from lik.ops.maxsim.forward_kernel import write_document
-from lik.ops.maxsim.tile import NO_KEY, nan_max, query_rows, stream_document
+from lik.ops.maxsim.tile import NO_KEY, query_rows, stream_document
+from probe_harness import (
+    PAGE_SHAPES, bare_page_max, page_operands, quantized_operands, round_lines, run_record, timed_rounds,
+    write_report,
+)
 
 
 @triton.jit
@@ -73,19 +76,7 @@ def gap_kernel(
             DIM, BLOCK_M, BLOCK_N, DIM, 1, False, True, False, False, "ieee", 0, LOADER, True, 0,
         )
     else:
-        running = tl.full((BLOCK_M, 4), float("-inf"), tl.float32)
-        for start in tl.range(0, doc_len, BLOCK_N):
-            tokens = start + tl.arange(0, BLOCK_N)
-            scale = tl.load(scale_base + tokens)
-            d_tile = tl.load(doc_base + tokens[:, None] * DIM + k[None, :])
-            if LOADER == INT8:
-                s = tl.dot(q, tl.trans(d_tile), out_dtype=tl.int32).to(tl.float32)
-            else:
-                s = tl.dot(q, tl.trans(d_tile), max_num_imprecise_acc=DIM)
-            s = s * scale[None, :]
-            grouped = tl.reshape(s, (BLOCK_M, BLOCK_N // 8, 4, 2))
-            running = nan_max(running, tl.reduce(tl.reduce(grouped, 3, nan_max), 1, nan_max))
-        best = tl.reduce(running, 1, nan_max)
+        best = bare_page_max(q, doc_base, scale_base, doc_len, DIM, BLOCK_M, BLOCK_N, LOADER == INT8)
         key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
         n_valid = doc_len
     if LIK_WRITE:
@@ -154,20 +145,16 @@ def main():
     torch.manual_seed(0)
     dev = "cuda"
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "commit": os.environ.get("LIK_COMMIT", "unknown"), "cells": {}}
+    results = run_record(commit=os.environ.get("LIK_COMMIT", "unknown"))
     lines = []
     variants = every_combination() if args.every_combination else VARIANTS
-    for name, lq in ((n, {"colpali": 1024, "visual": 512}[n]) for n in args.shapes.split(",")):
-        q = torch.nn.functional.normalize(torch.randn(lq, 128, device=dev), dim=-1).half()
-        d = torch.nn.functional.normalize(torch.randn(1000, 1024, 128, device=dev), dim=-1).half()
+    for name in args.shapes.split(","):
+        q, d = page_operands(PAGE_SHAPES[name], dev)
         methods = {"lik fp16": lambda q=q, d=d: lik.maxsim(q, d)}
         for dtype, tag in ((torch.float8_e4m3fn, "fp8"), (torch.int8, "int8")):
             if tag not in args.dtypes.split(",") or (name == "visual" and dtype == torch.int8):
                 continue
-            d8, ds = lik.quantize(d, dtype)
-            q8, qs = lik.quantize(q, dtype)
-            ref = lik.maxsim(q8, d8, q_scale=qs, d_scale=ds)
+            q8, qs, d8, ds, ref = quantized_operands(q, d, dtype)
             methods[f"lik {tag}"] = lambda q8=q8, qs=qs, d8=d8, ds=ds: lik.maxsim(q8, d8, q_scale=qs, d_scale=ds)
             for variant, flags in variants.items():
                 got = gap(q8, qs, d8, ds, flags)
@@ -176,28 +163,14 @@ def main():
                 if not err <= 1e-3:
                     raise SystemExit(f"{name} {tag} {variant}: max |probe - lik| = {err}")
                 methods[f"{tag} {variant}"] = lambda q8=q8, qs=qs, d8=d8, ds=ds, f=flags: gap(q8, qs, d8, ds, f)
-        for fn in methods.values():
-            fn()
-        torch.cuda.synchronize()
-        times = {m: [] for m in methods}
-        for r in range(args.rounds):
-            order = list(methods) if r % 2 == 0 else list(reversed(methods))
-            for m in order:
-                times[m].append(triton.testing.do_bench(methods[m], warmup=25, rep=200))
+        times = timed_rounds(methods, args.rounds, alternate=True)
         device = {m: kernel_us(fn, flush) for m, fn in methods.items()}
-        fp16 = sorted(times["lik fp16"])[len(times["lik fp16"]) // 2]
-        for m, t in times.items():
-            med = sorted(t)[len(t) // 2]
-            results["cells"][f"{name} {m}"] = dict(do_bench_ms=t, kernels_us=device[m])
-            main_us = max(device[m].values()) if device[m] else float("nan")
-            lines.append(f"{name:8s} {m:22s} do_bench {med:.4f} ms (x fp16 {fp16 / med:.3f})  main kernel "
-                         f"{main_us:7.1f} us  all kernels {sum(device[m].values()):7.1f} us  rounds "
-                         f"{[round(x, 4) for x in t]}")
+        results["cells"].update({f"{name} {m}": dict(do_bench_ms=t, kernels_us=device[m]) for m, t in times.items()})
+        lines += round_lines(name, times, lambda m: f"  main kernel {max(device[m].values(), default=float('nan')):7.1f}"
+                                                    f" us  all kernels {sum(device[m].values()):7.1f} us")
         del d
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "long_query_gap_probe.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print("\n".join(lines))
+    write_report(args.out, "long_query_gap_probe.json", results, lines)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ lik's scores of the same quantized operands.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,6 +26,9 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import lik  # noqa: E402
+from probe_harness import (  # noqa: E402
+    PAGE_SHAPES, bare_page_max, page_operands, quantized_operands, round_lines, run_record, timed_rounds, write_report,
+)
 
 
 @triton.jit
@@ -64,19 +66,7 @@ def probe_kernel(
             running = _nan_max(running, tl.reshape(folded, (32, BLOCK_M)))
         best = tl.reduce(running, 0, _nan_max)
     else:
-        running = tl.full((BLOCK_M, 4), float("-inf"), tl.float32)
-        for start in tl.range(0, doc_len, BLOCK_N):
-            tokens = start + tl.arange(0, BLOCK_N)
-            scale = tl.load(scale_base + tokens)
-            d_tile = tl.load(doc_base + tokens[:, None] * DIM + k[None, :])
-            if INT8:
-                s = tl.dot(q, tl.trans(d_tile), out_dtype=tl.int32).to(tl.float32)
-            else:
-                s = tl.dot(q, tl.trans(d_tile), max_num_imprecise_acc=DIM)
-            s = s * scale[None, :]
-            grouped = tl.reshape(s, (BLOCK_M, BLOCK_N // 8, 4, 2))
-            running = _nan_max(running, tl.reduce(tl.reduce(grouped, 3, _nan_max), 1, _nan_max))
-        best = tl.reduce(running, 1, _nan_max)
+        best = bare_page_max(q, doc_base, scale_base, doc_len, DIM, BLOCK_M, BLOCK_N, INT8)
     q_scale = tl.load(q_scale_ptr + rows)
     tl.store(partial_ptr + row_block * n_docs + doc, tl.sum(best * q_scale, axis=0))
 
@@ -100,19 +90,13 @@ def main():
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    dev = "cuda"
-    shapes = {"colpali": (1024, 1024, 1000), "visual": (512, 1024, 1000)}
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "cells": {}}
+    results = run_record()
     lines = []
-    for name, (lq, ld, b) in shapes.items():
-        q = torch.nn.functional.normalize(torch.randn(lq, 128, device=dev), dim=-1).half()
-        d = torch.nn.functional.normalize(torch.randn(b, ld, 128, device=dev), dim=-1).half()
+    for name, lq in PAGE_SHAPES.items():
+        q, d = page_operands(lq, "cuda")
         methods = {"lik fp16": lambda q=q, d=d: lik.maxsim(q, d)}
         for dtype, tag in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8")):
-            d8, ds = lik.quantize(d, dtype)
-            q8, qs = lik.quantize(q, dtype)
-            ref = lik.maxsim(q8, d8, q_scale=qs, d_scale=ds)
+            q8, qs, d8, ds, ref = quantized_operands(q, d, dtype)
             for rows in (False, True):
                 got = probe(q8, qs, d8, ds, rows)
                 err = (got - ref).abs().max().item()
@@ -124,24 +108,12 @@ def main():
             for stages in (2, 4):
                 methods[f"probe {tag} rows s{stages}"] = (
                     lambda q8=q8, qs=qs, d8=d8, ds=ds, s=stages: probe(q8, qs, d8, ds, True, num_stages=s))
-        for fn in methods.values():
-            fn()
-        torch.cuda.synchronize()
-        times = {m: [] for m in methods}
-        for _ in range(args.rounds):
-            for m, fn in methods.items():
-                times[m].append(triton.testing.do_bench(fn, warmup=25, rep=200))
-        for m, t in times.items():
-            results["cells"][f"{name} {m}"] = t
-        fp16 = sorted(times["lik fp16"])[len(times["lik fp16"]) // 2]
-        for m, t in times.items():
-            med = sorted(t)[len(t) // 2]
-            lines.append(f"{name:8s} {m:22s} {med:.4f} ms (x fp16 {fp16 / med:.2f})  rounds {[round(x, 4) for x in t]}")
+        times = timed_rounds(methods, args.rounds)
+        results["cells"].update({f"{name} {m}": t for m, t in times.items()})
+        lines += round_lines(name, times)
         del d
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "tokens_as_rows_probe.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print("\n".join(lines))
+    write_report(args.out, "tokens_as_rows_probe.json", results, lines)
 
 
 if __name__ == "__main__":
