@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 import lik
-from lik.ops.maxsim.tile import nan_max
+from lik.core.reductions import nan_max
 
 __all__ = [
     "PAGE_SHAPES", "page_operands", "quantized_operands", "timed_rounds", "median", "run_record", "round_lines",

@@ -16,11 +16,12 @@ import triton
 import triton.language as tl
 
 from ...core.quantized import FLOAT, reset_similarity, row_scales, scale_rows, scale_similarity, zero_similarity
+from ...core.reductions import nan_max
 from ...core.segments import PACKED, PAIRS, document_scales, document_span, program_tiles, segment
 from .pairs import score_pairs
 from .tile import (
     NO_KEY, REDUCE_MAX, ROW_MAX_CLASSES, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile,
-    fresh_rows, nan_max, query_rows, store_group_sums, stream_document, tile_scales,
+    fresh_rows, query_rows, store_group_sums, stream_document, tile_scales,
 )
 
 __all__ = ["maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "score_documents"]

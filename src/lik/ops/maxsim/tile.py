@@ -16,9 +16,10 @@ import triton
 import triton.language as tl
 
 from ...core.quantized import FLOAT, FP8, INT8, row_scales, scale_columns, zero_similarity
+from ...core.reductions import nan_max
 
 __all__ = [
-    "nan_max", "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
+    "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
     "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys", "nan_winner_keys",
     "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
     "FP8_PROMOTION_K", "tile_scales", "tile_window", "class_tile_max", "ROW_MAX_CLASSES",
@@ -43,12 +44,6 @@ def fresh_rows(BLOCK_M: tl.constexpr):
     """The running state of ``BLOCK_M`` rows before any document token: ``(best = -inf, key = NO_KEY,
     n_valid = 0)``."""
     return tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), NO_KEY, tl.int32), tl.zeros((), tl.int32)
-
-
-@triton.jit
-def nan_max(a, b):
-    """Maximum that returns NaN if either side is NaN (the reference's ``torch.max`` behaviour)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 # A tensor-core accumulator row is spread over four lanes: column c lives in the lane of class (c // 2) % 4 (mma.sync

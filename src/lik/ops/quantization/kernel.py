@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..._config import cdiv, next_power_of_2
-from ..maxsim.tile import nan_max
+from ...core.reductions import nan_max
 from .reference import QMAX
 
 __all__ = ["quantize_rows_kernel", "quantize_rows", "quantize_tiles"]
