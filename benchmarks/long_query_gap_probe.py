@@ -12,7 +12,8 @@ with lik's parts switched in one at a time (constexpr flags, lik's own ``@triton
 * ``LIK_WRITE``: the document written by ``forward_kernel.write_document`` (query scales loaded up front).
 
 Each variant is checked against ``lik.maxsim`` on the same quantized operands, then timed with ``do_bench``
-(alternating rounds, L2 flushed) and with torch.profiler (device time of its kernel alone), beside ``lik.maxsim``.
+(alternating rounds, L2 flushed) and with torch.profiler (device time of its kernels alone,
+``quantized_kernels.device_kernels``), beside ``lik.maxsim``.
 Writes ``long_query_gap_probe.json``.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/long_query_gap_probe.py [--every-combination] [--rounds N] --out OUT
@@ -36,6 +37,7 @@ from probe_harness import (
     PAGE_SHAPES, bare_page_max, page_operands, quantized_operands, round_lines, run_record, timed_rounds,
     write_report,
 )
+from quantized_kernels import device_kernels
 
 
 @triton.jit
@@ -114,25 +116,6 @@ def gap(q8, q_scale, d8, d_scale, flags):
     return partial.sum(0)
 
 
-def kernel_us(fn, flush, calls=20):
-    """Mean device time per call of each kernel ``fn`` launches (L2 flushed before each call)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            flush.zero_()
-            fn()
-        torch.cuda.synchronize()
-    times = {}
-    for event in prof.events():
-        if event.device_type.name == "CUDA" and "elementwise" not in event.name.lower():
-            times[event.name[:60]] = times.get(event.name[:60], 0.0) + event.device_time / calls
-    return times
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="out")
@@ -164,10 +147,11 @@ def main():
                     raise SystemExit(f"{name} {tag} {variant}: max |probe - lik| = {err}")
                 methods[f"{tag} {variant}"] = lambda q8=q8, qs=qs, d8=d8, ds=ds, f=flags: gap(q8, qs, d8, ds, f)
         times = timed_rounds(methods, args.rounds, alternate=True)
-        device = {m: kernel_us(fn, flush) for m, fn in methods.items()}
+        device = {m: {kernel: cell["us"] for kernel, cell in device_kernels(fn, flush).items()}
+                  for m, fn in methods.items()}
         results["cells"].update({f"{name} {m}": dict(do_bench_ms=t, kernels_us=device[m]) for m, t in times.items()})
-        lines += round_lines(name, times, lambda m: f"  main kernel {max(device[m].values(), default=float('nan')):7.1f}"
-                                                    f" us  all kernels {sum(device[m].values()):7.1f} us")
+        lines += round_lines(name, times, lambda m: f"  main kernel {max(device[m].values(), default=0.0):7.1f} us  "
+                                                    f"all kernels {sum(device[m].values()):7.1f} us")
         del d
         torch.cuda.empty_cache()
     write_report(args.out, "long_query_gap_probe.json", results, lines)

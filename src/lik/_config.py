@@ -277,10 +277,8 @@ def _maxsim_forward_heuristic(
         # "scales one tile ahead"). Short int8 documents stream best in 64-token tiles of 2 warps, six programs per
         # SM (H200, CUDA graph replays: textual B = 10 000 0.1076 -> 0.1044 ms, B = 1 000 0.0212 -> 0.0209; long
         # documents lose with them, long-doc B = 1 000 0.0477 -> 0.0502; benchmarks/NOTES.md "Short int8 documents").
-        if dtype == torch.int8 and group_rows <= 32 and not long_docs:
-            block_n, warps, stages, programs_per_sm = 64, 2, 3, 6
-        elif dtype == torch.int8 and group_rows <= 32:
-            block_n, warps, stages, programs_per_sm = 128, 4, 3, 3
+        if dtype == torch.int8 and group_rows <= 32:
+            block_n, warps, stages, programs_per_sm = (128, 4, 3, 3) if long_docs else (64, 2, 3, 6)
         elif dtype == torch.float8_e4m3fn:
             group_rows, block_n, warps, stages, programs_per_sm = 64, 128, 4, 3, 3
     return MaxSimForwardConfig(group_rows, groups, block_n, block_k, warps, stages, programs_per_sm, max_registers)
