@@ -173,6 +173,43 @@ def test_int8_corpus_of_whole_tiles_and_a_narrow_tail(rng, doc_len, variant, til
     assert tile_variants == [variant, variant, (False, 0)]
 
 
+@pytest.mark.parametrize("n_q, l_q", [(1, 1), (1, 45), (3, 8), (5, 33)])
+def test_whole_tiles_read_the_query_rows_by_the_width(rng, n_q, l_q, tile_variants):
+    """Whole tiles address the query's rows with 32-bit offsets and the width as stride (the embedding width equal
+    to the feature block): one-token, ragged (45 = 32 + 13 rows), stacked (3 queries in 2-query tiles, the last one
+    short) and split long queries score as the reference, from a contiguous query, from a strided one (copied, not
+    read by the width) and against per-query documents; a NaN in a real query token makes its query's scores NaN,
+    and garbage in the rows after the query (never read: rows are clamped) changes nothing."""
+    dim = 32
+    Q = torch.nn.functional.normalize(torch.randn(n_q, l_q, dim, generator=rng), dim=-1)
+    Q_q, q_scale = lik.quantize(Q, INT8)
+    D_q, d_scale = lik.quantize(torch.randn(4, 64, dim, generator=rng), INT8)
+    storage = torch.full((n_q + 1, l_q + 3, 2 * dim), 127, dtype=INT8)  # garbage around and between the rows
+    strided = storage[:n_q, :l_q, ::2]
+    strided.copy_(Q_q)
+    per_query_D, per_query_scale = lik.quantize(torch.randn(n_q, 3, 64, dim, generator=rng), INT8)
+    expected = _dequantized_maxsim(Q_q, D_q, d_scale, q_scale=q_scale)
+    for q_rows in (Q_q, strided):
+        _close(lik.maxsim(q_rows, D_q, q_scale=q_scale, d_scale=d_scale), expected, l_q)
+    _close(lik.maxsim(Q_q, per_query_D, q_scale=q_scale, d_scale=per_query_scale),
+           _dequantized_maxsim(Q_q, per_query_D, per_query_scale, q_scale=q_scale), l_q)
+    nan_scale = q_scale.clone()
+    nan_scale[n_q - 1, l_q - 1] = float("nan")
+    scores = lik.maxsim(Q_q, D_q, q_scale=nan_scale, d_scale=d_scale)
+    assert scores[n_q - 1].isnan().all()
+    _close(scores[: n_q - 1], expected[: n_q - 1], l_q)
+    assert tile_variants == [(True, 0)] * 4
+
+
+def test_whole_tiles_need_a_query_below_two_to_the_31_elements():
+    """Past 2**31 query elements the query's 32-bit row offsets would wrap: that launch takes the clamped loop."""
+    from lik.ops.maxsim.forward import whole_tiles
+
+    config = _config.MaxSimForwardConfig(128, 1, 128, 128, 4, 3)
+    assert whole_tiles(config, 1024, 128, 2, False, query_elements=2**31 - 1)
+    assert not whole_tiles(config, 1024, 128, 2, False, query_elements=2**31)
+
+
 @pytest.mark.parametrize("dtype", [INT8, FP8])
 @pytest.mark.parametrize("dim", [40, 300])
 def test_a_negative_query_scale_makes_its_query_nan(rng, dtype, dim, kernel_calls):

@@ -48,28 +48,32 @@ NARROW_TAIL_N = 16
 NARROW_TAIL_MAX = 32
 
 
-def whole_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool, strided_rows: bool = False) -> bool:
+def whole_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool, strided_rows: bool = False,
+                query_elements: int = 0) -> bool:
     """Whether the long-query loop (neither persistent nor feature-chunked) reads an unmasked padded 8-bit corpus's
     whole tiles without a row clamp or a last-tile select: when its length is a multiple of the document tile or
     at most :data:`NARROW_TAIL_MAX` tokens past one (those then take :func:`last_tiles`' narrow tiles), and its rows
     are stored back to back (``strided_rows`` False: row stride ``dim``, feature stride 1), which lets the loop
-    address them with the compile-time width as their stride (``tile.document_tile``).
+    address them with the compile-time width as their stride (``tile.document_tile``). The loop addresses the
+    query's rows the same way, with 32-bit offsets: the launcher hands it a contiguous query, which must have fewer
+    than 2**31 elements (``query_elements``).
 
     Flags on the length's remainder, not on the length: at most three variants per config (clamped, whole, whole
     and a narrow tail), and False wherever the loop does not use them, so they add no variant there. 8-bit rows
     only: float rows were not faster without the clamp, and slower with the narrow tail (benchmarks/NOTES.md,
     "Whole tiles", "A narrow last tile")."""
-    if not loader or masked or strided_rows or cfg.programs_per_sm != 0 or doc_len % cfg.block_n > NARROW_TAIL_MAX:
+    if not loader or masked or strided_rows or cfg.programs_per_sm != 0 or doc_len % cfg.block_n > NARROW_TAIL_MAX \
+            or query_elements >= 2**31:
         return False  # (float rows return here, before any arithmetic: this runs on every launch)
     return feature_chunks(dim, cfg.block_k)[1] == 1  # features resident (no streamed-k loop)
 
 
-def last_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool, strided_rows: bool = False
-               ) -> tuple[bool, int]:
+def last_tiles(cfg, doc_len: int, dim: int, loader: int, masked: bool, strided_rows: bool = False,
+               query_elements: int = 0) -> tuple[bool, int]:
     """The forward launch's ``(WHOLE_TILES, TAIL_N)`` for a document length: :func:`whole_tiles`, and the width of
     the tiles the long-query loop reads after the whole tiles (its last ``doc_len % block_n`` tokens), 0 when it
     reads whole tiles only or none (the launcher and ``lik.warmup`` ask for both; warmup's corpora are contiguous)."""
-    whole = whole_tiles(cfg, doc_len, dim, loader, masked, strided_rows)
+    whole = whole_tiles(cfg, doc_len, dim, loader, masked, strided_rows, query_elements)
     return whole, (min(NARROW_TAIL_N, cfg.block_n) if whole and doc_len % cfg.block_n else 0)
 
 
@@ -124,7 +128,9 @@ def maxsim_forward(
     doc_programs = maxsim_forward_doc_programs(cfg, n_row_blocks=n_row_blocks, n_docs=n_docs, device=device)
     grid = (n_row_blocks * doc_programs,)
     whole, tail = last_tiles(cfg, l_d, dim, loader, inputs.d_mask is not None,
-                             bool(loader) and (d_strides[2] != dim or d_strides[3] != 1))
+                             bool(loader) and (d_strides[2] != dim or d_strides[3] != 1), q.numel())
+    if whole and not q.is_contiguous():
+        q = q.contiguous()  # (whole tiles address the query's rows by the width too; the query is the small side)
     args = (
         q, d, q_mask, d_mask, partial, partial, partial, argmax_arg, *scale_ptrs,
         n_q, l_q, n_docs, l_d, 0, 0, n_chunks, n_row_blocks, doc_programs,

@@ -224,9 +224,19 @@ def score_documents(
     # [Nq, Lq], the documents' [n_sets, B, Ld] (one set when shared: stride_dn == 0) or packed rows.
     stride_dsb = doc_len
     stride_dsl = 1
-    q_scale = row_scales(q_scale_ptr + query * q_len + token, row_valid, LOADER)
+    q_scale_ptrs = q_scale_ptr + query * q_len + token
     offs_k = tl.arange(0, BLOCK_K)
-    if NUM_K == 1 and DIM == BLOCK_K and not HAS_Q_MASK:
+    if WHOLE_TILES and DIM == BLOCK_K and not HAS_Q_MASK:
+        # The launcher's promise covers the query too (forward.whole_tiles): rows back to back and fewer than
+        # 2**31 elements, so its rows are addressed with 32-bit offsets and the compile-time width as row stride
+        # (a 64-bit multiply per row less; the row clamp is the next branch's).
+        q_tokens = query.to(tl.int32) * q_len + token.to(tl.int32)
+        q_scale_ptrs = q_scale_ptr + q_tokens
+        clamped_tokens = (
+            tl.minimum(query.to(tl.int32), n_queries - 1) * q_len + tl.minimum(token.to(tl.int32), q_len - 1)
+        )
+        q_rows = tl.load(q_ptr + clamped_tokens[:, None] * DIM + offs_k[None, :])
+    elif NUM_K == 1 and DIM == BLOCK_K and not HAS_Q_MASK:
         # Rows past the query (a short group's padding, a last block's missing queries) re-read a real token
         # instead of loading under a row predicate: their maxima never reach a score or a winner (row_valid,
         # row_in_range). (A masked query keeps the predicate: its masked tokens may hold NaN.)
@@ -242,6 +252,7 @@ def score_documents(
         )
     else:
         q_rows = tl.zeros((BLOCK_M, BLOCK_K), q_ptr.dtype.element_ty)
+    q_scale = row_scales(q_scale_ptrs, row_valid, LOADER)
 
     # Shared documents have stride_dn == 0; per-query documents run with GROUPS == 1, so the first group's
     # query is every row's query.
