@@ -17,6 +17,8 @@ Each variant is checked against ``lik.maxsim`` on the same quantized operands, t
 Writes ``long_query_gap_probe.json``.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/long_query_gap_probe.py [--every-combination] [--rounds N] --out OUT
+    # the bare loop and lik's whole launch only, at B = 10 000:
+    ... long_query_gap_probe.py --variants "bare,all four" --dtypes fp8 --pages 10000 --out OUT
 """
 
 from __future__ import annotations
@@ -123,16 +125,20 @@ def main():
     parser.add_argument("--shapes", default="colpali,visual")
     parser.add_argument("--dtypes", default="fp8,int8")
     parser.add_argument("--every-combination", action="store_true", help="time all 16 subsets of the flags")
+    parser.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
+    parser.add_argument("--pages", type=int, default=1000, help="documents of 1 024 tokens (B)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     dev = "cuda"
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
-    results = run_record(commit=os.environ.get("LIK_COMMIT", "unknown"))
+    results = run_record(commit=os.environ.get("LIK_COMMIT", "unknown"), pages=args.pages)
     lines = []
     variants = every_combination() if args.every_combination else VARIANTS
+    if args.variants:
+        variants = {name: variants[name] for name in args.variants.split(",")}
     for name in args.shapes.split(","):
-        q, d = page_operands(PAGE_SHAPES[name], dev)
+        q, d = page_operands(PAGE_SHAPES[name], dev, n_pages=args.pages)
         methods = {"lik fp16": lambda q=q, d=d: lik.maxsim(q, d)}
         for dtype, tag in ((torch.float8_e4m3fn, "fp8"), (torch.int8, "int8")):
             if tag not in args.dtypes.split(",") or (name == "visual" and dtype == torch.int8):
