@@ -11,7 +11,7 @@ from lik.bench import CANONICAL_SHAPES, Ceilings, Method, Shape, floor, flop_cou
 from lik.bench.measure import Timer
 from lik.bench.methods import chunked_einsum_maxsim, einsum_maxsim
 from lik.bench.report import format_table
-from lik.bench.runner import run_shape
+from lik.bench.runner import round_order, run_shape
 from lik.bench.shapes import select_shapes
 
 
@@ -168,3 +168,28 @@ def test_shape_filter():
     ]
     with pytest.raises(SystemExit, match="no shape matches"):
         _selected_shapes(parse_args(["--suite", "train", "--shapes", "visual"]))
+
+
+
+def test_each_round_starts_at_the_next_method():
+    """Round r times the methods rotated to start at the r-th, so no method is always first (the coolest board) or
+    always behind the same neighbour; every method is still timed once a round."""
+    called, timed = [], []
+
+    class RecordingTimer:
+        def median_ms(self, fn):
+            before = len(called)
+            fn()
+            timed.append(called[before])
+            return 1.0
+
+    methods = [Method(name, ("forward",), lambda shape, name=name: lambda Q, D: called.append(name) or einsum_maxsim(Q, D))
+               for name in ("a", "b", "c")]
+    entry = run_shape(
+        Shape("forward", "smoke", 1, 4, 6, 9, d=8), methods, {}, dtype=torch.float32, device=torch.device("cpu"),
+        timer=RecordingTimer(), ceilings=Ceilings(1e10, 1e10), rounds=4, rotate_bytes=0, log=lambda line: None,
+    )
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert all(entry["cells"][name]["round_ms"] == [1.0] * 4 for name in "abc")
+    assert [name for name, _ in round_order({"a": 1, "b": 2, "c": 3}, 4)] == ["b", "c", "a"]
+    assert round_order({}, 3) == []

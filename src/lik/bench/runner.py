@@ -8,7 +8,9 @@ Per shape:
    and its repeatability (two runs, bitwise) recorded. A method that disagrees is marked ``mismatch``: still
    timed, never silently;
 3. ``rounds`` timing rounds, each timing every method once in turn (methods interleaved, so drift in clocks
-   or temperature hits all of them alike); the cell's time is the median over rounds of do_bench medians;
+   or temperature hits all of them alike), round ``r`` starting at the ``r``-th method (:func:`round_order`: no
+   method always runs first, when the board is coolest, or always after the same heavy neighbour); the cell's
+   time is the median over rounds of do_bench medians;
 4. peak memory per method in a fresh measurement.
 
 Out-of-memory is caught and recorded as ``OOM``; any other failure as ``error`` with its message.
@@ -42,7 +44,7 @@ from .report import format_table, plot_results
 from .roofline import Ceilings, floor, flop_count, min_bytes
 from .shapes import SUITES, Shape, select_shapes
 
-__all__ = ["main", "run", "run_shape", "parse_args", "registry_listing", "environment", "TOLERANCE", "rel_error"]
+__all__ = ["main", "run", "run_shape", "round_order", "parse_args", "registry_listing", "environment", "TOLERANCE", "rel_error"]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -163,6 +165,17 @@ def _finish_cells(entry: dict, floor_ms: float) -> None:
     entry["ratios"] = {a: {b: tb / ta for b, tb in timed.items() if b != a} for a, ta in timed.items()}
 
 
+def round_order(calls: dict, round_index: int) -> list:
+    """The ``(name, call)`` pairs of timing round ``round_index``: the methods in their order, rotated to start at
+    the ``round_index``-th. On a power-capped GPU a method's time depends on what ran just before it (the first
+    timing of a phase is the fast one, BENCHMARKS.md), so a fixed order would favour the first method every round.
+
+    Example: methods ``a, b, c`` run ``a b c``, then ``b c a``, then ``c a b``."""
+    items = list(calls.items())
+    start = round_index % max(1, len(items))
+    return items[start:] + items[:start]
+
+
 def run_shape(
     shape: Shape,
     methods: list[Method],
@@ -228,8 +241,8 @@ def run_shape(
         log(f"  {method.name:26s} {cell['status']} rel_err {cell['rel_err']:.1e}, first call and check "
             f"{cell['check_s']:.1f} s" + ("" if cell.get("repeatable", True) else ", not bitwise repeatable"))
 
-    for _ in range(rounds):
-        for name, call in calls.items():
+    for round_index in range(rounds):
+        for name, call in round_order(calls, round_index):
             cell = entry["cells"][name]
             if "error" in cell:
                 continue
