@@ -44,7 +44,9 @@ from .report import format_table, plot_results
 from .roofline import Ceilings, floor, flop_count, min_bytes
 from .shapes import SUITES, Shape, select_shapes
 
-__all__ = ["main", "run", "run_shape", "round_order", "parse_args", "registry_listing", "environment", "TOLERANCE", "rel_error"]
+__all__ = [
+    "main", "run", "run_shape", "round_order", "parse_args", "registry_listing", "environment", "TOLERANCE", "rel_error",
+]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -226,23 +226,22 @@ def score_documents(
     stride_dsl = 1
     q_scale_ptrs = q_scale_ptr + query * q_len + token
     offs_k = tl.arange(0, BLOCK_K)
-    if WHOLE_TILES and DIM == BLOCK_K and not HAS_Q_MASK:
-        # The launcher's promise covers the query too (forward.whole_tiles): rows back to back and fewer than
-        # 2**31 elements, so its rows are addressed with 32-bit offsets and the compile-time width as row stride
-        # (a 64-bit multiply per row less; the row clamp is the next branch's).
-        q_tokens = query.to(tl.int32) * q_len + token.to(tl.int32)
-        q_scale_ptrs = q_scale_ptr + q_tokens
-        clamped_tokens = (
-            tl.minimum(query.to(tl.int32), n_queries - 1) * q_len + tl.minimum(token.to(tl.int32), q_len - 1)
-        )
-        q_rows = tl.load(q_ptr + clamped_tokens[:, None] * DIM + offs_k[None, :])
-    elif NUM_K == 1 and DIM == BLOCK_K and not HAS_Q_MASK:
+    if NUM_K == 1 and DIM == BLOCK_K and not HAS_Q_MASK:
         # Rows past the query (a short group's padding, a last block's missing queries) re-read a real token
         # instead of loading under a row predicate: their maxima never reach a score or a winner (row_valid,
         # row_in_range). (A masked query keeps the predicate: its masked tokens may hold NaN.)
-        clamped_rows = (
-            q_ptr + tl.minimum(query, n_queries - 1) * stride_qn + tl.minimum(token, q_len - 1) * stride_ql
-        )
+        if WHOLE_TILES:
+            # The launcher's promise covers the query too (forward.whole_tiles): rows back to back and fewer than
+            # 2**31 elements, so rows are addressed with 32-bit offsets and the compile-time width as row stride.
+            query_32, token_32 = query.to(tl.int32), token.to(tl.int32)
+            q_scale_ptrs = q_scale_ptr + (query_32 * q_len + token_32)
+            clamped_rows = (
+                q_ptr + (tl.minimum(query_32, n_queries - 1) * q_len + tl.minimum(token_32, q_len - 1)) * DIM
+            )
+        else:
+            clamped_rows = (
+                q_ptr + tl.minimum(query, n_queries - 1) * stride_qn + tl.minimum(token, q_len - 1) * stride_ql
+            )
         q_rows = tl.load(clamped_rows[:, None] + offs_k[None, :] * stride_qk)
     elif NUM_K == 1:
         q_rows = tl.load(
