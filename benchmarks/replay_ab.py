@@ -1,11 +1,12 @@
 """A/B of ``lik.maxsim``'s inference replay (GPU): the same calls with replays on and off, in one process.
 
-For each cell (canonical single-query shapes, fp16 and 8-bit operands quantized outside the timing) it times
+For each cell (canonical single-query shapes: fp16, 8-bit operands quantized outside the timing, and a float16
+query against an 8-bit corpus, quantized inside the call as a serving loop does) it times
 ``lik.maxsim`` by ``triton.testing.do_bench`` (median, L2 flushed before each call, as ``lik bench`` does) with the
 replay on and off in alternating rounds, checks that both give the same scores bit for bit, and measures the host
 time of one call (the mean over 2 000 calls of a tiny problem enqueued without synchronising, GPU far from busy).
 
-    python3 benchmarks/replay_ab.py --out OUT
+    python3 benchmarks/replay_ab.py --out OUT [--src OTHER_TREE/src]   (--src: time another tree's lik)
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+_SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else os.path.join(os.path.dirname(__file__), "..",
+                                                                                       "src")
+sys.path.insert(0, _SRC)
 import lik  # noqa: E402
 from lik.ops.maxsim import function as maxsim_function  # noqa: E402
 
@@ -45,6 +48,7 @@ def _cells():
             d8, ds = lik.quantize(D, dtype)
             q8, qs = lik.quantize(Q, dtype)
             cells[f"{name} {tag}"] = ((q8, d8), {"q_scale": qs, "d_scale": ds})
+            cells[f"{name} fp16 query, {tag} corpus"] = ((Q, d8), {"d_scale": ds})
     return cells
 
 
@@ -64,11 +68,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="out")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--src", default=_SRC, help="the src/ directory of the lik to time (read at import)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "cells": {}, "host_us": {}}
+              "src": os.path.abspath(args.src), "cells": {}, "host_us": {}}
     lines = []
     cells = _cells()
     for name, (a, k) in cells.items():
@@ -91,7 +96,8 @@ def main():
     d8, ds = lik.quantize(tiny_d, torch.int8)
     q8, qs = lik.quantize(tiny_q, torch.int8)
     for name, (a, k) in {"tiny fp16": ((tiny_q, tiny_d), {}),
-                         "tiny int8": ((q8, d8), {"q_scale": qs, "d_scale": ds})}.items():
+                         "tiny int8": ((q8, d8), {"q_scale": qs, "d_scale": ds}),
+                         "tiny fp16 query, int8 corpus": ((tiny_q, d8), {"d_scale": ds})}.items():
         for mode in ("off", "on", "off", "on"):
             _replays(mode == "on")
             record["host_us"].setdefault(f"{name} {mode}", []).append(host_us(a, k))

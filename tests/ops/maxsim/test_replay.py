@@ -45,8 +45,8 @@ def test_recorded_slots_name_the_callers_tensors_the_buffer_and_the_values(monke
     args = (Q.unsqueeze(0), D.unsqueeze(0), Q, d_mask.view(torch.uint8), partial, partial, 7, 0)
     recorder("key", tensors, True)((12,), args, {"DIM": 8}, partial)
     assert launches == [((12,), args, {"DIM": 8})]
-    launch, slots, partial_shape, squeeze = fresh_replays["key"]
-    assert slots == (0, 1, 0, 3, -1, -1, (7,), (0,)) and partial_shape == (2, 1, 3) and squeeze
+    launch, slots, partial_shape, squeeze, query = fresh_replays["key"]
+    assert slots == (0, 1, 0, 3, -1, -1, (7,), (0,)) and partial_shape == (2, 1, 3) and squeeze and query is None
     # A replay reads the new call's addresses in the recorded order, and a buffer of its own.
     Q2, D2, m2 = torch.randn(4, 8), torch.randn(3, 5, 8), torch.ones(3, 5, dtype=torch.bool)
     scores = replay("key", (Q2, D2, None, m2, None, None))
@@ -61,10 +61,74 @@ def test_a_launch_given_a_tensor_of_its_own_is_never_replayed(monkeypatch, fresh
     launches = _stand_in_replay(monkeypatch, [])
     Q, D = torch.randn(4, 8), torch.randn(3, 5, 8)
     partial = torch.empty(1, 1, 3)
-    made = torch.randn(1, 4, 8)  # e.g. a quantized copy of a float query
+    made = torch.randn(1, 4, 8)  # e.g. a copy of strided rows
     recorder("key", (Q, D, None, None, None, None), False)((3,), (made, D, partial), {}, partial)
     assert fresh_replays == {"key": None} and launches == []
     assert replay("key", (Q, D, None, None, None, None)) is None
+
+
+def _stand_in_quantization(monkeypatch, calls, recorded=True):
+    """quantize_rows_replay stand-in: what it was asked for, and a replay that files its addresses in ``calls``."""
+    asked = []
+
+    def quantize_rows_replay(rows, q, q_scale):
+        asked.append((rows, q, q_scale))
+        return (lambda *arguments: calls.append(("quantize", arguments)), (7, 8, 8, 8)) if recorded else None
+
+    monkeypatch.setattr(replay_module, "quantize_rows_replay", quantize_rows_replay)
+    return asked
+
+
+def test_a_float_query_quantized_for_an_8bit_corpus_is_recorded_and_quantized_again_on_replay(
+        monkeypatch, fresh_replays):
+    calls = []
+    launches = _stand_in_replay(monkeypatch, calls)
+    asked = _stand_in_quantization(monkeypatch, calls)
+    Q = torch.randn(7, 8)  # float query of a 2-D call
+    D, d_scale = lik.quantize(torch.randn(3, 5, 8), torch.int8)
+    q, q_scale = lik.quantize(Q.unsqueeze(0), torch.int8)  # what MaxSimInputs.build made: [1, 7, 8], [1, 7]
+    tensors = (Q, D, None, None, None, d_scale)
+    partial = torch.empty(1, 1, 3)
+    args = (q, D, q_scale, d_scale.unsqueeze(0), partial, 7)
+    recorder("key", tensors, True, (q, q_scale))((3,), args, {}, partial)
+    assert len(launches) == 1
+    (rows, q_rows, scale_rows), = asked
+    assert rows.data_ptr() == Q.data_ptr() and rows.shape == (7, 8)  # the caller's rows, not a copy
+    assert q_rows.shape == (7, 8) and q_rows.data_ptr() == q.data_ptr() and scale_rows.shape == (7,)
+    _, slots, _, squeeze, (quantize, ints, shape, dtype) = fresh_replays["key"]
+    assert slots == (-2, 1, -3, 5, -1, (7,)) and squeeze
+    assert ints == (7, 8, 8, 8) and shape == (1, 7, 8) and dtype == torch.int8
+    # A replay quantizes the new query into buffers of its own, then scores with those buffers.
+    Q2 = torch.randn(7, 8)
+    D2, d_scale2 = lik.quantize(torch.randn(3, 5, 8), torch.int8)
+    scores = replay("key", (Q2, D2, None, None, None, d_scale2))
+    (kind, (x, q_new, scale_new, *rest)), scored = calls
+    assert kind == "quantize" and x == Q2.data_ptr() and tuple(rest) == (7, 8, 8, 8)
+    assert scored[0] == q_new and scored[2] == scale_new and q_new != scale_new
+    assert scored[1] == D2.data_ptr() and scored[3] == d_scale2.data_ptr() and scored[5] == 7
+    assert scored[4] not in (q_new, scale_new, Q2.data_ptr()) and scores.shape == (3,)
+
+
+def test_a_float_query_whose_rows_are_copied_or_whose_quantization_was_not_recorded_is_not_replayed(
+        monkeypatch, fresh_replays):
+    launches = _stand_in_replay(monkeypatch, [])
+    partial = torch.empty(1, 2, 3)
+    D, d_scale = lik.quantize(torch.randn(3, 5, 8), torch.int8)
+    # Two queries of 7 tokens cut from rows of 9: their 14 rows are no view of one matrix, so they are copied.
+    Q = torch.randn(2, 9, 8)[:, :7]
+    q, q_scale = lik.quantize(Q, torch.int8)
+    asked = _stand_in_quantization(monkeypatch, [])
+    args = (q, D, q_scale, d_scale.unsqueeze(0), partial)
+    recorder("copied", (Q, D, None, None, None, d_scale), False, (q, q_scale))((3,), args, {}, partial)
+    assert fresh_replays == {"copied": None} and asked == [] and launches == []
+    # A view, but the quantization's launch went through Triton's own path: nothing to replay it with.
+    Q = torch.randn(2, 7, 8)
+    q, q_scale = lik.quantize(Q, torch.int8)
+    asked = _stand_in_quantization(monkeypatch, [], recorded=False)
+    args = (q, D, q_scale, d_scale.unsqueeze(0), partial)
+    recorder("unrecorded", (Q, D, None, None, None, d_scale), False, (q, q_scale))((3,), args, {}, partial)
+    assert fresh_replays["unrecorded"] is None and len(asked) == 1
+    assert replay("unrecorded", (Q, D, None, None, None, d_scale)) is None
 
 
 def test_arguments_sharing_an_address_are_not_recorded(monkeypatch, fresh_replays):
@@ -169,14 +233,23 @@ def _cases():
     def strided_documents():
         return (_unit(32, 64), _unit(40, 50, 128)[..., :64]), {}
 
+    def float_query_int8_corpus():  # the query is quantized per call, in the replay too
+        d, ds = lik.quantize(_unit(30, 260, 128), torch.int8)
+        return (_unit(32, 128), d), {"d_scale": ds}
+
+    def fp8_float_queries_with_masks():
+        d, ds = lik.quantize(_unit(30, 100, 128), torch.float8_e4m3fn)
+        q = _unit(3, 40, 256, dtype=torch.bfloat16)[..., :128]  # rows strided in memory, still one view
+        return (q, d, torch.rand(3, 40, device="cuda") > 0.2), {"d_scale": ds}
+
     return [fp16_2d, masked_3d_zero, per_query_bf16, long_query_fp32, int8_with_scales, fp8_long_query,
-            strided_documents]
+            strided_documents, float_query_int8_corpus, fp8_float_queries_with_masks]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("build", _cases(), ids=lambda f: f.__name__)
 def test_gpu_repeated_calls_replay_with_the_full_paths_scores(build, monkeypatch, fresh_replays):
-    if build.__name__.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
+    if "fp8" in build.__name__ and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs compute capability >= 8.9")
     full_launches = _counting_forward(monkeypatch)
     args, kwargs = build()
@@ -197,10 +270,10 @@ def test_gpu_calls_that_make_a_tensor_of_their_own_keep_the_full_path(monkeypatc
     full_launches = _counting_forward(monkeypatch)
     d, ds = lik.quantize(_unit(30, 100, 128), torch.int8)
     Q = _unit(32, 128)
+    cut = _unit(2, 40, 128)[:, :32]  # two queries' rows that no [64, 128] view holds: copied before quantizing
     int_mask = (torch.rand(30, 100, device="cuda") > 0.5).to(torch.int64)  # turned bool per call
     D = _unit(30, 100, 128)
-    # a float query against an 8-bit corpus is quantized per call; an integer mask is turned bool per call
-    for args, kwargs in (((Q, d), {"d_scale": ds}), ((Q, D), {"d_mask": int_mask})):
+    for args, kwargs in (((cut, d), {"d_scale": ds}), ((Q, D), {"d_mask": int_mask})):
         for _ in range(2):
             before = len(full_launches)
             got = lik.maxsim(*args, **kwargs)

@@ -8,10 +8,12 @@ choose the path), so a call whose key was launched before only reads its tensors
 and replays the recorded launch. The first call with a key runs the full path, checks included, and records it.
 
 A launch is recorded only when every tensor the kernel was given is a view of one of the caller's tensors (same
-address): a call that makes a tensor of its own on the way (an integer mask turned bool, a float query quantized
-to an 8-bit corpus's dtype, a strided scale copied) keeps the full path. Nothing is replayed under
-``torch.compile``, for CPU tensors, while a launch config is forced (:func:`lik._config.override`) or a Triton
-launch hook is installed, or when a gradient is needed.
+address), or is the call's float query quantized to an 8-bit corpus's dtype: a serving loop scores float queries
+against a stored 8-bit corpus, so that quantization is recorded too (:func:`quantize_rows_replay`) and a replay
+quantizes the new query into buffers of its own before the scoring launch. A call that makes any other tensor on
+the way (an integer mask turned bool, a strided scale copied, a query whose rows are copied before quantizing)
+keeps the full path. Nothing is replayed under ``torch.compile``, for CPU tensors, while a launch config is forced
+(:func:`lik._config.override`) or a Triton launch hook is installed, or when a gradient is needed.
 """
 
 from __future__ import annotations
@@ -20,15 +22,21 @@ import torch
 
 from ..._config import _OVERRIDES
 from ..._launch import REPLAY_LIMIT, _current_device, replay_allowed, replay_of
+from ..quantization.function import rows_of
+from ..quantization.kernel import quantize_rows_replay
 from .forward import chunk_sums
 from .forward_kernel import maxsim_fwd_kernel
 
 __all__ = ["replay_key", "replay", "recorder", "REPLAYS"]
 
-# key -> (replay, slots, partial shape, squeeze), or None for a key whose launch takes a tensor of its own.
+# key -> (replay, slots, partial shape, squeeze, query quantization or None), or None for a key whose launch takes
+# a tensor of its own that a replay cannot make.
 REPLAYS: dict[tuple, tuple | None] = {}
 
-_PARTIAL = -1  # a slot holding the call's own fp32 buffer of per-chunk sums
+# Slots holding buffers the call makes itself (negative, so that they never name a caller's tensor):
+_PARTIAL = -1  # its fp32 per-chunk sums
+_QUERY = -2  # its float query quantized to the documents' dtype
+_QUERY_SCALE = -3  # that query's fp32 per-token scales
 
 
 def _tensor_key(x: torch.Tensor) -> tuple:
@@ -66,20 +74,44 @@ def replay(key: tuple, tensors: tuple) -> torch.Tensor | None:
     recorded = REPLAYS.get(key)
     if recorded is None:
         return None
-    launch, slots, partial_shape, squeeze = recorded
-    partial = torch.empty(partial_shape, dtype=torch.float32, device=tensors[0].device)
-    launch(*[partial.data_ptr() if slot == _PARTIAL else tensors[slot].data_ptr() if isinstance(slot, int) else slot[0]
+    launch, slots, partial_shape, squeeze, query = recorded
+    device = tensors[0].device
+    partial = torch.empty(partial_shape, dtype=torch.float32, device=device)
+    made = [None, partial.data_ptr()]  # indexed by -slot
+    if query is not None:
+        quantize, ints, shape, dtype = query
+        q = torch.empty(shape, dtype=dtype, device=device)
+        q_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device)
+        quantize(tensors[0].data_ptr(), q.data_ptr(), q_scale.data_ptr(), *ints)
+        made += [q.data_ptr(), q_scale.data_ptr()]
+    launch(*[(made[-slot] if slot < 0 else tensors[slot].data_ptr()) if type(slot) is int else slot[0]
              for slot in slots])
     scores = chunk_sums(partial)
     return scores[0] if squeeze else scores
 
 
-def recorder(key: tuple, tensors: tuple, squeeze: bool):
+def _query_quantization(Q: torch.Tensor, quantized: tuple, squeeze: bool) -> tuple | None:
+    """``(replay, ints, shape, dtype)`` of the quantization that made ``quantized = (q, q_scale)`` from the caller's
+    float ``Q``, or None when it cannot be replayed (the rows were copied first, or the launch was not recorded)."""
+    rows = rows_of(Q.unsqueeze(0) if squeeze else Q)  # what MaxSimInputs.build quantized
+    if rows.data_ptr() != Q.data_ptr():  # a copy: its address changes every call
+        return None
+    q, q_scale = quantized
+    recorded = quantize_rows_replay(rows, q.view(-1, q.shape[-1]), q_scale.view(-1))
+    if recorded is None:
+        return None
+    return (*recorded, tuple(q.shape), q.dtype)
+
+
+def recorder(key: tuple, tensors: tuple, squeeze: bool, quantized_query: tuple | None = None):
     """A ``maxsim_forward(..., recorder=)`` callback filing the launch it made under ``key``: each tensor argument
     as the index of the caller's tensor it is a view of (``tensors`` as for :func:`replay`), the buffer of sums
-    as :data:`_PARTIAL`, every other argument as its value."""
+    as :data:`_PARTIAL`, the call's quantized float query and its scales (``quantized_query = (q, q_scale)``, made
+    by ``MaxSimInputs.build``) as :data:`_QUERY` / :data:`_QUERY_SCALE`, every other argument as its value."""
     addresses = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in tensors]
     given = [a for a in addresses if a is not None]
+    made = {} if quantized_query is None else {
+        quantized_query[0].data_ptr(): _QUERY, quantized_query[1].data_ptr(): _QUERY_SCALE}
 
     def record(grid, args, options, partial):
         if len(set(given)) != len(given):  # two arguments at one address: which one a slot reads is ambiguous
@@ -90,17 +122,26 @@ def recorder(key: tuple, tensors: tuple, squeeze: bool):
                 slots.append(_PARTIAL)
             elif isinstance(arg, torch.Tensor):
                 address = arg.data_ptr()
-                if address not in addresses:  # a tensor this call made: its address changes every call
+                if address in addresses:
+                    slots.append(addresses.index(address))
+                elif address in made:
+                    slots.append(made[address])
+                else:  # a tensor this call made that a replay cannot make: its address changes every call
                     REPLAYS[key] = None
                     return
-                slots.append(addresses.index(address))
             else:
                 slots.append((arg,))
+        query = None
+        if _QUERY in slots or _QUERY_SCALE in slots:
+            query = _query_quantization(tensors[0], quantized_query, squeeze)
+            if query is None:
+                REPLAYS[key] = None
+                return
         launch = replay_of(maxsim_fwd_kernel, grid, *args, **options)
         if launch is None:  # launched through Triton's own path: nothing recorded to replay
             return
         if len(REPLAYS) >= REPLAY_LIMIT:
             REPLAYS.clear()
-        REPLAYS[key] = (launch, tuple(slots), tuple(partial.shape), squeeze)
+        REPLAYS[key] = (launch, tuple(slots), tuple(partial.shape), squeeze, query)
 
     return record

@@ -8,7 +8,7 @@ from ..._config import interpreting
 from .kernel import quantize_rows
 from .reference import QUANTIZED_DTYPES, dequantize_reference, quantize_reference
 
-__all__ = ["quantize", "dequantize", "check_fp8_supported"]
+__all__ = ["quantize", "dequantize", "check_fp8_supported", "rows_of"]
 
 _FLOAT_INPUTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -64,13 +64,19 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch.Te
         check_fp8_supported(x.device, "quantize")
     if x.numel() == 0 or not _uses_kernel(x, dtype):
         return quantize_reference(x, dtype)
-    dim = x.shape[-1]
     with torch.no_grad():
-        x2d = x.detach().reshape(-1, dim)
-        if dim > 1 and x2d.stride(-1) != 1:
-            x2d = x2d.contiguous()
-        x_q, scale = quantize_rows(x2d, dtype)
+        x_q, scale = quantize_rows(rows_of(x), dtype)
     return x_q.view(x.shape), scale.view(x.shape[:-1])
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """The ``[R, d]`` matrix of ``x [..., d]``'s rows that the kernel quantizes: a view of ``x`` where one exists
+    (same address), else a copy with unit stride along ``d``."""
+    dim = x.shape[-1]
+    x2d = x.detach().reshape(-1, dim)
+    if dim > 1 and x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    return x2d
 
 
 def dequantize(x_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
