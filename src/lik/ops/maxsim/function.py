@@ -170,7 +170,8 @@ def maxsim(
     inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True, q_scale=q_scale, d_scale=d_scale)
     needs_grad = inputs.d_scale is None and torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     if key is not None and key not in REPLAYS and not needs_grad and uses_kernels(inputs.q):
-        quantized = (inputs.q, inputs.q_scale) if inputs.query_quantized else None
+        # a float Q against 8-bit D: build made q and q_scale, quantized to D's dtype
+        quantized = (inputs.q, inputs.q_scale) if inputs.q.dtype != Q.dtype else None
         scores, _ = maxsim_forward(inputs, store_argmax=False,
                                    recorder=recorder(key, tensors, inputs.squeeze_query, quantized))
         return inputs.finish(scores)

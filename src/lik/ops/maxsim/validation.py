@@ -163,8 +163,6 @@ class MaxSimInputs:
     per_query_documents: bool  # D was [Nq, B, Ld, d]
     q_scale: torch.Tensor | None = None  # 8-bit rows: fp32 [Nq, Lq]
     d_scale: torch.Tensor | None = None  # 8-bit rows: fp32 [n_sets, B, Ld]
-    # q and q_scale were made here from a float Q (quantized to D's dtype), not passed by the caller
-    query_quantized: bool = False
     # fp32 products: None follows torch.get_float32_matmul_precision(); "tf32" for operands already split into
     # TF32 parts by an internal caller (Chamfer's nearest neighbours).
     dot_precision: str | None = None
@@ -235,7 +233,7 @@ class MaxSimInputs:
             q_scale = q_scale.unsqueeze(0)
         if not per_query:
             d_scale = d_scale.unsqueeze(0)
-        return cls(q, d, q_mask, d_mask, mask_mode, squeeze, per_query, q_scale, d_scale, query_quantized=quantize_q)
+        return cls(q, d, q_mask, d_mask, mask_mode, squeeze, per_query, q_scale, d_scale)
 
     def finish(self, scores: torch.Tensor) -> torch.Tensor:
         """Shape the canonical ``[Nq, B]`` result the way the caller passed ``Q``."""
