@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 import lik
+from lik.core.division import divisor_constants
 from lik.core.quantized import FP8, INT8, row_scales
 from lik.ops.maxsim.forward_kernel import write_document
-from lik.ops.maxsim.tile import NO_KEY, query_rows, stream_document
+from lik.ops.maxsim.tile import NO_KEY, group_offsets, query_rows, stream_document
 from probe_harness import (
     PAGE_SHAPES, bare_page_max, page_operands, quantized_operands, round_lines, run_record, timed_rounds,
     write_report,
@@ -44,7 +45,8 @@ from quantized_kernels import device_kernels
 
 @triton.jit
 def gap_kernel(
-    q_ptr, d_ptr, q_scale_ptr, d_scale_ptr, partial_ptr, n_docs, doc_len, q_len, n_row_blocks,
+    q_ptr, d_ptr, q_scale_ptr, d_scale_ptr, partial_ptr, n_docs, doc_len, q_len, n_row_blocks, blocks_multiplier,
+    blocks_shift,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOADER: tl.constexpr,
     GRID_1D: tl.constexpr, LIK_QUERY: tl.constexpr, LIK_LOOP: tl.constexpr, LIK_WRITE: tl.constexpr,
 ):
@@ -58,7 +60,8 @@ def gap_kernel(
     k = tl.arange(0, DIM)
     if LIK_QUERY:
         query, token, row_in_range, row_valid = query_rows(
-            row_block, 1, q_len, n_row_blocks, q_ptr, 0, 0, BLOCK_M, 1, False,
+            row_block.to(tl.int32), 1, q_len, n_row_blocks, blocks_multiplier, blocks_shift, q_ptr, 0, 0, BLOCK_M, 1,
+            False,
         )
         clamped = q_ptr + tl.minimum(query, 0) * q_len * DIM + tl.minimum(token, q_len - 1) * DIM
         q = tl.load(clamped[:, None] + k[None, :])
@@ -84,9 +87,12 @@ def gap_kernel(
         key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
         n_valid = doc_len
     if LIK_WRITE:
+        sum_offsets, sums_in_range = group_offsets(
+            row_block.to(tl.int32), 1, n_row_blocks, blocks_multiplier, blocks_shift, n_docs, n_docs, 1,
+        )
         write_document(
-            best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, partial_ptr,
-            1, n_row_blocks, n_docs, n_docs, 1, 0, 0, 0, 0, q_scale,
+            best, key, n_valid, row_valid, row_in_range, query, token, sum_offsets, sums_in_range, doc, partial_ptr,
+            partial_ptr, 1, 0, 0, 0, 0, q_scale,
             BLOCK_M, 1, True, False, LOADER,
         )
     else:
@@ -111,7 +117,7 @@ def gap(q8, q_scale, d8, d_scale, flags):
     partial = torch.empty(n_row_blocks, n_docs, device=q8.device, dtype=torch.float32)
     grid = (n_row_blocks * n_docs,) if "GRID_1D" in flags else (n_row_blocks, n_docs)
     gap_kernel[grid](
-        q8, d8, q_scale, d_scale, partial, n_docs, doc_len, lq, n_row_blocks,
+        q8, d8, q_scale, d_scale, partial, n_docs, doc_len, lq, n_row_blocks, *divisor_constants(n_row_blocks),
         DIM=dim, BLOCK_M=128, BLOCK_N=128, LOADER=INT8 if q8.dtype == torch.int8 else FP8,
         **{f: f in flags for f in FLAGS}, num_stages=3, num_warps=4,
     )

@@ -8,6 +8,7 @@ import torch
 
 from ..._config import cdiv, feature_chunks, maxsim_forward_config, maxsim_forward_doc_programs
 from ..._launch import launch
+from ...core.division import divisor_constants
 from ...core.quantized import loader_chunks, loader_of
 from .forward_kernel import maxsim_fwd_kernel
 from .validation import MaxSimInputs
@@ -134,6 +135,7 @@ def maxsim_forward(
     args = (
         q, d, q_mask, d_mask, partial, partial, partial, argmax_arg, *scale_ptrs,
         n_q, l_q, n_docs, l_d, 0, 0, n_chunks, n_row_blocks, doc_programs,
+        *divisor_constants(n_row_blocks), *divisor_constants(n_chunks),
         *q.stride(), *d_strides, *q_mask_strides, *d_mask_strides, *partial.stride(), *argmax_strides,
     )
     options = dict(

@@ -15,13 +15,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...core.division import divide
 from ...core.quantized import FLOAT, reset_similarity, row_scales, scale_rows, scale_similarity, zero_similarity
 from ...core.reductions import nan_max
 from ...core.segments import PACKED, PAIRS, document_scales, document_span, program_tiles, segment
 from .pairs import score_pairs
 from .tile import (
     NO_KEY, REDUCE_MAX, ROW_MAX_CLASSES, chunk_similarity, counted_rows, document_tile, first_nan_keys, fold_tile,
-    fresh_rows, query_rows, store_group_sums, stream_document, tile_scales,
+    fresh_rows, group_offsets, query_rows, store_group_sums, stream_document, tile_scales,
 )
 
 __all__ = ["maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_winners", "score_documents"]
@@ -33,6 +34,7 @@ __all__ = ["maxsim_fwd_kernel", "write_document", "store_winners", "settle_nan_w
 # element cost ColPali 0.58 -> 0.70 ms).
 _RUNTIME_INTS = [
     "n_queries", "q_len", "n_docs", "doc_len", "n_q_rows", "n_d_rows", "n_chunks", "n_row_blocks", "doc_programs",
+    "row_blocks_multiplier", "row_blocks_shift", "chunks_multiplier", "chunks_shift",
     "stride_qmn", "stride_dmn", "stride_dmb", "stride_pc", "stride_pn", "stride_an", "stride_ab",
 ]
 
@@ -54,17 +56,18 @@ def store_winners(
 
 @triton.jit
 def write_document(
-    best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, argmax_ptr, n_queries,
-    n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
+    best, key, n_valid, row_valid, row_in_range, query, token, sum_offsets, sums_in_range, doc, partial_ptr,
+    argmax_ptr, stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
     GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr,
     LOADER: tl.constexpr,
 ):
-    """Write document ``doc``'s group sums (and winners, NaN rows not yet settled); 8-bit row maxima are scaled
+    """Write document ``doc``'s group sums (placed by ``sum_offsets`` and ``sums_in_range``, from
+    :func:`~lik.ops.maxsim.tile.group_offsets`) and winners (NaN rows not yet settled); 8-bit row maxima are scaled
     by their query rows' ``q_scale`` here. Returns 1 for the rows whose max is NaN."""
     row_counts = counted_rows(row_valid, n_valid, EXCLUDE)
     store_group_sums(
-        partial_ptr, tl.where(row_counts, scale_rows(best, q_scale, LOADER), 0.0), row_block, n_chunks, n_queries,
-        doc, stride_pc, stride_pn, stride_pb, GROUP_ROWS, GROUPS,
+        partial_ptr, tl.where(row_counts, scale_rows(best, q_scale, LOADER), 0.0), sum_offsets, sums_in_range, doc,
+        stride_pb, GROUP_ROWS, GROUPS,
     )
     if STORE_ARGMAX:
         store_winners(
@@ -109,8 +112,8 @@ def settle_nan_winners(
 @triton.jit
 def finish_tile(
     sim, start, length, last_tile, doc, doc_mask_ptr, stride_dml, best, key, n_valid, nan_rows, row_valid,
-    row_in_range, query, token, row_block, partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn,
-    stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
+    row_in_range, query, token, sum_offsets, sums_in_range, partial_ptr, argmax_ptr, stride_pb, stride_an,
+    stride_ab, stride_al, row_offset, q_scale,
     BLOCK_N: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_D_MASK: tl.constexpr,
     EXCLUDE: tl.constexpr, STORE_ARGMAX: tl.constexpr, REDUCTION: tl.constexpr, LOADER: tl.constexpr,
 ):
@@ -122,8 +125,8 @@ def finish_tile(
     )
     if last_tile:
         nan_rows |= write_document(
-            best, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr, argmax_ptr,
-            n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
+            best, key, n_valid, row_valid, row_in_range, query, token, sum_offsets, sums_in_range, doc, partial_ptr,
+            argmax_ptr, stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
             GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
         )
         best, key, n_valid = fresh_rows(GROUP_ROWS * GROUPS)
@@ -151,6 +154,8 @@ def maxsim_fwd_kernel(
     n_chunks,
     n_row_blocks,
     doc_programs,  # programs per row block; each takes every doc_programs-th document
+    row_blocks_multiplier, row_blocks_shift,  # divide by n_row_blocks (lik.core.division)
+    chunks_multiplier, chunks_shift,  # divide by n_chunks
     stride_qn, stride_ql, stride_qk,
     stride_dn, stride_db, stride_dl, stride_dk,
     stride_qmn, stride_qml,
@@ -177,19 +182,23 @@ def maxsim_fwd_kernel(
     TAIL_N: tl.constexpr = 0,  # with WHOLE_TILES: the width of the tiles after them (tile.stream_document)
 ):
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
-    pid = tl.program_id(0).to(tl.int64)
-    row_block = pid % n_row_blocks
+    # 32-bit indices (the grid has fewer than 2**31 programs) divided with the host's multipliers: a division by a
+    # runtime count is ~20 instructions, a visible share of a long query's short program (lik.core.division).
+    pid = tl.program_id(0)
+    first_doc = divide(pid, row_blocks_multiplier, row_blocks_shift)
+    row_block = pid - first_doc * n_row_blocks
+    first_doc = first_doc.to(tl.int64)
     if LAYOUT == PAIRS:
         score_pairs(
-            q_ptr, d_ptr, cu_q_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, pid // n_row_blocks, n_row_blocks,
+            q_ptr, d_ptr, cu_q_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block.to(tl.int64), first_doc, n_row_blocks,
             n_q_rows, n_d_rows, stride_ql, stride_qk, stride_dl, stride_dk, stride_pc, stride_pb, stride_al,
             q_scale_ptr, d_scale_ptr,
             DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, STORE_ARGMAX, DOT_PRECISION, REDUCTION, LOADER,
         )
     else:
         score_documents(
-            q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, pid // n_row_blocks,
-            n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, n_row_blocks, doc_programs,
+            q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, first_doc,
+            n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, chunks_multiplier, chunks_shift, doc_programs,
             stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
             stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
             q_scale_ptr, d_scale_ptr,
@@ -201,7 +210,7 @@ def maxsim_fwd_kernel(
 @triton.jit
 def score_documents(
     q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_d_ptr, partial_ptr, argmax_ptr, row_block, first_doc,
-    n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, n_row_blocks, doc_programs,
+    n_queries, q_len, n_docs, doc_len, n_d_rows, n_chunks, chunks_multiplier, chunks_shift, doc_programs,
     stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk, stride_qmn, stride_qml,
     stride_dmn, stride_dmb, stride_dml, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
     q_scale_ptr, d_scale_ptr,
@@ -217,7 +226,11 @@ def score_documents(
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
 
     query, token, row_in_range, row_valid = query_rows(
-        row_block, n_queries, q_len, n_chunks, q_mask_ptr, stride_qmn, stride_qml, GROUP_ROWS, GROUPS, HAS_Q_MASK,
+        row_block, n_queries, q_len, n_chunks, chunks_multiplier, chunks_shift, q_mask_ptr, stride_qmn, stride_qml,
+        GROUP_ROWS, GROUPS, HAS_Q_MASK,
+    )
+    sum_offsets, sums_in_range = group_offsets(
+        row_block, n_queries, n_chunks, chunks_multiplier, chunks_shift, stride_pc, stride_pn, GROUPS,
     )
     q_row_ptrs = q_ptr + query * stride_qn + token * stride_ql
     # 8-bit scales are contiguous (the launchers make them so), so their strides follow the shapes: the query's
@@ -255,7 +268,7 @@ def score_documents(
 
     # Shared documents have stride_dn == 0; per-query documents run with GROUPS == 1, so the first group's
     # query is every row's query.
-    doc_set = (row_block * GROUPS) // n_chunks
+    doc_set = divide(row_block * GROUPS, chunks_multiplier, chunks_shift).to(tl.int64)
     doc_base = d_ptr + doc_set * stride_dn
     doc_mask_base = d_mask_ptr + doc_set * stride_dmn
     doc_scale_base = d_scale_ptr + tl.where(stride_dn == 0, 0, doc_set * n_docs * doc_len)
@@ -298,8 +311,8 @@ def score_documents(
                 last_tile = start + BLOCK_N >= length
                 best, key, n_valid, nan_rows = finish_tile(
                     sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb, stride_dml,
-                    best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block, partial_ptr,
-                    argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+                    best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, sum_offsets,
+                    sums_in_range, partial_ptr, argmax_ptr, stride_pb, stride_an, stride_ab, stride_al,
                     row_offset, q_scale, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE, STORE_ARGMAX, REDUCTION,
                     LOADER,
                 )
@@ -327,8 +340,8 @@ def score_documents(
                     )
                     best, key, n_valid, nan_rows = finish_tile(
                         tile_sim, start, length, last_tile, doc, doc_mask_ptr + (doc - first_doc) * stride_dmb,
-                        stride_dml, best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, row_block,
-                        partial_ptr, argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an,
+                        stride_dml, best, key, n_valid, nan_rows, row_valid, row_in_range, query, token, sum_offsets,
+                        sums_in_range, partial_ptr, argmax_ptr, stride_pb, stride_an,
                         stride_ab, stride_al, row_offset, q_scale, BLOCK_N, GROUP_ROWS, GROUPS, HAS_D_MASK, EXCLUDE,
                         STORE_ARGMAX, REDUCTION, LOADER,
                     )
@@ -338,8 +351,8 @@ def score_documents(
                 chunk = tl.where(last_chunk, 0, chunk + 1)
         if tiles == 0:  # an empty packed document: scores 0, no winner
             nan_rows = write_document(
-                best, key, n_valid, row_valid, row_in_range, query, token, row_block, first_doc, partial_ptr,
-                argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+                best, key, n_valid, row_valid, row_in_range, query, token, sum_offsets, sums_in_range, first_doc,
+                partial_ptr, argmax_ptr, stride_pb, stride_an, stride_ab, stride_al,
                 row_offset, q_scale, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
             )
     elif PERSISTENT:
@@ -403,8 +416,8 @@ def score_documents(
                 else:
                     row_max = running
                 nan_rows |= write_document(
-                    row_max, key, n_valid, row_valid, row_in_range, query, token, row_block, doc, partial_ptr,
-                    argmax_ptr, n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al,
+                    row_max, key, n_valid, row_valid, row_in_range, query, token, sum_offsets, sums_in_range, doc,
+                    partial_ptr, argmax_ptr, stride_pb, stride_an, stride_ab, stride_al,
                     0, q_scale, GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
                 )
             if LAYOUT == PACKED:
@@ -425,8 +438,8 @@ def score_documents(
             REDUCTION, LOADER, WHOLE_TILES, TAIL_N,
         )
         nan_rows = write_document(
-            best, key, n_valid, row_valid, row_in_range, query, token, row_block, first_doc, partial_ptr, argmax_ptr,
-            n_queries, n_chunks, stride_pc, stride_pn, stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
+            best, key, n_valid, row_valid, row_in_range, query, token, sum_offsets, sums_in_range, first_doc,
+            partial_ptr, argmax_ptr, stride_pb, stride_an, stride_ab, stride_al, row_offset, q_scale,
             GROUP_ROWS, GROUPS, EXCLUDE, STORE_ARGMAX, LOADER,
         )
     if STORE_ARGMAX:

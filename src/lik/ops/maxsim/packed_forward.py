@@ -7,6 +7,7 @@ import torch
 
 from ..._config import cdiv, feature_chunks, maxsim_forward_doc_programs, maxsim_varlen_config
 from ..._launch import launch
+from ...core.division import divisor_constants
 from ...core.quantized import FLOAT, loader_chunks, loader_of
 from ...core.segments import PACKED, PAIRS
 from .forward import dot_precision, scale_pointers
@@ -77,6 +78,7 @@ def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tens
         q, d, q_mask_arg, d, inputs.cu_q if inputs.pairs else inputs.cu_d, inputs.cu_d, partial,
         argmax if argmax is not None else partial, *scales,
         n_q, l_q, n_docs, 0, q.shape[0] if inputs.pairs else 0, d.shape[0], n_chunks, n_row_blocks, doc_programs,
+        *divisor_constants(n_row_blocks), *divisor_constants(n_chunks),
         *q_strides, 0, 0, *d.stride(), *q_mask_strides, 0, 0, 0, *partial.stride(), *argmax_strides,
         DIM=dim,
         GROUP_ROWS=cfg.group_rows,

@@ -15,13 +15,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...core.division import divide
 from ...core.quantized import FLOAT, FP8, INT8, row_scales, scale_columns, zero_similarity
 from ...core.reductions import nan_max
 
 __all__ = [
-    "query_rows", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile", "absorb_nan_tile",
-    "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys", "nan_winner_keys",
-    "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
+    "query_rows", "group_offsets", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile",
+    "absorb_nan_tile", "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys",
+    "nan_winner_keys", "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
     "FP8_PROMOTION_K", "tile_scales", "tile_window", "class_tile_max", "ROW_MAX_CLASSES",
 ]
 
@@ -63,23 +64,38 @@ def class_tile_max(sim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def query_rows(
-    row_block, n_queries, q_len, n_chunks, q_mask_ptr, stride_qmn, stride_qml,
+    row_block, n_queries, q_len, n_chunks, chunks_multiplier, chunks_shift, q_mask_ptr, stride_qmn, stride_qml,
     GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, HAS_Q_MASK: tl.constexpr,
 ):
-    """The query tokens of row block ``row_block``: ``GROUPS`` groups of ``GROUP_ROWS`` consecutive tokens, a query
-    being ``n_chunks`` groups (several short queries stacked in one block, or a long one split over blocks).
+    """The query tokens of row block ``row_block`` (int32): ``GROUPS`` groups of ``GROUP_ROWS`` consecutive tokens, a
+    query being ``n_chunks`` groups (several short queries stacked in one block, or a long one split over blocks);
+    ``chunks_multiplier`` and ``chunks_shift`` divide by ``n_chunks`` (:mod:`lik.core.division`).
 
-    Returns ``(query, token, in_range, valid)`` per row; ``valid`` also honours the query mask."""
+    Returns ``(query, token, in_range, valid)`` per row (int64 indices); ``valid`` also honours the query mask."""
     rows = tl.arange(0, GROUP_ROWS * GROUPS)
     group = row_block * GROUPS + rows // GROUP_ROWS
-    query = group // n_chunks
-    token = (group % n_chunks) * GROUP_ROWS + rows % GROUP_ROWS
+    query = divide(group, chunks_multiplier, chunks_shift)
+    token = ((group - query * n_chunks) * GROUP_ROWS + rows % GROUP_ROWS).to(tl.int64)
+    query = query.to(tl.int64)
     in_range = (query < n_queries) & (token < q_len)
     valid = in_range
     if HAS_Q_MASK:
         flags = tl.load(q_mask_ptr + query * stride_qmn + token * stride_qml, mask=in_range, other=0)
         valid = in_range & (flags != 0)
     return query, token, in_range, valid
+
+
+@triton.jit
+def group_offsets(
+    row_block, n_queries, n_chunks, chunks_multiplier, chunks_shift, stride_pc, stride_pn, GROUPS: tl.constexpr,
+):
+    """Where the ``GROUPS`` row groups of row block ``row_block`` write their sums: offsets of
+    ``partial[chunk, query, 0]``, and whether the group belongs to a query (a last block may run past them).
+    Made once per program, before its documents."""
+    groups = row_block * GROUPS + tl.arange(0, GROUPS)
+    query = divide(groups, chunks_multiplier, chunks_shift)
+    chunk = groups - query * n_chunks
+    return chunk.to(tl.int64) * stride_pc + query.to(tl.int64) * stride_pn, query < n_queries
 
 
 @triton.jit
@@ -93,18 +109,13 @@ def counted_rows(row_valid, n_valid, EXCLUDE: tl.constexpr):
 
 @triton.jit
 def store_group_sums(
-    partial_ptr, values, row_block, n_chunks, n_queries, doc, stride_pc, stride_pn, stride_pb,
-    GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr,
+    partial_ptr, values, offsets, in_range, doc, stride_pb, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr,
 ):
-    """Sum each row group of ``values`` and write it to ``partial[chunk, query, doc]`` (a long query's chunks are
-    added on the host: exact, the score is a sum over query tokens)."""
+    """Sum each row group of ``values`` and write it to ``partial[chunk, query, doc]``, the groups placed by
+    :func:`group_offsets` (a long query's chunks are added on the host: exact, the score is a sum over query
+    tokens)."""
     group_sums = tl.sum(tl.reshape(values, (GROUPS, GROUP_ROWS)), axis=1)
-    groups = row_block * GROUPS + tl.arange(0, GROUPS)
-    tl.store(
-        partial_ptr + (groups % n_chunks) * stride_pc + (groups // n_chunks) * stride_pn + doc * stride_pb,
-        group_sums,
-        mask=(groups // n_chunks) < n_queries,
-    )
+    tl.store(partial_ptr + offsets + doc * stride_pb, group_sums, mask=in_range)
 
 
 @triton.jit
