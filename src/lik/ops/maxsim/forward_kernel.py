@@ -246,16 +246,16 @@ def score_documents(
         if WHOLE_TILES:
             # The launcher's promise covers the query too (forward.whole_tiles): rows back to back and fewer than
             # 2**31 elements, so rows are addressed with 32-bit offsets and the compile-time width as row stride.
+            # The element offsets are summed in 32 bits before the one 64-bit pointer add per vector.
             query_32, token_32 = query.to(tl.int32), token.to(tl.int32)
             q_scale_ptrs = q_scale_ptr + (query_32 * q_len + token_32)
-            clamped_rows = (
-                q_ptr + (tl.minimum(query_32, n_queries - 1) * q_len + tl.minimum(token_32, q_len - 1)) * DIM
-            )
+            row_offsets = (tl.minimum(query_32, n_queries - 1) * q_len + tl.minimum(token_32, q_len - 1)) * DIM
+            q_rows = tl.load(q_ptr + (row_offsets[:, None] + offs_k[None, :]))
         else:
             clamped_rows = (
                 q_ptr + tl.minimum(query, n_queries - 1) * stride_qn + tl.minimum(token, q_len - 1) * stride_ql
             )
-        q_rows = tl.load(clamped_rows[:, None] + offs_k[None, :] * stride_qk)
+            q_rows = tl.load(clamped_rows[:, None] + offs_k[None, :] * stride_qk)
     elif NUM_K == 1:
         q_rows = tl.load(
             q_row_ptrs[:, None] + offs_k[None, :] * stride_qk,
