@@ -1,7 +1,7 @@
 """Division by a runtime divisor with a multiplier and shift computed on the host.
 
 A kernel that splits its program id (or a row block) by a runtime count pays a 32-bit integer division per
-program, ~18 instructions, a visible share of a short program. With the divisor's multiplier and shift made once on
+program, ~20 instructions, a visible share of a short program. With the divisor's multiplier and shift made once on
 the host (the round-up method of Granlund and Montgomery, as CUTLASS's ``FastDivmod``), the quotient is three
 instructions: a shift, a high multiply and a shift.
 

@@ -22,8 +22,8 @@ from ...core.reductions import nan_max
 __all__ = [
     "query_rows", "group_offsets", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile",
     "absorb_nan_tile", "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys",
-    "nan_winner_keys", "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY", "NAN_PASS_BLOCK_N",
-    "FP8_PROMOTION_K", "tile_scales", "tile_window", "class_tile_max", "ROW_MAX_CLASSES",
+    "nan_winner_keys", "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY",
+    "NAN_PASS_BLOCK_N", "FP8_PROMOTION_K", "tile_scales", "tile_window", "class_tile_max", "ROW_MAX_CLASSES",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
