@@ -31,6 +31,10 @@ from probe_harness import (  # noqa: E402
 )
 
 
+DTYPES = {"both": ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8")), "fp8": ((torch.float8_e4m3fn, "fp8"),),
+          "int8": ((torch.int8, "int8"),)}
+
+
 @triton.jit
 def _nan_max(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -71,13 +75,13 @@ def probe_kernel(
     tl.store(partial_ptr + row_block * n_docs + doc, tl.sum(best * q_scale, axis=0))
 
 
-def probe(q8, q_scale, d8, d_scale, tokens_as_rows, num_stages=3, num_warps=4):
+def probe(q8, q_scale, d8, d_scale, tokens_as_rows, num_stages=3, num_warps=4, block_n=128):
     lq, dim = q8.shape
     n_docs, doc_len, _ = d8.shape
     partial = torch.empty(lq // 128, n_docs, device=q8.device, dtype=torch.float32)
     probe_kernel[(lq // 128, n_docs)](
         q8, d8, q_scale, d_scale, partial, n_docs, doc_len, lq,
-        DIM=dim, BLOCK_M=128, BLOCK_N=128, INT8=q8.dtype == torch.int8, TOKENS_AS_ROWS=tokens_as_rows,
+        DIM=dim, BLOCK_M=128, BLOCK_N=block_n, INT8=q8.dtype == torch.int8, TOKENS_AS_ROWS=tokens_as_rows,
         num_stages=num_stages, num_warps=num_warps,
     )
     return partial.sum(0)
@@ -87,6 +91,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="out")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtypes", choices=sorted(DTYPES), default="both")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -95,19 +100,21 @@ def main():
     for name, lq in PAGE_SHAPES.items():
         q, d = page_operands(lq, "cuda")
         methods = {"lik fp16": lambda q=q, d=d: lik.maxsim(q, d)}
-        for dtype, tag in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8")):
+        for dtype, tag in DTYPES[args.dtypes]:
             q8, qs, d8, ds, ref = quantized_operands(q, d, dtype)
-            for rows in (False, True):
-                got = probe(q8, qs, d8, ds, rows)
+            for rows, block_n in ((False, 128), (True, 128), (True, 64)):
+                got = probe(q8, qs, d8, ds, rows, block_n=block_n)
                 err = (got - ref).abs().max().item()
-                results["cells"][f"{name} probe {tag} {'rows' if rows else 'columns'} max err"] = err
-                lines.append(f"{name} probe {tag} {'rows' if rows else 'columns'}: max |probe - lik| = {err:.3g}")
+                label = f"{'rows' if rows else 'columns'}{' t64' if block_n == 64 else ''}"
+                results["cells"][f"{name} probe {tag} {label} max err"] = err
+                lines.append(f"{name} probe {tag} {label}: max |probe - lik| = {err:.3g}")
             methods[f"lik {tag}"] = lambda q8=q8, qs=qs, d8=d8, ds=ds: lik.maxsim(q8, d8, q_scale=qs, d_scale=ds)
             methods[f"probe {tag} columns"] = lambda q8=q8, qs=qs, d8=d8, ds=ds: probe(q8, qs, d8, ds, False)
             methods[f"probe {tag} rows"] = lambda q8=q8, qs=qs, d8=d8, ds=ds: probe(q8, qs, d8, ds, True)
-            for stages in (2, 4):
-                methods[f"probe {tag} rows s{stages}"] = (
-                    lambda q8=q8, qs=qs, d8=d8, ds=ds, s=stages: probe(q8, qs, d8, ds, True, num_stages=s))
+            for stages in (3, 4):
+                # 64-token tiles: 64 accumulator registers, four programs per SM
+                methods[f"probe {tag} rows t64 s{stages}"] = (
+                    lambda q8=q8, qs=qs, d8=d8, ds=ds, s=stages: probe(q8, qs, d8, ds, True, num_stages=s, block_n=64))
         times = timed_rounds(methods, args.rounds)
         results["cells"].update({f"{name} {m}": t for m, t in times.items()})
         lines += round_lines(name, times)
