@@ -23,7 +23,8 @@ __all__ = [
     "query_rows", "group_offsets", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile",
     "absorb_nan_tile", "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys",
     "nan_winner_keys", "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY",
-    "NAN_PASS_BLOCK_N", "FP8_PROMOTION_K", "tile_scales", "tile_window", "class_tile_max", "ROW_MAX_CLASSES",
+    "NAN_PASS_BLOCK_N", "FP8_PROMOTION_K", "tile_scales", "whole_tile_scales", "tile_window", "class_tile_max",
+    "ROW_MAX_CLASSES",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
@@ -276,12 +277,25 @@ def tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N: tl.constexpr
     epilogue that multiplies by them (H100, textual: float8 4% faster at B = 10 000; int8 2% at B = 10 000 and
     2-6% at B = 1 000, with three programs per SM instead of four). Stacked short queries load them in
     :func:`document_tile`, before the product: ahead, int8 multi textual was 4% slower. A masked document's scales
-    are loaded with its mask, in :func:`document_tile` (benchmarks/NOTES.md, "scales one tile ahead")."""
+    are loaded with its mask, in :func:`document_tile` (benchmarks/NOTES.md, "scales one tile ahead"), and a
+    float8 long query's whole tiles load theirs there too, unmasked (:func:`whole_tile_scales`; H200: ColPali
+    B = 1 000 2-3% faster than ahead, benchmarks/NOTES.md "Float8 whole tiles")."""
     if WINDOW:
         cols = tile_window(start, doc_len, BLOCK_N) + tl.arange(0, BLOCK_N)
     else:
         cols = start + tl.arange(0, BLOCK_N)
     return row_scales(doc_scale_ptr + cols.to(tl.int64) * stride_dsl, cols < doc_len, LOADER)
+
+
+@triton.jit
+def whole_tile_scales(doc_scale_ptr, start, stride_dsl, BLOCK_N: tl.constexpr, LOADER: tl.constexpr):
+    """:func:`tile_scales` of a tile that lies within its document (``start + BLOCK_N <= doc_len``): loaded
+    without a mask."""
+    if LOADER == FLOAT:
+        scales = tl.zeros((BLOCK_N,), tl.float32)
+    else:
+        scales = tl.load(doc_scale_ptr + (start + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_dsl)
+    return scales
 
 
 @triton.jit
@@ -349,7 +363,9 @@ def document_tile(
             cols = start + tl.arange(0, BLOCK_N)
             col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
         in_range = cols < doc_len
-        if not SCALES_AHEAD:  # (loaded before the product, as above)
+        if WHOLE_TILES and not SCALES_AHEAD:  # (loaded before the product, as above; the tile lies within it)
+            col_scale = whole_tile_scales(doc_scale_ptr, start, stride_dsl, BLOCK_N, LOADER)
+        elif not SCALES_AHEAD:
             col_scale = tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N, LOADER, WINDOW)
         if NUM_K == 1 and DIM == BLOCK_K:
             offs_k = tl.arange(0, BLOCK_K)
@@ -403,7 +419,9 @@ def stream_document(
     running = best
     if CLASS_MAX:
         running = tl.full((BLOCK_M, ROW_MAX_CLASSES), float("-inf"), tl.float32)
-    AHEAD: tl.constexpr = LOADER != FLOAT and not HAS_D_MASK  # (tile_scales says why)
+    # (tile_scales says why; float8 whole tiles load their unmasked scales before the product instead: the product
+    # hides that load's latency too, in fewer instructions than a masked load a tile ahead)
+    AHEAD: tl.constexpr = LOADER != FLOAT and not HAS_D_MASK and not (WHOLE_TILES and LOADER == FP8)
     AHEAD_LOADER: tl.constexpr = LOADER if AHEAD else FLOAT
     col_scale = tile_scales(doc_scale_ptr, 0, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER)
     tiled_end = doc_len
