@@ -171,9 +171,10 @@ def test_shape_filter():
 
 
 
-def test_each_round_starts_at_the_next_method():
-    """Round r times the methods rotated to start at the r-th, so no method is always first (the coolest board) or
-    always behind the same neighbour; every method is still timed once a round."""
+def test_rounds_rotate_in_pairs_and_reverse():
+    """Rounds come in pairs: the methods rotated to start at the next one, then that order reversed, so no method
+    is always first (the coolest board) or always behind the same neighbour (rotation alone keeps every method
+    behind the same one); every method is still timed once a round."""
     called, timed = [], []
 
     class RecordingTimer:
@@ -189,7 +190,13 @@ def test_each_round_starts_at_the_next_method():
         Shape("forward", "smoke", 1, 4, 6, 9, d=8), methods, {}, dtype=torch.float32, device=torch.device("cpu"),
         timer=RecordingTimer(), ceilings=Ceilings(1e10, 1e10), rounds=4, rotate_bytes=0, log=lambda line: None,
     )
-    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert timed == ["a", "b", "c", "c", "b", "a", "b", "c", "a", "a", "c", "b"]
     assert all(entry["cells"][name]["round_ms"] == [1.0] * 4 for name in "abc")
-    assert [name for name, _ in round_order({"a": 1, "b": 2, "c": 3}, 4)] == ["b", "c", "a"]
+    orders = ["".join(name for name, _ in round_order({"a": 1, "b": 2, "c": 3}, r)) for r in range(8)]
+    assert orders == ["abc", "cba", "bca", "acb", "cab", "bac", "abc", "cba"]
+    # over six rounds every method runs in every place twice and behind each other method twice
+    for name in "abc":
+        assert sorted(order.index(name) for order in orders[:6]) == [0, 0, 1, 1, 2, 2]
+        behind = [order[order.index(name) - 1] for order in orders[:6] if order.index(name) > 0]
+        assert sorted(behind) == sorted(2 * [other for other in "abc" if other != name])
     assert round_order({}, 3) == []

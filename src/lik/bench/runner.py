@@ -8,9 +8,9 @@ Per shape:
    and its repeatability (two runs, bitwise) recorded. A method that disagrees is marked ``mismatch``: still
    timed, never silently;
 3. ``rounds`` timing rounds, each timing every method once in turn (methods interleaved, so drift in clocks
-   or temperature hits all of them alike), round ``r`` starting at the ``r``-th method (:func:`round_order`: no
-   method always runs first, when the board is coolest, or always after the same heavy neighbour); the cell's
-   time is the median over rounds of do_bench medians;
+   or temperature hits all of them alike), in pairs of rounds rotated to start at the next method, the second
+   of a pair reversed (:func:`round_order`: no method always runs first, when the board is coolest, or always
+   after the same heavy neighbour); the cell's time is the median over rounds of do_bench medians;
 4. peak memory per method in a fresh measurement.
 
 Out-of-memory is caught and recorded as ``OOM``; any other failure as ``error`` with its message.
@@ -168,14 +168,17 @@ def _finish_cells(entry: dict, floor_ms: float) -> None:
 
 
 def round_order(calls: dict, round_index: int) -> list:
-    """The ``(name, call)`` pairs of timing round ``round_index``: the methods in their order, rotated to start at
-    the ``round_index``-th. On a power-capped GPU a method's time depends on what ran just before it (the first
-    timing of a phase is the fast one, BENCHMARKS.md), so a fixed order would favour the first method every round.
+    """The ``(name, call)`` pairs of timing round ``round_index``: rounds come in pairs, the methods in their order
+    rotated to start at the ``round_index // 2``-th, then that order reversed. On a power-capped GPU a method's time
+    depends on what ran just before it (the first timing of a phase is the fast one, BENCHMARKS.md): a fixed order
+    would favour the first method every round, and a rotation alone keeps every method behind the same neighbour
+    (a heavy one slows it in every round); the reversed rounds put it behind its other neighbour.
 
-    Example: methods ``a, b, c`` run ``a b c``, then ``b c a``, then ``c a b``."""
+    Example: methods ``a, b, c`` run ``a b c``, ``c b a``, ``b c a``, ``a c b``, ``c a b``, ``b a c``."""
     items = list(calls.items())
-    start = round_index % max(1, len(items))
-    return items[start:] + items[:start]
+    start = (round_index // 2) % max(1, len(items))
+    order = items[start:] + items[:start]
+    return order[::-1] if round_index % 2 else order
 
 
 def run_shape(
