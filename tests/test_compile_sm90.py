@@ -117,7 +117,8 @@ def _maxsim_workload():
     for dtype in (torch.float16, torch.float32):
         for n_q, l_q, n_docs, l_d, dim, per_query in [(2, 32, 3, 70, 128, False), (1, 300, 2, 65, 128, False),
                                                      (2, 20, 2, 40, 96, True), (1, 8, 2, 30, 640, False),
-                                                     (1, 300, 2, 65, 1000, False), (4, 32, 2, 40, 4096, False)]:
+                                                     (1, 300, 2, 65, 1000, False), (4, 32, 2, 40, 4096, False),
+                                                     (1, 300, 2, 256, 128, False), (1, 300, 2, 262, 128, False)]:
             Q = torch.randn(n_q, l_q, dim, generator=gen).to(dtype).requires_grad_()
             D = torch.randn(((n_q,) if per_query else ()) + (n_docs, l_d, dim), generator=gen).to(dtype)
             D.requires_grad_()
@@ -199,7 +200,9 @@ def _quantize_workload():
 
 def _quantized_workload():
     """8-bit corpora. The launchers are called directly: CPU float8 scoring runs the reference (the interpreter's
-    float8 conversion is unreliable), and here launches are only recorded, never run."""
+    float8 conversion is unreliable), and here launches are only recorded, never run. The long queries over 256 and
+    262 tokens take the whole-tile loop (float8: scales loaded before each product), the second with a narrow
+    tail."""
     from lik.ops.maxsim.forward import maxsim_forward
     from lik.ops.maxsim.packed_forward import packed_forward
     from lik.ops.maxsim.packing import PackedInputs
@@ -210,7 +213,8 @@ def _quantized_workload():
         for n_q, l_q, n_docs, l_d, dim, per_query in [(2, 32, 3, 70, 128, False), (32, 32, 3, 70, 128, False),
                                                      (1, 32, 2, 600, 128, False), (1, 300, 2, 65, 128, False),
                                                      (2, 20, 2, 40, 96, True), (1, 8, 2, 30, 16, False),
-                                                     (1, 300, 2, 65, 1000, False), (4, 32, 2, 40, 4096, False)]:
+                                                     (1, 300, 2, 65, 1000, False), (4, 32, 2, 40, 4096, False),
+                                                     (1, 300, 2, 256, 128, False), (1, 300, 2, 262, 128, False)]:
             Q = torch.randn(n_q, l_q, dim, generator=gen)
             D, d_scale = lik.quantize(torch.randn(((n_q,) if per_query else ()) + (n_docs, l_d, dim), generator=gen),
                                       dtype)
