@@ -23,8 +23,7 @@ __all__ = [
     "query_rows", "group_offsets", "counted_rows", "store_group_sums", "similarity_tile", "absorb_tile",
     "absorb_nan_tile", "document_tile", "stream_document", "chunk_similarity", "fold_tile", "first_nan_keys",
     "nan_winner_keys", "maxsim_doc_rows", "fresh_rows", "reduce_tile", "tile_dot", "REDUCE_MAX", "NO_KEY",
-    "NAN_PASS_BLOCK_N", "FP8_PROMOTION_K", "tile_scales", "whole_tile_scales", "tile_window", "class_tile_max",
-    "ROW_MAX_CLASSES",
+    "NAN_PASS_BLOCK_N", "FP8_PROMOTION_K", "tile_scales", "tile_window", "class_tile_max", "ROW_MAX_CLASSES",
 ]
 
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
@@ -267,10 +266,10 @@ def tile_window(start, doc_len, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N: tl.constexpr, LOADER: tl.constexpr,
-                WINDOW: tl.constexpr = False):
+                WINDOW: tl.constexpr = False, WHOLE: tl.constexpr = False):
     """:func:`~lik.core.quantized.row_scales` of a document's tokens ``start .. start + BLOCK_N`` (0 past
     ``doc_len``; placeholders, never loaded, for float rows); ``WINDOW``: of the tile :func:`document_tile` reads
-    with ``WINDOW``.
+    with ``WINDOW``; ``WHOLE``: of a tile that lies within the document, loaded without a mask.
 
     The single-query loops load an unmasked 8-bit document's scales one tile ahead (``SCALES_AHEAD``, passing
     ``FLOAT`` here when they do not): each load then has a whole tile's product to arrive instead of stalling the
@@ -278,24 +277,16 @@ def tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N: tl.constexpr
     2-6% at B = 1 000, with three programs per SM instead of four). Stacked short queries load them in
     :func:`document_tile`, before the product: ahead, int8 multi textual was 4% slower. A masked document's scales
     are loaded with its mask, in :func:`document_tile` (benchmarks/NOTES.md, "scales one tile ahead"), and a
-    float8 long query's whole tiles load theirs there too, unmasked (:func:`whole_tile_scales`; H200: ColPali
-    B = 1 000 2-3% faster than ahead, benchmarks/NOTES.md "Float8 whole tiles")."""
+    float8 long query's whole tiles load theirs there too, unmasked (``WHOLE``; H200: ColPali B = 1 000 2-3% faster
+    than ahead, benchmarks/NOTES.md "Float8 whole tiles")."""
     if WINDOW:
         cols = tile_window(start, doc_len, BLOCK_N) + tl.arange(0, BLOCK_N)
     else:
         cols = start + tl.arange(0, BLOCK_N)
-    return row_scales(doc_scale_ptr + cols.to(tl.int64) * stride_dsl, cols < doc_len, LOADER)
-
-
-@triton.jit
-def whole_tile_scales(doc_scale_ptr, start, stride_dsl, BLOCK_N: tl.constexpr, LOADER: tl.constexpr):
-    """:func:`tile_scales` of a tile that lies within its document (``start + BLOCK_N <= doc_len``): loaded
-    without a mask."""
-    if LOADER == FLOAT:
-        scales = tl.zeros((BLOCK_N,), tl.float32)
-    else:
-        scales = tl.load(doc_scale_ptr + (start + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_dsl)
-    return scales
+    in_document = cols < doc_len
+    if WHOLE:  # (a constant mask: the compiler drops it)
+        in_document = tl.full((BLOCK_N,), True, tl.int1)
+    return row_scales(doc_scale_ptr + cols.to(tl.int64) * stride_dsl, in_document, LOADER)
 
 
 @triton.jit
@@ -363,10 +354,8 @@ def document_tile(
             cols = start + tl.arange(0, BLOCK_N)
             col_ptrs = doc_ptr + tl.minimum(cols, doc_len - 1).to(tl.int64) * stride_dl
         in_range = cols < doc_len
-        if WHOLE_TILES and not SCALES_AHEAD:  # (loaded before the product, as above; the tile lies within it)
-            col_scale = whole_tile_scales(doc_scale_ptr, start, stride_dsl, BLOCK_N, LOADER)
-        elif not SCALES_AHEAD:
-            col_scale = tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N, LOADER, WINDOW)
+        if not SCALES_AHEAD:  # (loaded before the product, as above)
+            col_scale = tile_scales(doc_scale_ptr, start, doc_len, stride_dsl, BLOCK_N, LOADER, WINDOW, WHOLE_TILES)
         if NUM_K == 1 and DIM == BLOCK_K:
             offs_k = tl.arange(0, BLOCK_K)
             d_tile = tl.load(col_ptrs[:, None] + offs_k[None, :] * stride_dk)
