@@ -10,6 +10,10 @@ ones (``int8``, ``fp8``: Q and D quantized once, outside the timing) or ``quanti
 
     python benchmarks/ab_trees.py --before ../before/src --after src --out $OUT
     python benchmarks/ab_trees.py --before ../before/src --after src --cells int8,fp8,quantize --out $OUT
+
+``--also NAME=PATH`` (repeatable) adds more trees to the same rounds, each compared with ``before``; ``--graph``
+times the replay of a CUDA graph captured from one call (the kernels alone, without the host path; scoring cells
+only), where rounds agree within ~0.1%.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -57,11 +62,11 @@ def quantize_once(x, dtype):
 
 
 def cells(gen, wanted=lambda name: True):
-    """``name -> (inputs, run(lik, inputs))`` for the canonical cells (DESIGN.md), d = 128, fp16. The 8-bit long
-    queries at B = 10 000 (2.6 GB of fp16 pages each) are made only when ``wanted(name)``, from their own
-    generator, so the other cells' inputs do not depend on the selection."""
+    """``name -> (inputs, run(lik, inputs))`` for the canonical cells (DESIGN.md), d = 128, fp16. The 8-bit cells
+    other than textual B = 10 000 and the B = 1 000 long queries (2.6 GB of fp16 pages for a long query at
+    B = 10 000) are made only when ``wanted(name)``, each from its own generator, so the other cells' inputs do not
+    depend on the selection."""
     out = {}
-    big = torch.Generator(device="cuda").manual_seed(1)
     for family, (lq, ld), b in [("textual", (32, 300), 1000), ("textual", (32, 300), 10000),
                                 ("long-doc", (32, 1024), 1000), ("medium", (128, 1024), 1000),
                                 ("visual", (512, 1024), 1000), ("colpali", (1024, 1024), 1000)]:
@@ -72,14 +77,18 @@ def cells(gen, wanted=lambda name: True):
         out[f"multi/{family}/Nq32xB{b}"] = ((normalised(32, lq, 128, gen=gen), normalised(b, ld, 128, gen=gen)),
                                             lambda lik, x: lik.maxsim(*x))
 
+    shared = {("textual", 10000), ("visual", 1000), ("colpali", 1000)}  # made from gen, always
     for dtype, tag in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8")):
-        for family, (lq, ld), b in [("textual", (32, 300), 10000), ("visual", (512, 1024), 1000),
-                                    ("colpali", (1024, 1024), 1000), ("visual", (512, 1024), 10000),
-                                    ("colpali", (1024, 1024), 10000)]:
+        for family, (lq, ld), b in [("textual", (32, 300), 1000), ("textual", (32, 300), 10000),
+                                    ("long-doc", (32, 1024), 1000), ("long-doc", (32, 1024), 10000),
+                                    ("visual", (512, 1024), 1000), ("colpali", (1024, 1024), 1000),
+                                    ("visual", (512, 1024), 10000), ("colpali", (1024, 1024), 10000)]:
             name = f"{tag}/{family}/B{b}"
-            source = gen if family == "textual" or b == 1000 else big
-            if source is big and not wanted(name):
-                continue
+            source = gen
+            if (family, b) not in shared:
+                if not wanted(name):
+                    continue
+                source = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))
             q, d = normalised(lq, 128, gen=source), normalised(b, ld, 128, gen=source)
             (q8, qs), (d8, ds) = quantize_once(q, dtype), quantize_once(d, dtype)
             out[name] = ((q8, d8, qs, ds), lambda lik, x: lik.maxsim(x[0], x[1], q_scale=x[2], d_scale=x[3]))
@@ -111,51 +120,82 @@ def cells(gen, wanted=lambda name: True):
     return out
 
 
+def graph_replay(run, lik, inputs):
+    """The replay of a CUDA graph captured from one call (after a warm call): its kernels, no host path."""
+    with torch.no_grad():
+        run(lik, inputs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(lik, inputs)
+    return graph.replay
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--before", required=True)
     parser.add_argument("--after", required=True)
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=PATH",
+                        help="another tree in the same rounds, compared with --before (repeatable)")
+    parser.add_argument("--graph", action="store_true", help="time CUDA-graph replays (scoring cells only)")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rep-ms", type=float, default=60.0)
     parser.add_argument("--cells", default="", help="comma-separated substrings of the cell names to run")
     args = parser.parse_args()
-    trees = {"before": load_lik(args.before, "lik_before"), "after": load_lik(args.after, "lik_after")}
+    paths = {"before": args.before, "after": args.after}
+    for spec in args.also:
+        name, _, path = spec.partition("=")
+        if not name.isidentifier() or not path or name in paths:
+            parser.error(f"--also wants a new NAME=PATH, got {spec!r}")
+        paths[name] = path
+    trees = {name: load_lik(path, f"lik_{name}") for name, path in paths.items()}
     gen = torch.Generator(device="cuda").manual_seed(0)
     def wanted(name):
         return not args.cells or any(part in name for part in args.cells.split(","))
 
     table = {k: v for k, v in cells(gen, wanted).items() if wanted(k)}
+    if args.graph:
+        table = {k: v for k, v in table.items() if k.split("/")[0] in ("forward", "multi", "int8", "fp8")}
+    calls = {}
     for name, (inputs, run) in table.items():  # compile and check agreement once
         results = {}
         for tree, lik in trees.items():
             with torch.no_grad() if not name.startswith("train") else torch.enable_grad():
                 out = run(lik, inputs)
             results[tree] = out
-        if name.startswith("quantize"):  # the contract is bit for bit
-            assert all(torch.equal(b.view(torch.uint8) if b.dtype != torch.float32 else b,
-                                   a.view(torch.uint8) if a.dtype != torch.float32 else a)
-                       for b, a in zip(results["before"], results["after"])), name
-        elif isinstance(results["before"], torch.Tensor):
-            assert torch.allclose(results["before"], results["after"], rtol=1e-3, atol=1e-3), name
+            calls[name, tree] = (graph_replay(run, lik, inputs) if args.graph
+                                 else lambda run=run, lik=lik, inputs=inputs: run(lik, inputs))
+        for tree, out in results.items():
+            before = results["before"]
+            if name.startswith("quantize"):  # the contract is bit for bit
+                assert all(torch.equal(b.view(torch.uint8) if b.dtype != torch.float32 else b,
+                                       a.view(torch.uint8) if a.dtype != torch.float32 else a)
+                           for b, a in zip(before, out)), (name, tree)
+            elif isinstance(before, torch.Tensor):
+                assert torch.allclose(before, out, rtol=1e-3, atol=1e-3), (name, tree)
     times = {name: {tree: [] for tree in trees} for name in table}
     for round_index in range(args.rounds):
-        for name, (inputs, run) in table.items():
-            order = list(trees.items()) if round_index % 2 == 0 else list(trees.items())[::-1]
-            for tree, lik in order:
-                ms = triton.testing.do_bench(lambda: run(lik, inputs), warmup=20, rep=args.rep_ms,
-                                             return_mode="median")
+        for name in table:
+            order = list(trees) if round_index % 2 == 0 else list(trees)[::-1]
+            for tree in order:
+                ms = triton.testing.do_bench(calls[name, tree], warmup=20, rep=args.rep_ms, return_mode="median")
                 times[name][tree].append(ms)
     rows = []
-    print("| cell | before ms | after ms | after/before | spread before | spread after |")
-    print("|---|---|---|---|---|---|")
+    others = [t for t in trees if t != "before"]
+    print("| cell | before ms | " + " | ".join(f"{t} ms | {t}/before" for t in others) + " | spreads |")
+    print("|---|---|" + "---|---|" * len(others) + "---|")
     for name, per_tree in times.items():
-        b, a = statistics.median(per_tree["before"]), statistics.median(per_tree["after"])
+        medians = {t: statistics.median(v) for t, v in per_tree.items()}
         spread = {t: 100 * (max(v) - min(v)) / statistics.median(v) for t, v in per_tree.items()}
-        rows.append({"cell": name, "before_ms": b, "after_ms": a, "ratio": a / b, "rounds": per_tree,
+        b = medians["before"]
+        rows.append({"cell": name, "before_ms": b, "after_ms": medians["after"], "ratio": medians["after"] / b,
+                     "medians_ms": medians, "ratios": {t: medians[t] / b for t in others}, "rounds": per_tree,
                      "spread_pct": spread})
-        print(f"| {name} | {b:.4f} | {a:.4f} | {a / b:.3f} | {spread['before']:.1f}% | {spread['after']:.1f}% |")
-    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+        print(f"| {name} | {b:.4f} | " + " | ".join(f"{medians[t]:.4f} | {medians[t] / b:.3f}" for t in others)
+              + " | " + " / ".join(f"{spread[t]:.1f}%" for t in trees) + " |")
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "trees": paths, "graph": args.graph}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "ab_trees.json").write_text(json.dumps({"environment": env, "cells": rows}, indent=1))
 
