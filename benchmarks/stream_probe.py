@@ -1,0 +1,155 @@
+"""What read rate can a persistent tile loop reach on the 8-bit textual corpus? (GPU)
+
+    PYTHONPATH=src:benchmarks python3 benchmarks/stream_probe.py --out $OUT [--trees head=../head/src]
+
+One int8 query of 32 tokens against B documents of 300 tokens (d = 128, fp32 scales per token) is the cell where
+lik's int8 forward is memory-bound. This times, in one process with ``do_bench`` medians (L2 flushed, as the
+benchmark times; CUDA-graph replays, so no host path) and interleaved rounds:
+
+* ``read flat``: ``read_ceiling.py``'s kernel over the rows and the scales (32 KB per program, one wave after
+  another): what reading the bytes costs with no loop at all;
+* ``loop ptr NxW/S/P``: lik's loop structure without its arithmetic: persistent programs (``P`` per SM) walking
+  documents ``doc``, ``doc + programs``, ..., each in ``N``-token tiles (the last one ending at the document's end),
+  ``W`` warps, ``S`` pipeline stages, tiles loaded by pointer (``cp.async``), scales a tile ahead; each tile is
+  folded into a running sum so that nothing is dropped;
+* ``loop tma NxW/S/P``: the same with tiles loaded through a tensor descriptor (TMA);
+* ``lik``: ``lik.maxsim`` of the quantized operands, from this tree and from each ``--trees NAME=PATH``.
+
+Writes ``stream_probe.json``; prints one line per method (median ms, GB/s of the rows and scales, rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+from ab_trees import load_lik
+
+
+@triton.jit
+def read_flat_kernel(src_ptr, partial_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    values = tl.load(src_ptr + offs, mask=offs < n_elements, other=0)
+    tl.store(partial_ptr + tl.program_id(0), tl.sum(values, axis=0))
+
+
+@triton.jit
+def stream_kernel(rows_ptr, rows_desc, scale_ptr, out_ptr, n_docs, doc_len, n_programs,
+                  WORDS: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """Rows as int32 words ``[n_docs * doc_len, WORDS]`` (4 int8 features a word)."""
+    pid = tl.program_id(0)
+    my_docs = tl.cdiv(n_docs - pid, n_programs)
+    tiles = tl.cdiv(doc_len, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, WORDS), tl.int32)
+    scale_acc = tl.zeros((BLOCK_N,), tl.float32)
+    doc = pid
+    start = 0
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, WORDS)
+    for _ in tl.range(0, my_docs * tiles):
+        first = tl.maximum(tl.minimum(start, doc_len - BLOCK_N), 0)
+        row = doc.to(tl.int64) * doc_len + first
+        if TMA:
+            tile = rows_desc.load([row.to(tl.int32), 0])
+        else:
+            tile = tl.load(rows_ptr + (row + offs_n)[:, None] * WORDS + offs_w[None, :])
+        scales = tl.load(scale_ptr + row + offs_n)
+        acc ^= tile
+        scale_acc += scales
+        last = start + BLOCK_N >= doc_len
+        doc = tl.where(last, doc + n_programs, doc)
+        start = tl.where(last, 0, start + BLOCK_N)
+    tl.store(out_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0).to(tl.float32) + tl.sum(scale_acc, axis=0))
+
+
+def graph_of(fn):
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--docs", type=int, default=10000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--loops", default="64x2/3/6,64x2/4/6,128x4/3/3,128x4/4/3,64x4/3/3,128x8/3/2,256x8/3/1",
+                        help="comma-separated NxW/S/P: tile tokens, warps, stages, programs per SM")
+    parser.add_argument("--trees", action="append", default=[], metavar="NAME=PATH")
+    args = parser.parse_args()
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    import lik
+
+    torch.manual_seed(0)
+    n_docs, doc_len, dim = args.docs, 300, 128
+    q = torch.nn.functional.normalize(torch.randn(32, dim, device="cuda"), dim=-1).half()
+    d = torch.nn.functional.normalize(torch.randn(n_docs, doc_len, dim, device="cuda"), dim=-1).half()
+    q8, q_scale = lik.quantize(q, torch.int8)
+    d8, d_scale = lik.quantize(d, torch.int8)
+    del d
+    words = d8.view(torch.int32).view(n_docs * doc_len, dim // 4)
+    scales = d_scale.reshape(-1)
+    n_bytes = d8.numel() + 4 * scales.numel()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    methods = {}
+    flat = torch.empty(triton.cdiv(words.numel(), 8192) + triton.cdiv(scales.numel(), 8192), device="cuda")
+
+    def read_flat():
+        n_row_programs = triton.cdiv(words.numel(), 8192)
+        read_flat_kernel[(n_row_programs,)](words, flat, words.numel(), BLOCK_SIZE=8192)
+        read_flat_kernel[(triton.cdiv(scales.numel(), 8192),)](scales, flat[n_row_programs:], scales.numel(),
+                                                                BLOCK_SIZE=8192)
+
+    methods["read flat"] = read_flat
+    for spec in args.loops.split(","):
+        tiles, rest = spec.split("x")
+        warps, stages, per_sm = (int(v) for v in rest.split("/"))
+        block_n = int(tiles)
+        programs = min(n_docs, per_sm * sms)
+        out = torch.empty(programs, device="cuda")
+        desc = TensorDescriptor.from_tensor(words, [block_n, dim // 4])
+        for tma in (False, True):
+            def run(block_n=block_n, warps=warps, stages=stages, programs=programs, out=out, desc=desc, tma=tma):
+                stream_kernel[(programs,)](words, desc, scales, out, n_docs, doc_len, programs, WORDS=dim // 4,
+                                           BLOCK_N=block_n, TMA=tma, num_warps=warps, num_stages=stages)
+            methods[f"loop {'tma' if tma else 'ptr'} {spec}"] = run
+    trees = {"lik": lik}
+    for spec in args.trees:
+        name, _, path = spec.partition("=")
+        trees[f"lik {name}"] = load_lik(path, f"lik_{name}")
+    for name, module in trees.items():
+        methods[name] = lambda module=module: module.maxsim(q8, d8, q_scale=q_scale, d_scale=d_scale)
+    replays = {}
+    for name, fn in methods.items():
+        try:
+            replays[name] = graph_of(fn)
+        except Exception as error:  # a loop that does not compile for this machine is reported, not fatal
+            print(f"{name}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    times = {name: [] for name in replays}
+    for r in range(args.rounds):
+        for name in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
+            times[name].append(triton.testing.do_bench(replays[name], warmup=25, rep=100, return_mode="median"))
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "docs": n_docs, "doc_len": doc_len, "bytes": n_bytes, "methods": {}}
+    for name, values in times.items():
+        ms = statistics.median(values)
+        record["methods"][name] = {"median_ms": ms, "rounds_ms": values, "GBps": n_bytes / ms / 1e6}
+        print(f"{name:>24}: {ms:.4f} ms {n_bytes / ms / 1e6:7.0f} GB/s  rounds "
+              + " ".join(f"{v:.4f}" for v in values), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "stream_probe.json"), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
