@@ -13,7 +13,9 @@ benchmark times; CUDA-graph replays, so no host path) and interleaved rounds:
   ``W`` warps, ``S`` pipeline stages, tiles loaded by pointer (``cp.async``), scales a tile ahead; each tile is
   folded into a running sum so that nothing is dropped;
 * ``loop tma NxW/S/P``: the same with tiles loaded through a tensor descriptor (TMA);
-* ``lik``: ``lik.maxsim`` of the quantized operands, from this tree and from each ``--trees NAME=PATH``.
+* ``lik``: ``lik.maxsim`` of the quantized operands, from this tree and from each ``--trees NAME=PATH``;
+* ``flash-maxsim int8x8``: the peer's 8-bit scorer on its own quantization (fp16 scales: 1.5% fewer bytes), where
+  it is installed (the benchmark's method, ``lik.bench.methods``).
 
 Writes ``stream_probe.json``; prints one line per method (median ms, GB/s of the rows and scales, rounds).
 """
@@ -89,6 +91,8 @@ def main() -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     import lik
+    from lik.bench.methods import select_methods
+    from lik.bench.shapes import Shape
 
     torch.manual_seed(0)
     n_docs, doc_len, dim = args.docs, 300, 128
@@ -96,12 +100,20 @@ def main() -> None:
     d = torch.nn.functional.normalize(torch.randn(n_docs, doc_len, dim, device="cuda"), dim=-1).half()
     q8, q_scale = lik.quantize(q, torch.int8)
     d8, d_scale = lik.quantize(d, torch.int8)
+    methods = {}
+    (peer,) = select_methods(["flash-maxsim-int8x8"])
+    reason = peer.unavailable_reason(q.device)
+    if reason is None:
+        shape = Shape("forward", "textual", 1, 32, doc_len, n_docs)
+        peer_operands, peer_score = peer.prepare(shape, q, d), peer.build(shape)
+        methods["flash-maxsim int8x8"] = lambda: peer_score(*peer_operands)
+    else:
+        print(f"flash-maxsim int8x8: {reason}", flush=True)
     del d
     words = d8.view(torch.int32).view(n_docs * doc_len, dim // 4)
     scales = d_scale.reshape(-1)
     n_bytes = d8.numel() + 4 * scales.numel()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    methods = {}
     flat = torch.empty(triton.cdiv(words.numel(), 8192) + triton.cdiv(scales.numel(), 8192), device="cuda")
 
     def read_flat():

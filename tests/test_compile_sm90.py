@@ -200,9 +200,10 @@ def _quantize_workload():
 
 def _quantized_workload():
     """8-bit corpora. The launchers are called directly: CPU float8 scoring runs the reference (the interpreter's
-    float8 conversion is unreliable), and here launches are only recorded, never run. The long queries over 256 and
-    262 tokens take the whole-tile loop (float8: scales loaded before each product), the second with a narrow
-    tail."""
+    float8 conversion is unreliable), and here launches are only recorded, never run. One short query over 70- and
+    600-token documents takes the persistent loop (int8: with each document's whole-tile max); the long queries
+    over 256 and 262 tokens take the whole-tile loop (float8: scales loaded before each product), the second with a
+    narrow tail."""
     from lik.ops.maxsim.forward import maxsim_forward
     from lik.ops.maxsim.packed_forward import packed_forward
     from lik.ops.maxsim.packing import PackedInputs
@@ -211,6 +212,7 @@ def _quantized_workload():
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.int8, torch.float8_e4m3fn):
         for n_q, l_q, n_docs, l_d, dim, per_query in [(2, 32, 3, 70, 128, False), (32, 32, 3, 70, 128, False),
+                                                     (1, 32, 3, 70, 128, False),
                                                      (1, 32, 2, 600, 128, False), (1, 300, 2, 65, 128, False),
                                                      (2, 20, 2, 40, 96, True), (1, 8, 2, 30, 16, False),
                                                      (1, 300, 2, 65, 1000, False), (4, 32, 2, 40, 4096, False),

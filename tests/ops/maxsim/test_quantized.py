@@ -270,6 +270,27 @@ def test_int8_every_tile_variant(rng, config, mask_mode):
             _close(scores, _dequantized_maxsim(Q, D_q, d_scale, qm, dm, mask_mode), 9)
 
 
+@pytest.mark.parametrize("doc_len", [1, 15, 16, 17, 40])
+def test_int8_one_query_whole_tile_max_starts_afresh_for_every_document(rng, doc_len, kernel_calls):
+    """One short int8 query in a persistent launch keeps the elementwise max of its whole tile over a document and
+    reduces its rows on the document's last tile. Every length (shorter than a tile, one tile, ragged, a last tile
+    overlapping the one before) gives the reference's scores, one program walks all the documents, and a NaN or a
+    huge similarity in one document reaches that document's score only."""
+    forced = _config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=32, programs_per_sm=1)
+    Q_q, q_scale = lik.quantize(torch.randn(9, 32, generator=rng), INT8)
+    D_q, d_scale = lik.quantize(torch.randn(7, doc_len, 32, generator=rng), INT8)
+    d_scale[2, doc_len - 1] = float("nan")  # the last token of a document: NaN on its last tile
+    d_scale[4, 0] = float("nan")  # on its first tile
+    d_scale[5, doc_len // 2] = 1e30  # a max that would win every later document's rows if it were kept
+    with _config.override(maxsim_forward=forced):
+        scores = lik.maxsim(Q_q, D_q, q_scale=q_scale, d_scale=d_scale)
+    assert len(kernel_calls) == 1
+    expected = _dequantized_maxsim(Q_q, D_q, d_scale, q_scale=q_scale)
+    assert scores[[2, 4]].isnan().all() and torch.isfinite(scores[[0, 1, 3, 5, 6]]).all()
+    assert scores[5].abs() > 1e25 and scores[6].abs() < 1e3
+    _close(scores, expected, 9)
+
+
 def test_non_contiguous_views(rng):
     D_q, d_scale = lik.quantize(torch.randn(6, 30, 48, generator=rng), INT8)
     Q_q, q_scale = lik.quantize(torch.randn(12, 3, 48, generator=rng), INT8)

@@ -226,6 +226,24 @@ def test_persistent_programs_carry_scales_across_documents(dtype, dim):
             _check(scores, Q_q, q_scale, D_q, d_scale, *masks, "exclude")
 
 
+@pytest.mark.parametrize("doc_len", [1, 63, 64, 70, 300, 600])
+def test_one_int8_query_keeps_a_whole_tile_max_per_document_on_gpu(doc_len):
+    """The shipped launch of one short int8 query (persistent; short documents in 64-token tiles, long ones in 128)
+    keeps each document's elementwise tile max and reduces it on the document's last tile: every length gives the
+    reference's scores, and a NaN or a huge similarity stays in its own document."""
+    Q, D_q, d_scale, _, _ = _problem(1, 32, 2000, doc_len, 128, INT8, seed=5)
+    Q_q, q_scale = lik.quantize(Q[0], INT8)
+    d_scale[7, doc_len - 1] = float("nan")
+    d_scale[800, 0] = float("nan")
+    d_scale[11, doc_len // 2] = 1e30
+    scores = lik.maxsim(Q_q, D_q, q_scale=q_scale, d_scale=d_scale)
+    assert scores[[7, 800]].isnan().all() and scores[11].abs() > 1e25
+    assert torch.isfinite(scores).sum() == 1998
+    rest = torch.arange(2000, device=CUDA) != 11  # (checked apart: its score sets the error's scale)
+    _check(scores[rest], Q_q, q_scale, D_q[rest], d_scale[rest], None, None, "exclude")
+    _check(scores[11:12], Q_q, q_scale, D_q[11:12], d_scale[11:12], None, None, "exclude")
+
+
 def test_int8_every_forced_tile_variant_on_gpu():
     Q, D_q, d_scale, q_mask, d_mask = _problem(6, 40, 30, 150, 320, INT8)
     Q_q, q_scale = lik.quantize(Q, INT8)

@@ -297,7 +297,7 @@ def document_tile(
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, NAN_PASS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, REDUCTION: tl.constexpr = REDUCE_MAX, LOADER: tl.constexpr = FLOAT,
     SCALES_AHEAD: tl.constexpr = False, WINDOW: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
-    CLASS_MAX: tl.constexpr = False,
+    CLASS_MAX: tl.constexpr = False, TILE_MAX: tl.constexpr = False,
 ):
     """One step of every tile loop: the similarities of the document tokens ``start .. start + BLOCK_N``, masked,
     folded into ``(best, key)`` by :func:`absorb_tile` (or by :func:`absorb_nan_tile` in the NaN pass), and the
@@ -311,7 +311,9 @@ def document_tile(
     promises that this tile of an unmasked document lies within it (:func:`stream_document`'s whole tiles): it is
     read as it is, with neither a row clamp nor a last-tile select, and promises rows stored back to back
     (``stride_dl == DIM``, ``stride_dk == 1``). With ``CLASS_MAX`` (no winner tracked), ``best`` holds the rows'
-    maxima per column class (:func:`class_tile_max`, ``[BLOCK_M, ROW_MAX_CLASSES]``) and ``key`` is passed through."""
+    maxima per column class (:func:`class_tile_max`, ``[BLOCK_M, ROW_MAX_CLASSES]``) and ``key`` is passed through;
+    with ``TILE_MAX`` (no winner tracked), ``best`` is the elementwise max of the tiles so far
+    (``[BLOCK_M, BLOCK_N]``, NaN-propagating; its row max is the rows' max, exactly)."""
     if HAS_D_MASK:
         cols = start + tl.arange(0, BLOCK_N)
         in_range = cols < doc_len
@@ -377,6 +379,8 @@ def document_tile(
         key = absorb_nan_tile(sim, col_key, key)
     elif CLASS_MAX:
         best = nan_max(best, class_tile_max(sim, BLOCK_M, BLOCK_N))
+    elif TILE_MAX:
+        best = nan_max(best, sim)
     else:
         best, key = reduce_tile(sim, col_key, best, key, TRACK_ARGMAX, REDUCTION)
     return best, key, n_valid
