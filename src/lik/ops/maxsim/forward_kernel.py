@@ -371,11 +371,9 @@ def score_documents(
         col_scale = tile_scales(doc_scale_base + doc * stride_dsb, 0, doc_len, stride_dsl, BLOCK_N, AHEAD_LOADER, True)
         # Without winners, stacked rows keep a document's row maxima per column class until its last tile
         # (tile.class_tile_max). One short query's tile spreads its columns over the warps, so a row max per tile
-        # crosses them through shared memory on every tile; a short int8 tile instead keeps the elementwise max
-        # of its whole tile and reduces the rows once per document (TILE_MAX: H200, textual B = 1 000 -1.5%,
-        # long-doc B = 1 000 -3%). A float8 64 x 128 tile would hold 64 more registers a thread and lose an SM's
-        # third program (textual 1.15-1.37x slower), and a masked int8 document's tile its sixth (179 registers,
-        # offline sm_90); those keep the per-tile row max.
+        # would cross them through shared memory on every tile: an unmasked int8 tile of up to 32 rows keeps the
+        # elementwise max of its whole tile instead and reduces the rows once per document. Float8's 64-row tile
+        # and a masked document's tile would lose a program per SM to the registers (benchmarks/NOTES.md).
         CLASS_MAX: tl.constexpr = not STORE_ARGMAX and REDUCTION == REDUCE_MAX and GROUPS > 1 and BLOCK_N % 8 == 0
         TILE_MAX: tl.constexpr = (not STORE_ARGMAX and REDUCTION == REDUCE_MAX and GROUPS == 1 and LOADER == INT8
                                   and BLOCK_M <= 32 and not HAS_D_MASK)
