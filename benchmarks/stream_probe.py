@@ -6,7 +6,7 @@ One int8 query of 32 tokens against B documents of 300 tokens (d = 128, fp32 sca
 lik's int8 forward is memory-bound. This times, in one process with ``do_bench`` medians (L2 flushed, as the
 benchmark times; CUDA-graph replays, so no host path) and interleaved rounds:
 
-* ``read flat``: ``read_ceiling.py``'s kernel over the rows and the scales (32 KB per program, one wave after
+* ``read flat``: ``read_ceiling.py``'s kernel over the rows (as int32 words) and the scales (32 KB per program, one wave after
   another): what reading the bytes costs with no loop at all;
 * ``loop ptr NxW/S/P``: lik's loop structure without its arithmetic: persistent programs (``P`` per SM) walking
   documents ``doc``, ``doc + programs``, ..., each in ``N``-token tiles (the last one ending at the document's end),
@@ -31,14 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ab_trees import load_lik
-
-
-@triton.jit
-def read_flat_kernel(src_ptr, partial_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    values = tl.load(src_ptr + offs, mask=offs < n_elements, other=0)
-    tl.store(partial_ptr + tl.program_id(0), tl.sum(values, axis=0))
+from ab_trees import graph_replay, load_lik
+from read_ceiling import read_kernel
 
 
 @triton.jit
@@ -68,15 +62,6 @@ def stream_kernel(rows_ptr, rows_desc, scale_ptr, out_ptr, n_docs, doc_len, n_pr
         doc = tl.where(last, doc + n_programs, doc)
         start = tl.where(last, 0, start + BLOCK_N)
     tl.store(out_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0).to(tl.float32) + tl.sum(scale_acc, axis=0))
-
-
-def graph_of(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main() -> None:
@@ -118,8 +103,8 @@ def main() -> None:
 
     def read_flat():
         n_row_programs = triton.cdiv(words.numel(), 8192)
-        read_flat_kernel[(n_row_programs,)](words, flat, words.numel(), BLOCK_SIZE=8192)
-        read_flat_kernel[(triton.cdiv(scales.numel(), 8192),)](scales, flat[n_row_programs:], scales.numel(),
+        read_kernel[(n_row_programs,)](words, flat, words.numel(), BLOCK_SIZE=8192)
+        read_kernel[(triton.cdiv(scales.numel(), 8192),)](scales, flat[n_row_programs:], scales.numel(),
                                                                 BLOCK_SIZE=8192)
 
     methods["read flat"] = read_flat
@@ -144,7 +129,7 @@ def main() -> None:
     replays = {}
     for name, fn in methods.items():
         try:
-            replays[name] = graph_of(fn)
+            replays[name] = graph_replay(fn)
         except Exception as error:  # a loop that does not compile for this machine is reported, not fatal
             print(f"{name}: {type(error).__name__}: {str(error)[:200]}", flush=True)
     times = {name: [] for name in replays}

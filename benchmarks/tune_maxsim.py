@@ -28,6 +28,7 @@ import torch
 import triton
 
 import lik
+from ab_trees import graph_replay
 from lik import _config
 
 SHAPES = {  # name: (Nq, Lq, B, Ld)
@@ -66,14 +67,6 @@ def ceilings() -> tuple[float, float]:
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
           "fp8": torch.float8_e4m3fn}
 EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
-
-
-def graph_replay(fn):
-    """The replay of a CUDA graph captured from one call of ``fn``: its kernels without the host path."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def floor_ms(shape, bandwidth, flops, element_bytes=2) -> float:
