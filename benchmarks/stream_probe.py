@@ -1,13 +1,13 @@
-"""What read rate can a persistent tile loop reach on the 8-bit textual corpus? (GPU)
+"""What read rate can a persistent tile loop reach on the 8-bit textual (or long-doc) corpus? (GPU)
 
     PYTHONPATH=src:benchmarks python3 benchmarks/stream_probe.py --out $OUT [--trees head=../head/src] [--doc-len 1024]
 
-One int8 query of 32 tokens against B documents of 300 tokens (``--doc-len``) (d = 128, fp32 scales per token) is the cell where
-lik's int8 forward is memory-bound. This times, in one process with ``do_bench`` medians (L2 flushed, as the
-benchmark times; CUDA-graph replays, so no host path) and interleaved rounds:
+One int8 query of 32 tokens against B documents of 300 tokens (``--doc-len``; d = 128, fp32 scales per token) is
+a cell where lik's int8 forward is memory-bound. This times, in one process with ``do_bench`` medians (L2 flushed,
+as the benchmark times; CUDA-graph replays, so no host path) and interleaved rounds:
 
-* ``read flat``: ``read_ceiling.py``'s kernel over the rows (as int32 words) and the scales (32 KB per program, one wave after
-  another): what reading the bytes costs with no loop at all;
+* ``read flat``: ``read_ceiling.py``'s kernel over the rows (as int32 words) and the scales (32 KB per program, one
+  wave after another): what reading the bytes costs with no loop at all;
 * ``loop ptr NxW/S/P``: lik's loop structure without its arithmetic: persistent programs (``P`` per SM) walking
   documents ``doc``, ``doc + programs``, ..., each in ``N``-token tiles (the last one ending at the document's end),
   ``W`` warps, ``S`` pipeline stages, tiles loaded by pointer (``cp.async``), scales a tile ahead; each tile is
@@ -18,8 +18,8 @@ benchmark times; CUDA-graph replays, so no host path) and interleaved rounds:
 * ``read torch sum``: ``torch.sum`` of the rows (as int32 words) and of the scales;
 * ``read cuda ldg`` / ``read cuda ldcs``: a CUDA C++ kernel (CuPy's NVRTC, where CuPy is installed) reading the
   rows and the scales as 16-byte vectors, eight in flight per thread, a full-occupancy grid; ``ldg`` loads through
-  the read-only path, ``ldcs`` marks the lines evict-first, so they, not the dirty lines the L2 flush leaves, are
-  evicted (a timing artifact: the write-back is only deferred to the next kernel, so it is not a floor);
+  the read-only path, ``ldcs`` marks the lines evict-first (whether the dirty lines that the L2 flush leaves are
+  still written back inside the timed call: measured, they are);
 * ``lik``: ``lik.maxsim`` of the quantized operands, from this tree and from each ``--trees NAME=PATH``;
 * ``flash-maxsim int8x8``: the peer's 8-bit scorer on its own quantization (fp16 scales: 1.5% fewer bytes), where
   it is installed (the benchmark's method, ``lik.bench.methods``).
