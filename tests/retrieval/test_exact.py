@@ -98,6 +98,28 @@ def test_masks_with_garbage_in_masked_positions(rng, path, mask_mode):
     assert_same(result, brute_force(Q, D, 6, q_mask, d_mask, mask_mode))
 
 
+@pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
+def test_empty_side_scores_zero_whatever_the_other_holds(rng, path, mask_mode):
+    """Documents without tokens, or queries without tokens: every score is 0, garbage on the other side or not."""
+    Q, _, q_mask, _ = grid_problem(rng, 2, 3, 1, 1, 4)
+    q_mask[:, 0] = False
+    masked_nan = torch.where(q_mask[..., None], Q, float("nan"))
+    unmasked_nan = Q.clone()
+    unmasked_nan[1, 1] = float("nan")
+    tokenless = torch.randn(5, 0, 4, generator=rng)
+    expected = brute_force(Q, tokenless, 5, q_mask, mask_mode=mask_mode)
+    assert expected == ([[0.0] * 5] * 2, [list(range(5))] * 2)
+    assert_same(lik.search(masked_nan, tokenless, 5, q_mask, mask_mode=mask_mode, chunk_size=2), expected)
+    assert_same(lik.search(unmasked_nan, tokenless, 5, mask_mode=mask_mode, chunk_size=2), expected)
+
+    _, D, _, d_mask = grid_problem(rng, 1, 1, 5, 4, 4)
+    d_mask[:, 1] = False
+    dirty_d = torch.where(d_mask[..., None], D, float("inf"))
+    no_query_tokens = torch.zeros(2, 0, 4)
+    result = lik.search(no_query_tokens, dirty_d, 5, None, d_mask, mask_mode=mask_mode, chunk_size=2)
+    assert_same(result, expected)
+
+
 def test_ties_break_by_lower_index_across_chunks(rng, path):
     Q, D, _, _ = grid_problem(rng, 2, 2, 3, 3, 4, masks=False)
     # Copies of three documents: exact ties that straddle every chunk boundary.

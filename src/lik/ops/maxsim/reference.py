@@ -21,11 +21,21 @@ import torch
 from ...core.precision import accumulation_dtype
 from .validation import MaxSimInputs
 
-__all__ = ["maxsim_reference", "maxsim_reference_canonical", "DEFAULT_BUDGET_BYTES"]
+__all__ = ["maxsim_reference", "maxsim_reference_canonical", "connected_zeros", "DEFAULT_BUDGET_BYTES"]
 
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 
 
+def connected_zeros(shape, dtype: torch.dtype, *inputs: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``shape`` that autograd connects to ``inputs`` (their gradients come back as exact zeros).
+
+    The connection is the sum of an empty slice of each input, so no value of an input takes part: ``x.sum() * 0``
+    would turn an inf or NaN anywhere in ``x`` (masked padding included) into a NaN score.
+    """
+    out = torch.zeros(shape, dtype=dtype, device=inputs[0].device)
+    for x in inputs:
+        out = out + x[..., :0].sum().to(dtype)  # a view: nothing is copied or read
+    return out
 
 
 def maxsim_reference_canonical(
@@ -37,10 +47,10 @@ def maxsim_reference_canonical(
     n_sets, n_docs, l_d, _ = d.shape
     acc = accumulation_dtype(q.dtype)
     if n_q == 0 or n_docs == 0 or l_q == 0 or l_d == 0:
+        # No query token or no document token: every score is an empty sum (0), whatever the other side holds.
         if inputs.d_scale is not None:  # inference only: nothing to keep connected
             return torch.zeros(n_q, n_docs, dtype=torch.float32, device=q.device)
-        # An empty sum is 0; multiplying by the inputs keeps autograd connected (zero gradients).
-        return q.sum() * 0 + d.sum() * 0 + torch.zeros(n_q, n_docs, dtype=acc, device=q.device)
+        return connected_zeros((n_q, n_docs), acc, q, d)
 
     q_valid = inputs.q_mask  # [Nq, Lq] bool or None
     d_valid = inputs.d_mask  # [n_sets, B, Ld] bool or None

@@ -11,7 +11,7 @@ import torch
 
 from ...core.precision import accumulation_dtype
 from .packing import PackedInputs
-from .reference import maxsim_reference
+from .reference import connected_zeros, maxsim_reference
 
 __all__ = ["maxsim_varlen_reference", "maxsim_packed_reference", "packed_reference"]
 
@@ -41,7 +41,7 @@ def packed_reference(inputs: PackedInputs) -> torch.Tensor:
     if not docs:  # no sequence at all: an empty result still connected to autograd (zero gradients)
         if quantized:  # inference only
             return torch.zeros(out_shape, dtype=torch.float32, device=q.device)
-        return (q.sum() * 0 + d.sum() * 0) + torch.zeros(out_shape, dtype=acc, device=q.device)
+        return connected_zeros(out_shape, acc, q, d)
     return torch.cat(scores, dim=-1)
 
 
