@@ -18,7 +18,7 @@ import torch
 
 __all__ = [
     "MaxSimInputs", "KERNEL_DTYPES", "QUANTIZED_DTYPES", "MASK_MODES", "MAX_DIM", "check_mask", "check_matches",
-    "check_width", "check_quantized",
+    "check_real", "check_width", "check_quantized",
 ]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -31,6 +31,13 @@ def _check_tensor(name: str, x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     return x
+
+
+def check_real(name: str, x: torch.Tensor) -> None:
+    """Embeddings are real: a complex ``x`` is refused (a cast would drop its imaginary part unseen). Callers test
+    it where a dtype is already refused, so the float path pays nothing."""
+    if x.is_complex():
+        raise TypeError(f"{name} must be a real tensor (float or 8-bit), got complex dtype {x.dtype}")
 
 
 def check_mask(name: str, mask, expected_shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
@@ -52,6 +59,7 @@ def check_mask(name: str, mask, expected_shape: tuple[int, ...], device: torch.d
 def check_matches(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     """``x`` must share ``ref``'s dtype, device and embedding dim (the last axis); errors name both."""
     if x.dtype != ref.dtype:
+        check_real(name, x)
         raise TypeError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}: pass both in one dtype")
     if x.device != ref.device:
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
@@ -117,6 +125,7 @@ def check_quantized(Q, D, q_scale, d_scale, *, q_name: str = "Q", d_name: str = 
             f"quantize both to one dtype"
         )
     if Q.dtype not in QUANTIZED_DTYPES and Q.dtype not in KERNEL_DTYPES + (torch.float64,):
+        check_real(q_name, Q)
         raise TypeError(f"{q_name} must be float or {D.dtype} to score an {D.dtype} {d_name}, got {Q.dtype}")
     if D.requires_grad:
         raise ValueError(f"{d_name} ({D.dtype}) requires grad: 8-bit scoring is inference only")
@@ -202,6 +211,7 @@ class MaxSimInputs:
         else:
             allowed = KERNEL_DTYPES + ((torch.float64,) if allow_float64 else ())
             if Q.dtype not in allowed:
+                check_real("Q", Q)
                 raise TypeError(f"Q must have dtype in {[str(t) for t in allowed]}, got {Q.dtype}")
             check_matches("D", D, "Q", Q)
         check_width("Q", Q)
