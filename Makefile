@@ -1,5 +1,5 @@
-# Two commands a new user types: `make demo` (the main job) and `make test` (the CPU test-suite).
-# Both build a local virtual environment first; nothing has to be installed by hand.
+# Two commands a new user types: `make demo` (the main job) and `make test` (the CPU test-suite); `make quick` is
+# a few minutes' subset of the tests. All build a local virtual environment first; nothing has to be installed by hand.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +10,7 @@ TORCH_CPU_SPEC ?= torch==2.13.0+cpu
 TORCH_CPU_PIP_ARGS ?=
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv test test-gpu demo bench clean
+.PHONY: venv lint quick test test-all test-gpu demo bench clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -25,10 +25,23 @@ endif
 # PyLate and colpali-engine pin packages that cannot install beside this torch (see pyproject's test extra):
 # the integration tests need only their Python modules, whose imports the test extra provides.
 TEST_HOSTS ?= pylate==1.6.0 colpali-engine==0.3.18
+# colpali-engine's package imports torchvision, whose build must match torch's. pip's index has the CUDA build only,
+# which does not load beside the CPU torch: there the CPU build comes from the index in TORCH_CPU_PIP_ARGS (e.g.
+# --index-url https://download.pytorch.org/whl/cpu), and without one lik.integrations.colpali.enable() cannot run
+# (it raises an ImportError naming torchvision; the drop-in scoring functions work either way).
+TORCHVISION_CPU_SPEC ?= torchvision==0.28.0+cpu
 
 $(VENV)/.lik-test: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps $(TEST_HOSTS)
+ifeq ($(HAS_NVIDIA),1)
+	$(PIP) install -q torchvision "torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')" \
+	|| echo "lik: no torchvision for this torch: lik.integrations.colpali.enable() will raise an ImportError naming it"
+else
+	$(PIP) install -q --no-deps $(TORCH_CPU_PIP_ARGS) "$(TORCHVISION_CPU_SPEC)" 2>/dev/null || echo "lik: no CPU build \
+	of torchvision on this index (set TORCH_CPU_PIP_ARGS to the PyTorch CPU index for one): lik.integrations.colpali.enable() \
+	will raise an ImportError naming torchvision here; its tests of colpali-engine's scoring still run"
+endif
 	touch $@
 
 $(VENV)/.lik-demo: $(VENV)/.torch pyproject.toml
@@ -37,12 +50,29 @@ $(VENV)/.lik-demo: $(VENV)/.torch pyproject.toml
 
 venv: $(VENV)/.lik-test
 
-# Kernels run on the CPU through Triton's interpreter; the `gpu` marker is excluded by default (see pyproject).
+lint: $(VENV)/.lik-test
+	$(PY) -m ruff check .
+
+# Kernels run on the CPU through Triton's interpreter. pyproject's addopts deselect the `gpu` tests (they need a
+# CUDA GPU: `make test-gpu`) and the `slow` ones (larger cases of paths that faster tests cover: `make test-all`).
 # The interpreter is single-threaded Python, so pytest-xdist workers, one per core (at most 4: each holds up to
 # ~2 GB), divide the suite's time; TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+DESELECTED_NOTE := echo "lik: the GPU tests (-m gpu) were deselected: run them with \`make test-gpu\` on a CUDA machine"
 test: $(VENV)/.lik-test
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS); status=$$?; $(DESELECTED_NOTE); \
+	echo "lik: so were the slow interpreter cases (-m slow): \`make test-all\` runs them too"; exit $$status
+
+test-all: $(VENV)/.lik-test
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not gpu" $(PYTEST_ARGS); status=$$?; \
+	$(DESELECTED_NOTE); exit $$status
+
+# A few minutes: each op's main test file through the interpreter, the index, the CLI and the docs' examples.
+QUICK_TESTS ?= tests/docs tests/ops/maxsim/test_maxsim.py tests/ops/msda/test_msda.py tests/ops/chamfer \
+	tests/ops/quantization tests/retrieval tests/index/test_index.py tests/test_cli.py
+quick: $(VENV)/.lik-test
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(QUICK_TESTS) $(PYTEST_ARGS); status=$$?; \
+	$(DESELECTED_NOTE); echo "lik: this was a subset: \`make test\` runs the whole CPU suite"; exit $$status
 
 # On a machine with a CUDA GPU: real compilation, tensor cores, atomics, 64-bit offsets (workers spread over the GPUs).
 test-gpu: $(VENV)/.lik-test

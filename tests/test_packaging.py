@@ -1,0 +1,63 @@
+"""pyproject.toml and the Makefile agree with themselves: one version, one floor per dependency, a lint that runs."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections import defaultdict
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+import lik
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
+
+
+def test_version_has_one_place():
+    """pyproject reads the version from lik.__version__ instead of writing it a second time."""
+    assert "version" not in PROJECT and "version" in PROJECT["dynamic"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lik.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", lik.__version__)
+
+
+def test_each_dependency_has_one_requirement_across_extras():
+    """Two extras that name the same package ask for the same versions (the demo and the tests share one env)."""
+    specs = defaultdict(set)
+    for requirements in PROJECT["optional-dependencies"].values():
+        for text in [*PROJECT["dependencies"], *requirements]:
+            requirement = Requirement(text)
+            if canonicalize_name(requirement.name) != canonicalize_name(PROJECT["name"]):
+                specs[canonicalize_name(requirement.name)].add((str(requirement.specifier), str(requirement.marker)))
+    conflicting = {name: sorted(s) for name, s in specs.items() if len(s) > 1}
+    assert not conflicting, f"one package, several requirements: {conflicting}"
+
+
+def test_test_extra_includes_the_demo_and_the_lint():
+    """`make test` runs the demo's real-text test and `make lint` from the same environment."""
+    own = [Requirement(t) for t in PROJECT["optional-dependencies"]["test"]]
+    included = set().union(*(r.extras for r in own if canonicalize_name(r.name) == canonicalize_name(PROJECT["name"])))
+    assert {"demo", "lint"} <= included
+    assert any(Requirement(t).name == "ruff" for t in PROJECT["optional-dependencies"]["lint"])
+
+
+def test_make_targets_exist_and_ci_runs_lint_and_test():
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("lint", "quick", "test", "test-all", "test-gpu", "demo"):
+        assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"Makefile has no {target} target"
+    quick = re.search(r"^QUICK_TESTS \?= (.*?)(?<!\\)\n", makefile, re.M | re.S).group(1)
+    for path in quick.replace("\\\n", " ").split():
+        assert (ROOT / path).exists(), f"QUICK_TESTS names {path}, which does not exist"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make lint" in ci and "make test" in ci
+
+
+def test_default_run_deselects_gpu_and_slow():
+    """The CPU default leaves out what needs a GPU and the slow interpreter cases; both markers are declared."""
+    options = PYPROJECT["tool"]["pytest"]["ini_options"]
+    assert "-m 'not gpu and not slow'" in options["addopts"]
+    declared = {m.split(":")[0] for m in options["markers"]}
+    assert {"gpu", "slow"} <= declared
