@@ -1,4 +1,4 @@
-"""The benchmark harness on the CPU: registry, floor arithmetic, and the whole --smoke run end to end."""
+"""The benchmark harness on the CPU: registry, floor arithmetic, and the dense MaxSim tables' --smoke run end to end."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 from lik.bench import CANONICAL_SHAPES, Ceilings, Method, Shape, floor, flop_count, main, min_bytes, select_methods
 from lik.bench.measure import Timer
 from lik.bench.methods import chunked_einsum_maxsim, einsum_maxsim
-from lik.bench.report import format_table
-from lik.bench.runner import round_order, run_shape
-from lik.bench.shapes import select_shapes
+from lik.bench.cells import round_order, run_shape
+from lik.bench.ops import select_ops
+from lik.bench.report import format_report
+from lik.bench.shapes import WIDTHS, select_shapes
 
 
 def test_registry_covers_the_canonical_shapes():
@@ -24,10 +25,12 @@ def test_registry_covers_the_canonical_shapes():
         assert f"train/colbert-train/B{b}" in names
     for b in (32, 64, 128):
         assert f"train/colpali-train/B{b}" in names
-    assert len(names) == len(CANONICAL_SHAPES) == 19
+    for d in WIDTHS:
+        assert {f"width/colpali/B256/d{d}", f"width/textual/B10000/d{d}"} <= names
+    assert len(names) == len(CANONICAL_SHAPES) == 19 + 2 * len(WIDTHS)
     quick = select_shapes(["forward", "multi", "train"], quick=True)
     assert 0 < len(quick) < 19 and all(s.quick for s in quick)
-    assert all(s.d == 128 for s in CANONICAL_SHAPES)
+    assert all(s.d == 128 for s in CANONICAL_SHAPES if s.suite != "width")
     with pytest.raises(ValueError, match="unknown suite"):
         select_shapes(["fwd"])
 
@@ -39,6 +42,9 @@ def test_method_selection():
     assert [m.name for m in select_methods(["lik-fast", "eager"])] == ["lik-fast", "eager"]
     with pytest.raises(ValueError, match="unknown method"):
         select_methods(["cublas"])
+    # --quick leaves the swept chunk sizes out unless they are asked for
+    assert not any(m.sweep for m in select_methods(None, quick=True))
+    assert any(m.sweep for m in select_methods(None))
 
 
 def test_floor_memory_bound_by_hand():
@@ -100,7 +106,8 @@ def test_eight_bit_method_is_prepared_once_per_input_set_and_checked_against_the
         prepared.append(D.data_ptr())
         return Q, D.to(torch.float16), 0.98  # a "quantized" corpus and a wrong scale: 2% off
 
-    method = Method("fake-8bit", ("forward",), lambda shape: lambda Q, D16, scale: einsum_maxsim(Q, D16.float()) * scale,
+    method = Method("fake-8bit", ("forward",),
+                    lambda shape: lambda Q, D16, scale: einsum_maxsim(Q, D16.float()) * scale,
                     storage="int8", prepare=prepare)
     shape = Shape("forward", "smoke", 1, 4, 6, 9, d=8)
     entry = _run_one(method, shape)
@@ -127,48 +134,63 @@ def test_smoke_run_end_to_end(tmp_path, capsys, monkeypatch):
     # The plumbing, not the kernels: lik takes its CPU reference path here (the interpreted kernels are
     # tested in tests/ops, and would make this run take a minute).
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    argv = ["--smoke", "--ops", "forward,8bit,train,width", "--no-plot", "--out", str(tmp_path)]
+    assert main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert {"device", "torch", "triton", "peers", "git_commit", "source_sha256"} <= set(results["meta"])
+    assert results["meta"]["command"] == "lik bench " + " ".join(argv)
     assert results["ceilings"]["bandwidth_bytes_per_s"] > 0 and results["ceilings"]["matmul_flops_per_s"] > 0
-    assert [e["shape"]["suite"] for e in results["shapes"]] == ["forward", "multi", "train"]
+    assert [e["shape"]["suite"] for e in results["shapes"]] == ["forward", "multi", "train", "width"]
     for entry in results["shapes"]:
         cells = entry["cells"]
         lik_name = "lik-deterministic" if entry["shape"]["suite"] == "train" else "lik"
-        for name in (lik_name, "eager"):
-            assert cells[name]["status"] == "ok", cells[name]
-            assert cells[name]["median_ms"] > 0 and cells[name]["pct_of_floor"] > 0
+        assert cells[lik_name]["status"] == "ok", cells[lik_name]
+        assert cells[lik_name]["median_ms"] > 0 and cells[lik_name]["pct_of_floor"] > 0
         assert cells["flash-maxsim"]["status"] == "unavailable"
-        ratios = entry["ratios"]
-        assert ratios[lik_name]["eager"] * ratios["eager"][lik_name] == pytest.approx(1.0)
+        if entry["shape"]["suite"] != "width":  # the width table times lik against the peers only
+            assert cells["eager"]["status"] == "ok"
+            assert entry["ratios"][lik_name]["eager"] * entry["ratios"]["eager"][lik_name] == pytest.approx(1.0)
     assert results["shapes"][2]["cells"]["lik-deterministic"]["repeatable"] is True
+    assert results["shapes"][3]["shape"]["d"] == 40
     # 8-bit corpora: lik's int8 / fp8 cells pass the quantization-error check against their own 1-byte floor,
     # the peers' 8-bit paths are unavailable here, and lik.quantize is timed for both types.
-    for entry in results["shapes"][:2]:
-        for name, storage in (("lik-int8", "int8"), ("lik-fp8", "fp8")):
-            cell = entry["cells"][name]
-            assert cell["status"] == "ok" and cell["storage"] == storage, cell
-            assert 0 < cell["floor_ms"] <= entry["floor"]["floor_ms"]  # fewer bytes; on the CPU the same rates
-        assert entry["cells"]["late-interaction-kernels-fp8"]["status"] == "unavailable"
+    forward = results["shapes"][0]
+    for name, storage in (("lik-int8", "int8"), ("lik-fp8", "fp8")):
+        cell = forward["cells"][name]
+        assert cell["status"] == "ok" and cell["storage"] == storage, cell
+        assert 0 < cell["floor_ms"] <= forward["floor"]["floor_ms"]  # fewer bytes; on the CPU the same rates
+    assert forward["cells"]["late-interaction-kernels-fp8"]["status"] == "unavailable"
+    assert "lik-int8" not in results["shapes"][1]["cells"]  # the 8-bit table has no stacked-query rows
     assert [r["what"].rsplit(" ", 1)[1] for r in results["quantize"]] == ["int8", "fp8"]
     assert all(r["median_ms"] > 0 and r["pct_of_floor"] > 0 for r in results["quantize"])
-    assert "eager-chunked" in results["shapes"][0]["sweeps"]
-    table = (tmp_path / "table.txt").read_text()
-    assert "[forward]" in table and "[train]" in table
-    assert capsys.readouterr().out.rstrip().endswith(table.rstrip().splitlines()[-1])
-    assert format_table(results) == table.rstrip("\n")
+    assert "eager-chunked" in forward["sweeps"]
+    report = (tmp_path / "bench.md").read_text()
+    for title in ("## MaxSim forward", "## 8-bit corpora", "## MaxSim training step", "## MaxSim at any embedding"):
+        assert title in report
+    printed = capsys.readouterr().out
+    assert "flash-maxsim: skipped, its column will read n/a (needs a CUDA device)" in printed
+    assert printed.rstrip().endswith(report.rstrip().splitlines()[-1])
+    assert format_report(results, select_ops("forward,8bit,train,width")) == report.rstrip("\n")
 
 
 def test_shape_filter():
     from lik.bench.runner import _selected_shapes, parse_args
 
-    names = [s.name for s in _selected_shapes(parse_args(["--suite", "train", "--shapes", "colpali-train,B2048"]))]
+    args = parse_args(["--ops", "train", "--shapes", "colpali-train,B2048"])
+    names = [s.name for s in _selected_shapes(args, select_ops(args.ops))]
     assert names == [
         "train/colbert-train/B2048", "train/colpali-train/B32", "train/colpali-train/B64", "train/colpali-train/B128"
     ]
-    with pytest.raises(SystemExit, match="no shape matches"):
-        _selected_shapes(parse_args(["--suite", "train", "--shapes", "visual"]))
+    args = parse_args(["--ops", "8bit", "--quick"])  # the 8-bit table alone: its seven forward cells
+    assert len(_selected_shapes(args, select_ops(args.ops))) == 7
+    with pytest.raises(SystemExit, match="no cell matches"):
+        from lik.bench.runner import plan
 
+        plan(parse_args(["--ops", "train", "--shapes", "visual"]))
+    with pytest.raises(SystemExit, match="unknown op"):
+        main(["--ops", "fwd", "--list"])
+    with pytest.raises(SystemExit, match="unknown method"):
+        main(["--ops", "chamfer", "--methods", "likk", "--list"])
 
 
 def test_rounds_rotate_in_pairs_and_reverse():
@@ -184,7 +206,8 @@ def test_rounds_rotate_in_pairs_and_reverse():
             timed.append(called[before])
             return 1.0
 
-    methods = [Method(name, ("forward",), lambda shape, name=name: lambda Q, D: called.append(name) or einsum_maxsim(Q, D))
+    methods = [Method(name, ("forward",),
+                      lambda shape, name=name: lambda Q, D: called.append(name) or einsum_maxsim(Q, D))
                for name in ("a", "b", "c")]
     entry = run_shape(
         Shape("forward", "smoke", 1, 4, 6, 9, d=8), methods, {}, dtype=torch.float32, device=torch.device("cpu"),

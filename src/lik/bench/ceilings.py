@@ -73,7 +73,7 @@ def measure_all(timer: Timer, *, copy_bytes: int, matmul_n: int, host_bytes: int
     gen = torch.Generator(device=device).manual_seed(1)
     src = torch.randn(copy_bytes // 2, device=device, dtype=torch.float16, generator=gen)
     dst = torch.empty_like(src)
-    rate, ms = _rate(timer, lambda: dst.copy_(src), 2.0 * copy_bytes)
+    rate, ms = _rate(timer, lambda dst=dst, src=src: dst.copy_(src), 2.0 * copy_bytes)
     results["device_copy"] = {"what": f"copy_ of {copy_bytes / 2**20:.0f} MiB (read + write)", "median_ms": ms,
                               "GBps": rate / 1e9}
     del src, dst

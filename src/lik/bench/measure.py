@@ -153,13 +153,13 @@ def measure_ceilings(timer: Timer, *, copy_bytes: int, matmul_n: int) -> tuple[C
     gen = torch.Generator(device=device).manual_seed(1)
     src = torch.randn(copy_bytes // 2, device=device, dtype=torch.float16, generator=gen)
     dst = torch.empty_like(src)
-    copy_ms = timer.median_ms(lambda: dst.copy_(src))
+    copy_ms = timer.median_ms(lambda dst=dst, src=src: dst.copy_(src))
     del src, dst
 
     mm_dtype = torch.float16 if device.type == "cuda" else torch.float32
     a = torch.randn(matmul_n, matmul_n, device=device, dtype=mm_dtype, generator=gen)
     b = torch.randn(matmul_n, matmul_n, device=device, dtype=mm_dtype, generator=gen)
-    mm_ms = timer.median_ms(lambda: a @ b)
+    mm_ms = timer.median_ms(lambda a=a, b=b: a @ b)
     del a, b
     free_memory(device)
 
@@ -210,7 +210,7 @@ def quantize_throughput(timer: Timer, ceilings: Ceilings, *, rows: int, dim: int
     if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
         types.append(("fp8", torch.float8_e4m3fn))
     for tag, dtype in types:
-        ms = timer.median_ms(lambda: lik.quantize(x, dtype))
+        ms = timer.median_ms(lambda x=x, dtype=dtype: lik.quantize(x, dtype))
         floor_ms = 1e3 * moved / ceilings.bandwidth_bytes_per_s
         records.append({"what": f"lik.quantize fp16 [{rows}, {dim}] -> {tag}", "median_ms": ms,
                         "floor_ms": floor_ms, "pct_of_floor": 100.0 * floor_ms / ms, "bytes": moved})

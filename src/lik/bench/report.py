@@ -1,166 +1,192 @@
-"""Human-readable views of a results JSON: the text table printed last, and the PNG plot.
+"""A run's tables in BENCHMARKS.md's layout: one markdown section per operator, ready to paste.
 
-Both read only the JSON (``lik bench --from-json results.json`` redraws them anywhere), so a device without
-matplotlib still yields a plot later.
+Every section has a header line (device, versions, commit, ceilings, the floor, the command, the JSON), then one
+row per cell: the floor, lik's time with its % of the floor, each peer's and reference's time, and how many times
+faster lik is than the fastest peer. ``n/a``: the method cannot run on that machine (a peer not installed; the
+reason is listed under the table); ``-``: the method does not apply to that cell; ``!``: the method's output
+disagreed with the float64 reference (see the JSON). The text reads only the JSON, so ``lik bench --from-json``
+prints it anywhere.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from .ops import DISPLAY, OPS, Op, label, op_entries
 
-__all__ = ["format_table", "plot_results", "columns", "PEERS", "EIGHT_BIT_PEERS"]
-
-PEERS = ("flash-maxsim", "late-interaction-kernels")
-EIGHT_BIT_PEERS = ("flash-maxsim-int8x8", "late-interaction-kernels-fp8")
-_SHORT = {
-    "late-interaction-kernels": "li-kernels", "lik-deterministic": "lik-det", "eager-chunked": "chunked*",
-    "flash-maxsim-int8x8": "fm-int8x8", "late-interaction-kernels-fp8": "li-fp8",
-}
+__all__ = ["format_report", "format_section", "record_name", "ratio_text", "time_text"]
 
 
-def columns(results: dict) -> list[str]:
-    """Method columns in registry order, each sweep collapsed to one column (its best member)."""
-    cols: list[str] = []
-    for name, info in results["methods"].items():
-        col = info.get("sweep") or name
-        if col not in cols:
-            cols.append(col)
-    return cols
+def record_name(results: dict) -> str:
+    """The name the run's JSON is kept under in benchmarks/results: ``bench_<gpu>_<commit>``."""
+    meta = results["meta"]
+    device = str(meta.get("device") or "cpu").lower()
+    gpu = next((token for token in ("h200", "h100", "a100", "l40s", "l4", "b200") if token in device),
+               device.replace(" ", "-")[:16])
+    commit = str(meta.get("git_commit") or "unknown")[:7]
+    return f"bench_{gpu}_{commit}"
 
 
-def _cell(entry: dict, col: str) -> dict | None:
-    """The cell shown in column ``col``: the method's own, or the best of the sweep ``col``."""
-    if col in entry.get("sweeps", {}):
-        return entry["cells"][entry["sweeps"][col]["best"]]
-    if col in entry["cells"]:
-        return entry["cells"][col]
-    members = [c for c in entry["cells"].values() if c.get("sweep") == col]
-    return members[0] if members else None
+def time_text(ms: float | None, host: bool = False) -> str:
+    """A time to three significant digits (milliseconds, or microseconds for host times)."""
+    if ms is None:
+        return "-"
+    value = ms * 1e3 if host else ms
+    return f"{value:,.0f}".replace(",", " ") if value >= 1000 else f"{value:.3g}"
 
 
-def _fmt(cell: dict | None) -> str:
+def ratio_text(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _cell(entry: dict, column: str) -> dict | None:
+    """The cell shown in ``column``: the method's own, or the best of the sweep ``column``."""
+    if column in entry.get("sweeps", {}):
+        return entry["cells"][entry["sweeps"][column]["best"]]
+    return entry["cells"].get(column)
+
+
+def _median(entry: dict, column: str) -> float | None:
+    cell = _cell(entry, column)
+    return None if cell is None else cell.get("median_ms")
+
+
+def _text(entry: dict, column: str, op: Op, *, pct: bool = False, versus: float | None = None) -> str:
+    cell = _cell(entry, column)
     if cell is None:
         return "-"
-    if "median_ms" not in cell:
-        return {"unavailable": "n/a"}.get(cell.get("status"), cell.get("status", "?"))
-    mark = "!" if cell["status"] == "mismatch" else ""
-    return f"{cell['median_ms']:.3g}/{cell['pct_of_floor']:.0f}%{mark}"
+    if cell.get("median_ms") is None:
+        return {"unavailable": "n/a"}.get(cell.get("status"), str(cell.get("status", "?")))
+    notes = []
+    if versus is not None:
+        notes.append(f"{versus / cell['median_ms']:.2f}x")
+    if pct and cell.get("pct_of_floor") is not None:
+        notes.append(f"{cell['pct_of_floor']:.0f}%")
+    mark = "!" if cell.get("status") == "mismatch" else ""
+    text = time_text(cell["median_ms"], op.host) + mark
+    return f"{text} ({', '.join(notes)})" if notes else text
 
 
-def _peak(cell: dict | None) -> str:
-    return "-" if cell is None or cell.get("peak_MB") is None else f"{cell['peak_MB']:.0f}"
+def _faster_peer(entry: dict, op: Op, lik_column: str) -> str:
+    peers = [t for t in (_median(entry, p) for p in op.peers) if t is not None]
+    mine = _median(entry, lik_column)
+    return "-" if not peers or mine is None else ratio_text(min(peers) / mine)
 
 
-def _speedups(entry: dict) -> str:
-    """Each lik method's speedup over the faster peer (``x`` > 1: lik is faster); an 8-bit lik method's over the
-    faster 8-bit peer and over lik's own fp16 / bf16 / fp32 call."""
-    cells = entry["cells"]
+def _columns(op: Op, entries: list[dict]) -> list[str]:
+    """The op's columns that at least one of its rows has (a method never applicable to any row is left out)."""
+    wanted = [*op.lik, *op.peers, *op.others]
+    return [c for c in wanted if any(_cell(e, c) is not None for e in entries) or c in op.lik]
 
-    def best(names):
-        times = [cells[p]["median_ms"] for p in names if "median_ms" in cells.get(p, {})]
-        return min(times) if times else None
 
-    float_peer, eight_bit_peer = best(PEERS), best(EIGHT_BIT_PEERS)
-    parts = []
-    for name, cell in cells.items():
-        if not name.startswith("lik") or "median_ms" not in cell:
+def _floor_text(entry: dict) -> str:
+    floor = entry.get("floor")
+    return "-" if not floor else time_text(floor.get("floor_ms"))
+
+
+def _rows(op: Op, entries: list[dict]) -> list[str]:
+    unit = "us" if op.host else "ms"
+    if op.name == "8bit":
+        header = ["cell", "lik fp16 ms", "lik int8 ms (x fp16, % floor)", "lik fp8 ms (x fp16, % floor)",
+                  DISPLAY["flash-maxsim-int8x8"], DISPLAY["late-interaction-kernels-fp8"],
+                  "int8 vs flash-maxsim int8x8", "fp8 vs late-interaction-kernels fp8"]
+        rows = []
+        for e in entries:
+            fp16 = _median(e, "lik")
+            int8, fp8 = _median(e, "lik-int8"), _median(e, "lik-fp8")
+            fm, li = _median(e, "flash-maxsim-int8x8"), _median(e, "late-interaction-kernels-fp8")
+            rows.append([label(e), _text(e, "lik", op), _text(e, "lik-int8", op, pct=True, versus=fp16),
+                         _text(e, "lik-fp8", op, pct=True, versus=fp16), _text(e, "flash-maxsim-int8x8", op),
+                         _text(e, "late-interaction-kernels-fp8", op),
+                         ratio_text(fm / int8 if fm and int8 else None), ratio_text(li / fp8 if li and fp8 else None)])
+        return _markdown(header, rows)
+    columns = _columns(op, entries)
+    header = ["cell" if not op.host else "call"] + ([] if op.host else ["floor ms"])
+    for c in columns:
+        name = DISPLAY.get(c, c)
+        header.append(f"{name} {unit} (% floor)" if c in op.lik and not op.host else
+                      f"{name} {unit}" if c in op.lik else name)
+    header.append(f"{DISPLAY.get(op.lik[0], op.lik[0])} vs faster peer")
+    versus_other = bool(op.others) and op.others[0] in columns
+    if versus_other:
+        header.append(f"{DISPLAY.get(op.lik[0], op.lik[0])} vs {DISPLAY.get(op.others[0], op.others[0])}")
+    if op.name == "train":
+        header += ["deterministic / fast", "peak MB: lik fast / lower peer"]
+    rows = []
+    for e in entries:
+        if "error" in e:
+            rows.append([label(e), f"inputs: {e['error']['status']}"] + [""] * (len(header) - 2))
             continue
-        if cell.get("storage"):
-            if eight_bit_peer:
-                parts.append(f"{name} {eight_bit_peer / cell['median_ms']:.2f}x")
-            if "median_ms" in cells.get("lik", {}):
-                parts.append(f"{name} vs lik {cells['lik']['median_ms'] / cell['median_ms']:.2f}x")
-        elif float_peer:
-            parts.append(f"{_SHORT.get(name, name)} {float_peer / cell['median_ms']:.2f}x")
-    return ", ".join(parts)
+        row = [label(e)] + ([] if op.host else [_floor_text(e)])
+        row += [_text(e, c, op, pct=c in op.lik) for c in columns]
+        row.append(_faster_peer(e, op, op.lik[0]))
+        if versus_other:
+            other, mine = _median(e, op.others[0]), _median(e, op.lik[0])
+            row.append(ratio_text(other / mine if other and mine else None))
+        if op.name == "train":
+            fast, det = _median(e, "lik-fast"), _median(e, "lik-deterministic")
+            row.append("-" if not fast or not det else f"{det / fast:.2f}")
+            peaks = [(_cell(e, p) or {}).get("peak_MB") for p in op.peers]
+            peaks = [p for p in peaks if p is not None]
+            mine = (_cell(e, "lik-fast") or {}).get("peak_MB")
+            row.append("-" if mine is None else f"{mine:.0f} / {min(peaks):.0f}" if peaks else f"{mine:.0f} / -")
+        rows.append(row)
+    return _markdown(header, rows)
 
 
-def format_table(results: dict) -> str:
-    """One block per suite: each method's median ms / % of floor and lik's speedup over the faster peer, then
-    the peak memory in MB. ``!`` marks a method whose output disagreed with the float64 reference."""
+def _markdown(header: list[str], rows: list[list[str]]) -> list[str]:
+    align = ["---"] + ["---:"] * (len(header) - 1)
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"] + \
+        ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _header_line(results: dict, op: Op) -> str:
     meta, ceil = results["meta"], results["ceilings"]
-    lines = [
-        f"lik bench | {meta.get('device')} | torch {meta.get('torch')} triton {meta.get('triton')} | "
-        f"commit {str(meta.get('git_commit'))[:12]}{'+dirty' if meta.get('git_dirty') else ''} | "
-        f"{meta['settings']['dtype']}",
-        f"ceilings: copy {ceil['bandwidth_GBps']:.0f} GB/s (read+write), matmul {ceil['matmul_TFLOPps']:.4g} TFLOP/s; "
-        "cells: median ms / % of floor ('!' = disagrees with reference, see JSON); 8-bit cells against their own "
-        "floor (1-byte operands, the 8-bit matmul rate)",
-    ]
-    cols = columns(results)
-    for suite in ("forward", "multi", "train"):
-        entries = [e for e in results["shapes"] if e["shape"]["suite"] == suite]
-        if not entries:
-            continue
-        used = [c for c in cols if any(_cell(e, c) is not None for e in entries)]
-        head = f"{'shape':30s} {'floor ms':>9s} {'bound':>7s} " + " ".join(f"{_SHORT.get(c, c):>14s}" for c in used)
-        lines += ["", f"[{suite}]", head + "  lik vs faster peer"]
-        for e in entries:
-            if "error" in e:
-                lines.append(f"{e['name']:30s} inputs: {e['error']['status']}")
-                continue
-            fl = e["floor"]
-            row = " ".join(f"{_fmt(_cell(e, c)):>14s}" for c in used)
-            lines.append(f"{e['name']:30s} {fl['floor_ms']:9.4f} {fl['bound']:>7s} {row}  {_speedups(e)}".rstrip())
-        lines.append("peak MB above the inputs:")
-        for e in entries:
-            peaks = " ".join(f"{_peak(_cell(e, c)):>14s}" for c in used)
-            lines.append(f"{e['name']:30s} {'':9s} {'':7s} {peaks}")
-    for record in results.get("quantize", []):
-        lines.append(f"{record['what']}: {record['median_ms']:.3f} ms, {record['pct_of_floor']:.0f}% of its copy floor")
-    if results.get("skipped_shapes"):
-        lines += ["", "skipped (time budget): " + ", ".join(results["skipped_shapes"])]
-    lines.append(f"wall {results.get('wall_s', 0):.0f} s")
+    peers = ", ".join(f"{name} {version}" for name, version in (meta.get("peers") or {}).items() if version)
+    commit = f"{str(meta.get('git_commit'))[:7]}{'+dirty' if meta.get('git_dirty') else ''}"
+    dtype = meta.get("settings", {}).get("dtype", "fp16")
+    parts = [f"{meta.get('device')}, torch {meta.get('torch')}, triton {meta.get('triton')}"
+             + (f", {peers}" if peers else "") + f", lik commit `{commit}`" + (f", {dtype}" if op.suites else "")]
+    if op.host:
+        parts.append("Host microseconds per call (200 calls in a row, unsynchronised)")
+    else:
+        parts.append(f"Ceilings measured in the run: {ceil['bandwidth_GBps']:.0f} GB/s copy (read + write), "
+                     f"{ceil['matmul_TFLOPps']:.0f} TFLOP/s matmul")
+    if op.floor:
+        parts.append(f"Floor: {op.floor}")
+    parts.append(f"Command: `{meta.get('command', 'lik bench')}`")
+    parts.append(f"JSON: `benchmarks/results/{record_name(results)}.json`")
+    return ". ".join(parts) + "."
+
+
+def _unavailable(op: Op, entries: list[dict]) -> list[str]:
+    reasons: dict[str, str] = {}
+    for e in entries:
+        for name, cell in e["cells"].items():
+            if cell.get("status") == "unavailable" and name in (*op.lik, *op.peers, *op.others):
+                reasons.setdefault(name, cell.get("error", ""))
+    return [f"Not run here: {', '.join(f'{DISPLAY.get(n, n)} ({r})' for n, r in reasons.items())}."] if reasons else []
+
+
+def format_section(results: dict, op: Op) -> str | None:
+    """The markdown section of ``op`` (``None`` when the run has no row for it)."""
+    entries = op_entries(results, op)
+    if not entries:
+        return None
+    lines = [f"## {op.title}", "", _header_line(results, op), "", *_rows(op, entries)]
+    extra = _unavailable(op, entries)
+    if op.name == "8bit":
+        extra += [f"`{r['what']}`: {r['median_ms']:.3f} ms, {r['pct_of_floor']:.0f}% of its copy floor."
+                  for r in results.get("quantize", [])]
+    skipped = [name for name in results.get("skipped", results.get("skipped_shapes", []))
+               if name.split("/")[0] in (op.name, *op.suites)]
+    if skipped:
+        extra.append(f"Skipped (time budget): {', '.join(skipped)}.")
+    if extra:
+        lines += ["", *extra]
+    lines += ["", f"![{op.name}](benchmarks/results/plots/{op.name}.png)"]
     return "\n".join(lines)
 
 
-def plot_results(results: dict, path: Path) -> str:
-    """Save latency (log scale) and % of floor per shape, one row per suite, as a PNG; returns a status line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed (redraw: lik bench --from-json results.json --out DIR)"
-    suites = [s for s in ("forward", "multi", "train") if any(e["shape"]["suite"] == s for e in results["shapes"])]
-    if not suites:
-        return "plot skipped: no shapes"
-    cols = columns(results)
-    fig, axes = plt.subplots(len(suites), 2, figsize=(16, 4.2 * len(suites)), squeeze=False)
-    for row, suite in enumerate(suites):
-        entries = [e for e in results["shapes"] if e["shape"]["suite"] == suite and "error" not in e]
-        used = [c for c in cols if any(_cell(e, c) and "median_ms" in _cell(e, c) for e in entries)]
-        width = 0.8 / max(len(used), 1)
-        labels = [e["name"].split("/", 1)[1] for e in entries]
-        for k, col in enumerate(used):
-            xs, ms, pct = [], [], []
-            for i, e in enumerate(entries):
-                cell = _cell(e, col)
-                if cell and "median_ms" in cell:
-                    xs.append(i + (k - (len(used) - 1) / 2) * width)
-                    ms.append(cell["median_ms"])
-                    pct.append(cell["pct_of_floor"])
-            color = f"C{cols.index(col) % 10}"  # one colour per method across suites
-            axes[row][0].bar(xs, ms, width, label=col, color=color)
-            axes[row][1].bar(xs, pct, width, label=col, color=color)
-        axes[row][0].plot(range(len(entries)), [e["floor"]["floor_ms"] for e in entries], "k_", ms=20,
-                          label="floor")
-        axes[row][0].legend(fontsize=7)
-        axes[row][0].set_yscale("log")
-        axes[row][0].set_ylabel("median ms (log)")
-        axes[row][1].set_ylabel("% of floor")
-        axes[row][1].axhline(100, color="k", lw=0.8)
-        for ax in axes[row]:
-            ax.set_title(suite)
-            ax.set_xticks(range(len(entries)))
-            ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
-            ax.grid(axis="y", alpha=0.3)
-        axes[row][1].legend(fontsize=7, ncol=2)
-    meta = results["meta"]
-    fig.suptitle(f"lik bench: {meta.get('device')}, {meta['settings']['dtype']}, "
-                 f"commit {str(meta.get('git_commit'))[:12]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot: {path}"
+def format_report(results: dict, ops: list[Op] | None = None) -> str:
+    """Every operator's section (or those of ``ops``), then the run's wall time."""
+    sections = [s for op in (ops or OPS) if (s := format_section(results, op)) is not None]
+    return "\n\n".join(sections + [f"Wall time of the run: {results.get('wall_s', 0):.0f} s."])

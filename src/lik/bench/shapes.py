@@ -1,24 +1,27 @@
-"""The shape registry: every problem size the benchmark knows, grouped into suites.
+"""The MaxSim shape registry: every MaxSim problem size the benchmark knows, grouped into suites.
 
 A :class:`Shape` is one MaxSim problem. ``suite`` says how it is run:
 
 * ``forward``: one 2-D query ``[Lq, d]`` against ``B`` documents ``[B, Ld, d]`` (reranking), scores only;
 * ``multi``: ``Nq`` queries ``[Nq, Lq, d]`` against one shared corpus ``[B, Ld, d]``, scores only;
 * ``train``: in-batch contrastive step, ``Q [B, Lq, d]`` against ``D [B, Ld, d]``: the ``[B, B]`` scores,
-  cross-entropy against the diagonal, and the gradients of ``Q`` and ``D``.
+  cross-entropy against the diagonal, and the gradients of ``Q`` and ``D``;
+* ``width``: as ``forward``, at embedding widths other than 128.
 
-The canonical sizes are those of docs/design.md ("How performance is judged") plus larger training batches;
-``quick`` marks the subset that ``--quick`` runs. ``--smoke`` runs :data:`SMOKE_SHAPES`, tiny versions of each
-suite that run on a CPU in well under a second.
+The canonical sizes are those of docs/design.md ("How performance is judged") plus larger training batches and
+the width cells; ``quick`` marks the subset that ``--quick`` runs. ``--smoke`` runs :data:`SMOKE_SHAPES`, tiny
+versions of each suite that run on a CPU in well under a second.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Shape", "SUITES", "CANONICAL_SHAPES", "SMOKE_SHAPES", "FAMILIES", "select_shapes"]
+__all__ = [
+    "Shape", "SUITES", "CANONICAL_SHAPES", "SMOKE_SHAPES", "FAMILIES", "EIGHT_BIT_CELLS", "WIDTHS", "select_shapes",
+]
 
-SUITES = ("forward", "multi", "train")
+SUITES = ("forward", "multi", "train", "width")
 
 # family -> (Lq, Ld): the canonical MaxSim geometries of docs/design.md, all at d = 128.
 FAMILIES = {
@@ -31,15 +34,26 @@ FAMILIES = {
     "colpali-train": (1024, 1024),
 }
 
+# The forward cells where the 8-bit methods run (the 8-bit table): the memory-bound cells at scale and the
+# compute-bound ones, plus textual B = 1 000 (the small call).
+EIGHT_BIT_CELLS = frozenset({
+    "forward/textual/B1000", "forward/visual/B1000", "forward/colpali/B1000", "forward/textual/B10000",
+    "forward/long-doc/B10000", "forward/visual/B10000", "forward/colpali/B10000",
+})
+
+# Embedding widths of the width suite: a compute-bound cell (one 1024-token query against 256 documents of 1024
+# tokens) and a memory-bound one (textual, B = 10 000) at each.
+WIDTHS = (256, 384, 768, 2048)
+
 
 @dataclass(frozen=True)
 class Shape:
     """One benchmark problem.
 
     Attributes:
-        suite: ``"forward"``, ``"multi"`` or ``"train"`` (see the module docstring).
+        suite: ``"forward"``, ``"multi"``, ``"train"`` or ``"width"`` (see the module docstring).
         family: geometry name, a key of :data:`FAMILIES` (or ``"smoke"``).
-        nq: number of queries (1 for ``forward``, where the query is 2-D; ``b`` for ``train``).
+        nq: number of queries (1 where the query is 2-D; ``b`` for ``train``).
         lq, ld, b, d: query length, document length, number of documents, embedding width.
         quick: part of the ``--quick`` subset.
     """
@@ -55,14 +69,32 @@ class Shape:
 
     @property
     def name(self) -> str:
-        """Stable identifier used in the JSON, e.g. ``forward/textual/B1000`` or ``multi/colpali/Nq32xB128``."""
+        """Stable identifier used in the JSON, e.g. ``forward/textual/B1000``, ``multi/colpali/Nq32xB128`` or
+        ``width/colpali/B256/d768``."""
         size = f"B{self.b}" if self.suite != "multi" else f"Nq{self.nq}xB{self.b}"
-        return f"{self.suite}/{self.family}/{size}"
+        width = f"/d{self.d}" if self.suite == "width" else ""
+        return f"{self.suite}/{self.family}/{size}{width}"
+
+    @property
+    def label(self) -> str:
+        """The row label of the tables, e.g. ``textual 32x300, B 1 000`` or ``textual 32x300, Nq 32 x B 1 024``."""
+        b = f"{self.b:,}".replace(",", " ")
+        geometry = f"{self.family} {self.lq}x{self.ld}"
+        if self.suite == "multi":
+            return f"{geometry}, Nq {self.nq} x B {b}"
+        if self.suite == "width":
+            return f"{geometry}, B {b}, d {self.d}"
+        return f"{geometry}, B {b}"
+
+    @property
+    def two_d_query(self) -> bool:
+        """Whether the query is one ``[Lq, d]`` tensor (scores ``[B]``) rather than ``[Nq, Lq, d]``."""
+        return self.suite in ("forward", "width")
 
     @property
     def q_shape(self) -> tuple[int, ...]:
-        """Shape of the query tensor: 2-D for ``forward``, 3-D otherwise."""
-        if self.suite == "forward":
+        """Shape of the query tensor: 2-D for ``forward`` and ``width``, 3-D otherwise."""
+        if self.two_d_query:
             return (self.lq, self.d)
         return (self.nq, self.lq, self.d)
 
@@ -93,9 +125,9 @@ def _train(family: str, b: int, quick: bool) -> Shape:
 
 
 CANONICAL_SHAPES: tuple[Shape, ...] = (
-    # Single-query reranking at B = 1 000 and 10 000.
+    # Single-query reranking at B = 1 000 and 10 000 (medium B = 10 000 only in the full run).
     *(_forward(f, 1000, True) for f in ("textual", "long-doc", "medium", "visual", "colpali")),
-    *(_forward(f, 10000, f in ("textual", "colpali")) for f in ("textual", "long-doc", "medium", "visual", "colpali")),
+    *(_forward(f, 10000, f != "medium") for f in ("textual", "long-doc", "medium", "visual", "colpali")),
     # 32 queries against a shared corpus.
     _multi("textual", 1024),
     _multi("long-doc", 1024),
@@ -107,12 +139,16 @@ CANONICAL_SHAPES: tuple[Shape, ...] = (
     _train("colpali-train", 32, True),
     _train("colpali-train", 64, True),
     _train("colpali-train", 128, False),
+    # Any width: compute-bound (Lq = Ld = 1024, B = 256) and memory-bound (textual, B = 10 000).
+    *(Shape("width", "colpali", 1, 1024, 1024, 256, d) for d in WIDTHS),
+    *(Shape("width", "textual", 1, 32, 300, 10000, d) for d in WIDTHS),
 )
 
 SMOKE_SHAPES: tuple[Shape, ...] = (
     Shape("forward", "smoke", 1, 8, 24, 40, d=32),
     Shape("multi", "smoke", 3, 8, 24, 20, d=32),
     Shape("train", "smoke", 6, 8, 12, 6, d=32),
+    Shape("width", "smoke", 1, 8, 24, 10, d=40),
 )
 
 

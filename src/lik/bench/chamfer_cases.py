@@ -1,0 +1,157 @@
+"""Chamfer distance cases: forward + backward of both directions, lik against the libraries users pick instead.
+
+Methods: ``lik`` (``lik.chamfer_distance``, PyTorch3D's contract and default reductions), ``flash-maxsim``
+(``flash_chamfer_train``, one cloud per call, so batches loop), ``chamferdist`` (its CUDA extension), ``keops``
+(pykeops ``LazyTensor`` arg-min reductions, then a differentiable gather, as a KeOps user writes it) and
+``cdist`` (``torch.cdist`` + min, where the ``[N, P, P]`` matrix fits). ``torch.rand`` float32 clouds.
+
+The floor counts the distance FLOPs of both directions (``2 * 2 * D * N * P^2``) at the float32 cuBLAS rate
+measured in the same run (``torch.set_float32_matmul_precision("highest")``): the bar at D = 128 asks for 70% of it.
+Point clouds (D = 3) are bound by instruction issue instead (benchmarks/NOTES.md), so their % of this floor is
+small by construction. The check compares each loss with a float64 brute-force loss of the same clouds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cases import Case, CaseMethod, floor_record
+from .measure import Timer
+
+__all__ = ["chamfer_cases", "fp32_matmul_rate"]
+
+# (N, P, D, quick): the rows of the table of record.
+SHAPES = ((1, 10_000, 3, True), (16, 10_000, 3, True), (1, 100_000, 3, True), (1, 10_000, 128, True),
+          (1, 100_000, 128, True), (1, 1_000, 3, False), (1, 1_000_000, 3, False))
+SMOKE = {(1, 10_000, 3): (1, 40, 3), (16, 10_000, 3): (3, 30, 3), (1, 10_000, 128): (1, 25, 16)}
+
+_rate_cache: dict = {}
+
+
+def fp32_matmul_rate(device: torch.device) -> float:
+    """FLOP/s of a 16384 x 128 x 16384 float32 product through cuBLAS at full float32 precision (measured once per
+    process; the CPU's float32 matmul on a smoke run)."""
+    if device not in _rate_cache:
+        timer = Timer(device, warmup_ms=10.0, rep_ms=50.0 if device.type == "cuda" else 5.0)
+        m, k = (16384, 128) if device.type == "cuda" else (256, 16)
+        a, b = torch.randn(m, k, device=device), torch.randn(k, m, device=device)
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            _rate_cache[device] = 2.0 * m * m * k / (timer.median_ms(lambda: a @ b) / 1e3)
+        finally:
+            torch.set_float32_matmul_precision(previous)
+    return _rate_cache[device]
+
+
+def _inputs(n: int, p: int, d: int):
+    def inputs(device: torch.device, smoke: bool) -> dict:
+        nn, pp, dd = SMOKE.get((n, p, d), (1, 20, d if d <= 16 else 16)) if smoke else (n, p, d)
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.rand(nn, pp, dd, device=device, generator=gen)
+        y = torch.rand(nn, pp, dd, device=device, generator=gen)
+        return dict(x=x, y=y, xg=x.clone().requires_grad_(), yg=y.clone().requires_grad_(), n=nn, p=pp, d=dd)
+
+    return inputs
+
+
+def _floor(s: dict, ceilings) -> dict:
+    flops = 2.0 * 2 * s["d"] * s["n"] * s["p"] * s["p"]
+    nbytes = 4.0 * 2 * 2 * s["n"] * s["p"] * s["d"]  # both clouds read, both gradients written
+    return floor_record(flops, nbytes, ceilings, flops_per_s=fp32_matmul_rate(s["x"].device))
+
+
+def _reference(s: dict) -> tuple[torch.Tensor, ...]:
+    """The float64 loss of both directions (mean over points, mean over the batch) and its gradients."""
+    x, y = s["x"].double().requires_grad_(), s["y"].double().requires_grad_()
+    loss = _brute_force_loss(x, y)
+    return (loss.detach(), *torch.autograd.grad(loss, (x, y)))
+
+
+def _brute_force_loss(x: torch.Tensor, y: torch.Tensor, block: int = 2048) -> torch.Tensor:
+    """Chamfer loss by exact nearest neighbours, in blocks of rows (memory O(block * P))."""
+
+    def nearest(a, b):  # [N, Pa]: squared distance of each point of a to its nearest point of b
+        parts = []
+        for start in range(0, a.shape[1], block):
+            rows = a[:, start:start + block]
+            with torch.no_grad():
+                index = torch.cdist(rows, b).argmin(dim=2)
+            near = torch.gather(b, 1, index[..., None].expand(-1, -1, b.shape[2]))
+            parts.append(((rows - near) ** 2).sum(-1))
+        return torch.cat(parts, dim=1)
+
+    return nearest(x, y).mean(1).mean() + nearest(y, x).mean(1).mean()
+
+
+def _step(loss_fn):
+    def build(s: dict):
+        xg, yg = s["xg"], s["yg"]
+
+        def call():
+            loss = loss_fn(xg, yg)
+            gx, gy = torch.autograd.grad(loss, (xg, yg))
+            return loss.detach(), gx, gy
+
+        return call
+
+    return build
+
+
+def _lik(x, y):
+    import lik
+
+    return lik.chamfer_distance(x, y)[0]
+
+
+def _flash(x, y):
+    from flash_maxsim import flash_chamfer_train
+
+    return sum(flash_chamfer_train(x[i], y[i]) for i in range(x.shape[0])) / x.shape[0]
+
+
+def _chamferdist(x, y):
+    from chamferdist import ChamferDistance
+
+    # Its "mean" point and batch reductions equal PyTorch3D's default.
+    return ChamferDistance()(x, y, bidirectional=True, point_reduction="mean", batch_reduction="mean")
+
+
+def _keops(x, y):
+    from pykeops.torch import LazyTensor
+
+    xi, yj = LazyTensor(x.detach()[:, :, None, :]), LazyTensor(y.detach()[:, None, :, :])
+    dist = ((xi - yj) ** 2).sum(-1)
+    ix = dist.argmin(dim=2).long().view(x.shape[0], -1)
+    iy = dist.argmin(dim=1).long().view(y.shape[0], -1)
+    near_y = torch.gather(y, 1, ix[..., None].expand(-1, -1, x.shape[2]))
+    near_x = torch.gather(x, 1, iy[..., None].expand(-1, -1, x.shape[2]))
+    return ((x - near_y) ** 2).sum(-1).mean(1).mean() + ((y - near_x) ** 2).sum(-1).mean(1).mean()
+
+
+def _cdist(x, y):
+    dist = torch.cdist(x, y) ** 2
+    return dist.min(2).values.mean(1).mean() + dist.min(1).values.mean(1).mean()
+
+
+def chamfer_cases() -> list[Case]:
+    """The Chamfer cases, in table order."""
+    cases = []
+    for n, p, d, quick in SHAPES:
+        methods = {
+            "lik": CaseMethod(_step(_lik)),
+            "flash-maxsim": CaseMethod(_step(_flash), module="flash_maxsim", needs_cuda=True),
+            "chamferdist": CaseMethod(_step(_chamferdist), module="chamferdist", needs_cuda=True),
+            "keops": CaseMethod(_step(_keops), module="pykeops", needs_cuda=True),
+        }
+        if n * p * p * 4 * 3 < 24 * 2**30:  # the [N, P, P] distances and their gradient fit
+            methods["cdist"] = CaseMethod(_step(_cdist))
+        if d > 3 and p >= 100_000:  # chamferdist's generic-D kernel took ~14 s a call there (H100)
+            methods.pop("chamferdist")
+        if p >= 1_000_000:
+            methods = {k: v for k, v in methods.items() if k in ("lik", "flash-maxsim")}
+        size = f"{p:,}".replace(",", " ")
+        cases.append(Case("chamfer", f"chamfer/{n}x{p}x{d}", f"N {n}, P {size}, D {d}", _inputs(n, p, d), methods,
+                          floor=_floor, reference=None if p >= 1_000_000 else _reference, tolerance=1e-4,
+                          quick=quick, params={"n": n, "p": p, "d": d}))
+    return cases
