@@ -58,13 +58,23 @@ class TokenEmbeddings:
 
 
 def load_corpus(path: str | Path | None = None) -> list[str]:
-    """Passages, one per non-empty line; lines starting with ``#`` are comments. Default: the bundled corpus."""
+    """Passages, one per non-empty line; lines starting with ``#`` are comments. Default: the bundled corpus.
+
+    A file that is not UTF-8 text or holds no passage raises ``ValueError`` naming it (``OSError`` when it
+    cannot be read).
+    """
     if path is None:
         text = resources.files("lik").joinpath("data/corpus.txt").read_text(encoding="utf-8")
     else:
-        text = Path(path).read_text(encoding="utf-8")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a UTF-8 text file of passages") from None
     passages = [line.strip() for line in text.splitlines()]
-    return [p for p in passages if p and not p.startswith("#")]
+    passages = [p for p in passages if p and not p.startswith("#")]
+    if not passages:
+        raise ValueError(f"{path or 'the bundled corpus'}: no passages (every line is blank or a # comment)")
+    return passages
 
 
 class MiniLMEncoder:

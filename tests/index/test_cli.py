@@ -53,19 +53,17 @@ def test_build_info_search_round_trip(files, capsys, dtype):
 
 def test_errors_name_the_file_or_argument(files, capsys):
     tmp_path, _, _ = files
-    assert cli.main(["index", "info", str(tmp_path / "missing")]) == 1
-    assert "missing" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["index", "build", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "ix")])
-    assert "EMBEDDINGS: no such file" in capsys.readouterr().err
-    cli.main(["index", "build", str(tmp_path / "a.pt"), "--out", str(tmp_path / "ix")])
+    assert cli.main(["index", "info", str(tmp_path / "missing")]) == 2
+    assert "missing: no such index directory" in capsys.readouterr().err
+    assert cli.main(["index", "build", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "ix")]) == 2
+    assert "nope.pt: no such file" in capsys.readouterr().err
+    assert cli.main(["index", "build", str(tmp_path / "a.pt"), "--out", str(tmp_path / "ix")]) == 0
     capsys.readouterr()
-    assert cli.main(["index", "build", str(tmp_path / "a.pt"), "--out", str(tmp_path / "ix")]) == 1
-    assert "already exists" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["search", str(tmp_path / "ix"), "--queries", str(tmp_path / "queries.pt"), "--k", "99"])
+    assert cli.main(["index", "build", str(tmp_path / "a.pt"), "--out", str(tmp_path / "ix")]) == 2
+    err = capsys.readouterr().err
+    assert "already exists (pass --overwrite" in err and "overwrite=True" not in err
+    assert cli.main(["search", str(tmp_path / "ix"), "--queries", str(tmp_path / "queries.pt"), "--k", "99"]) == 2
     assert "--k 99 is larger than the index" in capsys.readouterr().err
     torch.save([torch.randn(2, 5)], tmp_path / "wide.pt")
-    with pytest.raises(SystemExit):
-        cli.main(["search", str(tmp_path / "ix"), "--queries", str(tmp_path / "wide.pt")])
-    assert "--queries: queries have d=5" in capsys.readouterr().err
+    assert cli.main(["search", str(tmp_path / "ix"), "--queries", str(tmp_path / "wide.pt")]) == 1
+    assert "wide.pt: queries have d=5" in capsys.readouterr().err
