@@ -81,9 +81,28 @@ test-gpu: $(VENV)/.lik-test
 demo: $(VENV)/.lik-demo
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m lik.cli demo $(DEMO_ARGS)
 
-bench: $(VENV)/.lik-test
+# GPU: every table of BENCHMARKS.md (printed, and in $(BENCH_OUT)/bench.md), the JSON, and one plot per table in
+# $(BENCH_PLOTS). --quick (the default) fits one run in ~8 minutes; BENCH_ARGS="" runs every cell. The peers are
+# installed when pip can get them; otherwise their columns read n/a and the run says why. Where python already
+# has torch and there is no network (a lent GPU machine), BENCH_PYTHON=python3 runs it without the venv.
+BENCH_ARGS ?= --quick
+BENCH_PEERS ?= flash-maxsim==0.3.0 late-interaction-kernels==0.4.5
+BENCH_OUT ?= $(if $(OUT),$(OUT),bench_out)
+BENCH_PLOTS ?= $(if $(OUT),$(OUT)/plots,benchmarks/results/plots)
+
+$(VENV)/.lik-bench: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e ".[bench]"
-	$(PY) -m lik.cli bench $(BENCH_ARGS)
+	$(PIP) install -q $(BENCH_PEERS) || echo "lik: the peers ($(BENCH_PEERS)) did not install: their columns will read n/a"
+	touch $@
+
+ifdef BENCH_PYTHON
+bench:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(BENCH_PYTHON) -m lik.bench --out $(BENCH_OUT) --plots $(BENCH_PLOTS) \
+	$(BENCH_ARGS)
+else
+bench: $(VENV)/.lik-bench
+	$(PY) -m lik.bench --out $(BENCH_OUT) --plots $(BENCH_PLOTS) $(BENCH_ARGS)
+endif
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
