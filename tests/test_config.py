@@ -1,15 +1,18 @@
-"""Launch heuristics: deterministic, bounded, and per architecture."""
+"""Launch heuristics: deterministic, bounded, per architecture, and forced by ``lik.config.override``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lik import _config
+import lik
+from lik import _device
+from lik import config as _config
+from lik.config import maxsim as maxsim_config
 from lik.core import budget
 from lik.core.budget import SHARED_MEMORY_BY_ARCH
 
-heuristic = _config._maxsim_forward_heuristic
+heuristic = maxsim_config._maxsim_forward_heuristic
 
 
 def test_hopper_gets_256_row_tiles_older_gpus_128():
@@ -122,8 +125,8 @@ def test_128_stacked_rows_run_one_uncapped_warpgroup():
 def test_packed_corpora_of_up_to_128_stacked_rows_are_persistent(monkeypatch):
     """The packed launch keeps the padded heuristic's persistent programs for 128 stacked fp16 / bf16 rows; 256-row
     tiles, single short queries, pairs and fp32 get a program per document."""
-    monkeypatch.setattr(_config, "interpreting", lambda: False)
-    monkeypatch.setattr(_config, "_arch", lambda device: (9, 0))
+    monkeypatch.setattr(_device, "interpreting", lambda: False)
+    monkeypatch.setattr(_device, "arch", lambda device: (9, 0))
     cpu = torch.device("cpu")
 
     def varlen(q_len, n_queries, dtype=torch.bfloat16, pairs=False):
@@ -163,7 +166,7 @@ def test_persistent_launch_gives_every_sm_its_programs_and_never_more_than_the_d
     three = _config.MaxSimForwardConfig(32, 8, 64, 128, programs_per_sm=3)
     assert _config.maxsim_forward_doc_programs(three, n_row_blocks=2, n_docs=5, device=cpu) == 1
     if torch.cuda.is_available():
-        sms = _config.sm_count(torch.device("cuda"))
+        sms = _device.sm_count(torch.device("cuda"))
         got = _config.maxsim_forward_doc_programs(cfg, n_row_blocks=3, n_docs=10**6, device=torch.device("cuda"))
         assert got == 2 * sms // 3
     one_per_doc = _config.MaxSimForwardConfig(32, 8, 64, 128)
@@ -206,7 +209,7 @@ def test_streamed_tiles_fit_the_shared_memory_of_every_architecture(arch, dtype)
             element = 4 if dtype == torch.float32 else 2
             stage = (cfg.block_m + cfg.block_n) * block_k * element
             assert num_k == -(-dim // block_k) > 1
-            assert cfg.num_stages * stage + _config.STREAMED_FIXED_BYTES <= limit, (dim, q_len, cfg)
+            assert cfg.num_stages * stage + maxsim_config.STREAMED_FIXED_BYTES <= limit, (dim, q_len, cfg)
             assert cfg.num_stages >= 2 and cfg.num_warps in (4, 8)
 
 
@@ -267,3 +270,83 @@ def test_nearest_routes_by_width_and_norm():
     forced = _config.NearestConfig("direct", block_m=32)
     with _config.override(nearest=forced):
         assert _config.nearest_config(dim=128, norm=2, device=cpu) is forced
+
+
+def test_override_forces_each_heuristic_inside_the_block_only_and_nests():
+    cpu = torch.device("cpu")
+    args = dict(q_len=32, n_queries=4, dim=64, dtype=torch.float16, per_query=False, device=cpu)
+    chosen = _config.maxsim_forward_config(**args)
+    outer = _config.MaxSimForwardConfig(16, 2, 16, 64)
+    inner = _config.MaxSimForwardConfig(32, 1, 32, 64)
+    backward = _config.MaxSimBackwardConfig(block_rows=16, block_k=64)
+    with _config.override(maxsim_forward=outer):
+        assert _config.maxsim_forward_config(**args) is outer
+        # per-query documents are never stacked: the forced tile is taken one group at a time
+        assert _config.maxsim_forward_config(**{**args, "per_query": True}) == _config.MaxSimForwardConfig(16, 1, 16, 64)
+        with _config.override(maxsim_forward=inner, maxsim_backward=backward):
+            assert _config.maxsim_forward_config(**args) is inner
+            assert _config.maxsim_backward_config(dim=64, dtype=torch.float16, device=cpu) is backward
+            assert _config.forced("maxsim_backward") is backward
+        assert _config.maxsim_forward_config(**args) is outer and _config.forced("maxsim_backward") is None
+    assert _config.maxsim_forward_config(**args) == chosen and _config.forced("maxsim_forward") is None
+
+
+def test_override_refuses_unknown_keys_and_values_of_another_kind():
+    forward = _config.MaxSimForwardConfig(16, 1, 16, 64)
+    with pytest.raises(ValueError, match="maxsim_fwd"):
+        with _config.override(maxsim_fwd=forward):
+            pass
+    with pytest.raises(TypeError, match="maxsim_backward must be a MaxSimBackwardConfig"):
+        with _config.override(maxsim_backward=forward):
+            pass
+    assert _config.forced("maxsim_fwd") is None and _config.forced("maxsim_backward") is None
+
+
+def test_override_is_restored_when_the_block_raises():
+    forced = _config.NearestConfig("dot")
+    with pytest.raises(RuntimeError):
+        with _config.override(nearest=forced):
+            raise RuntimeError("inside")
+    assert _config.forced("nearest") is None
+
+
+def test_the_former_module_path_forces_the_same_registry():
+    """``lik._config.override`` (the path older code uses) is the same override as ``lik.config.override``."""
+    from lik import _config as former
+
+    forced = _config.NearestConfig("direct", block_m=32)
+    with former.override(nearest=forced):
+        assert _config.nearest_config(dim=128, norm=2, device=torch.device("cpu")) is forced
+    assert former.MaxSimForwardConfig is _config.MaxSimForwardConfig and lik.config is _config
+
+
+def test_device_queries_off_cuda():
+    cpu = torch.device("cpu")
+    assert _device.arch(cpu) == (0, 0) and _device.sm_count(cpu) == 1
+    assert _device.shared_memory(cpu) == budget.UNLIMITED_SHARED_MEMORY
+    assert [_device.next_power_of_2(n) for n in (0, 1, 2, 3, 17)] == [1, 1, 2, 4, 32]
+    assert _device.cdiv(7, 2) == 4 and _device.cdiv(0, 3) == 0
+
+
+def test_heuristics_read_the_device_through_the_device_module(monkeypatch):
+    """Pretending to be an H100 (what ``test_compile_sm90`` and the warm-up tests do) changes the heuristic's
+    answer: it reads the architecture and the interpreter flag through ``lik._device``."""
+    cpu = torch.device("cpu")
+    args = dict(q_len=1024, n_queries=1, dim=128, dtype=torch.float16, per_query=False, device=cpu)
+    monkeypatch.setattr(_device, "interpreting", lambda: False)
+    monkeypatch.setattr(_device, "arch", lambda device: (9, 0))
+    assert _config.maxsim_forward_config(**args).block_m == 256
+    monkeypatch.setattr(_device, "arch", lambda device: (8, 0))
+    assert _config.maxsim_forward_config(**args).block_m == 128
+
+
+def test_pretending_through_the_former_module_reaches_the_heuristics(monkeypatch):
+    from lik import _config as former
+
+    cpu = torch.device("cpu")
+    args = dict(q_len=1024, n_queries=1, dim=128, dtype=torch.float16, per_query=False, device=cpu)
+    monkeypatch.setattr(former, "interpreting", lambda: False)
+    monkeypatch.setattr(former, "_arch", lambda device: (9, 0))
+    assert _device.arch(cpu) == (9, 0) and _config.maxsim_forward_config(**args).block_m == 256
+    monkeypatch.undo()
+    assert _device.arch(cpu) == (0, 0) and _device.interpreting() == former.interpreting()

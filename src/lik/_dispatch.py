@@ -61,7 +61,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._config import interpreting
+from ._device import interpreting
 
 __all__ = ["kernel_op", "router", "uses_kernels", "resolve_backward", "BACKWARD_MODES"]
 

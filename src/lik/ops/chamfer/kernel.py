@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import NEAREST_POINT_MAX_DIM, NearestConfig, cdiv, nearest_config
+from ..._device import cdiv
+from ...config.nearest import NEAREST_POINT_MAX_DIM, NearestConfig, nearest_config
 from ..maxsim.forward import maxsim_forward
 from ..maxsim.validation import MaxSimInputs
 from .validation import valid_points

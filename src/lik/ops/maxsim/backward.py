@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import cdiv, maxsim_backward_config, next_power_of_2
+from ..._device import cdiv, next_power_of_2
+from ...config.maxsim import maxsim_backward_config
 from ..._dispatch import BACKWARD_MODES
 from ..._launch import launch
 from ...core.segments import PADDED, PAIRS, find_segment, search_steps

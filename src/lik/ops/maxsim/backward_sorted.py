@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import cdiv
+from ..._device import cdiv
 from ..._launch import launch
 from ...core.segments import PACKED, PADDED, PAIRS, find_segment, search_steps
 from .forward import set_strides

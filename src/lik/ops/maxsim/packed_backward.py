@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._config import maxsim_backward_config
+from ...config.maxsim import maxsim_backward_config
 from .backward import PairWeights, feature_blocks, launch_dd_atomic, maxsim_backward_dq
 from .backward_sorted import launch_dd_sorted
 from .packing import PackedInputs

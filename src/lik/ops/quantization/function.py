@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._config import interpreting
+from ..._device import interpreting
 from .kernel import quantize_rows
 from .reference import QUANTIZED_DTYPES, dequantize_reference, quantize_reference
 

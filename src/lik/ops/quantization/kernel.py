@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import cdiv, next_power_of_2
+from ..._device import cdiv, next_power_of_2
 from ..._launch import Replay, launch, replay_of
 from ...core.reductions import nan_max
 from .reference import QMAX

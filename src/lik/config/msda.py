@@ -1,0 +1,95 @@
+"""Deformable attention's launch heuristics: the forward tile and the backward tiles."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .. import _device
+from .._device import next_power_of_2
+from .forced import FORCED, register
+
+__all__ = ["MsdaForwardConfig", "MsdaBackwardConfig", "msda_forward_config", "msda_backward_config"]
+
+
+@dataclass(frozen=True)
+class MsdaForwardConfig:
+    """Tile of the deformable-attention forward: ``block_rows`` queries of one head, ``block_points`` >= P
+    sampling points (all points of one level at a time; the levels are walked in a loop), ``block_d`` channels."""
+
+    block_rows: int
+    block_points: int
+    block_d: int
+    num_warps: int = 1
+    num_stages: int = 1
+    transpose: bool = False  # gather from a [N, M, S, D] copy of value (measured slower; never chosen)
+
+
+@dataclass(frozen=True)
+class MsdaBackwardConfig:
+    """Tiles of the deformable-attention backward: the sample-side kernel (as the forward) and the
+    deterministic value-gradient gather (``gather_rows`` value rows)."""
+
+    block_rows: int
+    block_points: int
+    block_d: int
+    gather_rows: int
+    num_warps: int = 1
+    num_stages: int = 1
+    transpose: bool = False
+
+
+# Elements of one [rows, points, channels] corner tile per warp: 16 per thread (four 16-byte fp32 loads).
+_MSDA_TILE_PER_WARP = 512
+
+
+@functools.lru_cache(maxsize=1024)  # a pure function, called on every launch (host time matters at decoder scale)
+def _msda_tile(n_rows: int, dim: int, n_points: int, device: torch.device) -> tuple[int, int, int, int]:
+    # Every channel of a head up to 128 (wider heads split over a grid axis) and every point of a level in one
+    # tile (the kernels have no point loop); one warp per 512 elements of a corner tile, rows to fill it, then fewer
+    # rows until there are a few programs per SM (the decoder has only N * 300 * M rows). Measured on an H200 at
+    # encoder scale, D = 32, P = 4 (benchmarks/NOTES.md): 4 rows x 1 warp and 16 rows x 4 warps
+    # are equal in fp32 (0.76 ms), 1 warp is faster in bf16 (0.56 against 0.78 ms).
+    full_d = next_power_of_2(max(dim, 1))
+    block_d = min(full_d, 128)
+    block_p = next_power_of_2(max(n_points, 1))
+    num_warps = min(8, max(1, block_p * block_d // _MSDA_TILE_PER_WARP))
+    block_rows = max(1, num_warps * _MSDA_TILE_PER_WARP // (block_d * block_p))
+    if device.type == "cuda":
+        sms = _device.sm_count(device)
+        while block_rows > 1 and -(-n_rows // block_rows) * (full_d // block_d) < 4 * sms:
+            block_rows //= 2
+    return block_rows, block_p, block_d, num_warps
+
+
+
+def msda_forward_config(*, n_rows: int, dim: int, n_points: int, device: torch.device) -> MsdaForwardConfig:
+    """Forward tile for ``n_rows`` = N * M * Lq rows of ``dim`` channels and ``n_points`` points per level."""
+    forced = FORCED.get("msda_forward")
+    if forced is not None:
+        return forced
+    return _msda_configs(n_rows, dim, n_points, device)[0]
+
+
+def msda_backward_config(*, n_rows: int, dim: int, n_points: int, device: torch.device) -> MsdaBackwardConfig:
+    """Backward tiles: the forward's tile (the same one-warp rule measured best for the backward too: 2.51 ms
+    against 2.60 for 8 rows x 4 warps, encoder fp32) and 32 value rows per program for the deterministic gather."""
+    forced = FORCED.get("msda_backward")
+    if forced is not None:
+        return forced
+    return _msda_configs(n_rows, dim, n_points, device)[1]
+
+
+@functools.lru_cache(maxsize=1024)  # building a frozen dataclass per call costs host time too
+def _msda_configs(n_rows: int, dim: int, n_points: int, device: torch.device
+                  ) -> tuple[MsdaForwardConfig, MsdaBackwardConfig]:
+    block_rows, block_p, block_d, num_warps = _msda_tile(n_rows, dim, n_points, device)
+    return (MsdaForwardConfig(block_rows, block_p, block_d, num_warps=num_warps),
+            MsdaBackwardConfig(block_rows, block_p, block_d, gather_rows=32, num_warps=num_warps))
+
+
+
+register("msda_forward", MsdaForwardConfig)
+register("msda_backward", MsdaBackwardConfig)
