@@ -190,7 +190,7 @@ def test_build_streams_to_disk_and_the_shard_split_covers_the_corpus(tmp_path, r
     docs = grid_docs(rng)
     index = lik.Index.build(iter(docs), dtype=torch.float32, out=tmp_path / "ix", shard_tokens=6, progress=False,
                             placement="disk", chunk_tokens=4)
-    assert len(list((tmp_path / "ix").glob("shard-*.safetensors"))) > 2
+    assert len(list((tmp_path / "ix").glob("gen-*/shard-*.safetensors"))) > 2
     Q = grid_queries(rng)
     assert_same(index.search(Q, 5), expected_search(Q, docs, 5))
     for num_shards in (1, 3, 4, 11):

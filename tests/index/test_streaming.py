@@ -4,8 +4,6 @@ chunk that last used it was handed back, and the search result equals the reside
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -14,36 +12,12 @@ from lik.index import placement as placement_module
 from lik.index.placement import ResidentSource, StreamedSource, plan_chunks
 from lik.index.search import search_chunks, select_chunks
 
-from .helpers import grid_docs, grid_queries
-
-
-class FakeEvent:
-    def __init__(self):
-        self.recorded = False
-
-    def record(self, stream=None):
-        self.recorded = True
-
-    def synchronize(self):
-        assert self.recorded, "waited on an event that was never recorded"
-
-
-class FakeStream:
-    def __init__(self, device=None):
-        pass
-
-    def wait_event(self, event):
-        assert event.recorded, "a stream waited on an event that was never recorded"
+from .helpers import grid_docs, grid_queries, install_fake_cuda
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    install_fake_cuda(monkeypatch)
     return placement_module
 
 

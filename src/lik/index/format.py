@@ -1,26 +1,26 @@
-"""On-disk format of a :class:`lik.Index`: safetensors shards, a JSON manifest, checksums, atomic writes.
+"""Shard files of a :class:`lik.Index`: safetensors files of one packed segment each, checked before use.
 
-A saved index is a directory::
+A saved index is a directory (see :mod:`lik.index.manifest` for the manifest and :mod:`lik.index.storage` for how
+directories are written and replaced)::
 
-    manifest.json          {"format": "lik-index", "version": 1, "d": 128, "dtype": "int8",
-                            "num_docs": N, "num_tokens": T, "shards": [{"file", "num_docs", "num_tokens",
-                            "bytes", "sha256"}, ...]}
-    shard-00000.safetensors  tokens [T_s, d] (dtype), cu_seqlens int64 [N_s + 1], scale fp32 [T_s] (8-bit only)
+    manifest.json
+    gen-<32 hex>/shard-00000.safetensors   tokens [T_s, d] (dtype), cu_seqlens int64 [N_s + 1],
+                                           scale fp32 [T_s] (8-bit only)
 
-Documents are numbered in shard order, then in order inside a shard (insertion order). A directory is written
-under a temporary name beside its destination and renamed into place only once complete, so an interrupted
-build or save never leaves a directory that loads as an index.
+Documents are numbered in shard order, then in order inside a shard (insertion order). A shard's safetensors
+header is parsed here, not by the ``safetensors`` library, so that ``"disk"`` can memory-map the token bytes and
+read rows straight from the file; every header is validated as the safetensors format demands (offsets in order,
+contiguous, inside the file, byte counts equal to shape times dtype size) whether or not checksums are verified.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import io
 import json
+import math
 import os
-import shutil
 import struct
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,53 +28,54 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from .manifest import (  # noqa: F401 (re-exported: the manifest's names were defined here before)
+    DTYPES,
+    EIGHT_BIT,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    dtype_name,
+    read_manifest,
+)
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "DTYPES",
+    "EIGHT_BIT",
     "ShardInfo",
     "Manifest",
     "Shard",
     "FileRegion",
     "dtype_name",
+    "shard_file_name",
     "write_shard",
     "read_manifest",
+    "open_shard_file",
     "open_shard",
-    "atomic_directory",
+    "fsync_file",
 ]
 
-FORMAT_NAME = "lik-index"
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "int8": torch.int8,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
-EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
-# safetensors dtype tags of the tensors a shard holds.
-_SAFETENSORS_TAGS = {
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8,
-    "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise TypeError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
+# The safetensors library refuses larger headers too.
+MAX_HEADER_BYTES = 100_000_000
+# Every safetensors dtype tag with its size in bytes (a header naming another tag is refused).
+_TAG_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+              "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_TAG_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8,
+               "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "I64": torch.int64}
 
 
 @dataclass(frozen=True)
 class FileRegion:
     """Where the rows of a memory-mapped shard lie in its file (byte offsets of token row 0 and of its scale), so
-    that the ``"disk"`` placement can read a chunk's rows straight into a pinned buffer."""
+    that the ``"disk"`` placement can read a chunk's rows straight into a pinned buffer. ``handle`` is the shard
+    file opened when the index was loaded: reads go to that file even after a writer replaced the index."""
 
     path: Path
+    handle: io.RawIOBase
     tokens_offset: int
     row_bytes: int
     scale_offset: int | None
@@ -82,7 +83,7 @@ class FileRegion:
     def skip_rows(self, rows: int) -> "FileRegion":
         """The region of the rows after the first ``rows``."""
         scale = None if self.scale_offset is None else self.scale_offset + 4 * rows
-        return FileRegion(self.path, self.tokens_offset + rows * self.row_bytes, self.row_bytes, scale)
+        return FileRegion(self.path, self.handle, self.tokens_offset + rows * self.row_bytes, self.row_bytes, scale)
 
 
 @dataclass(frozen=True)
@@ -114,186 +115,173 @@ class Shard:
         )
 
 
-@dataclass(frozen=True)
-class ShardInfo:
-    file: str
-    num_docs: int
-    num_tokens: int
-    bytes: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class Manifest:
-    d: int
-    dtype: torch.dtype
-    shards: tuple[ShardInfo, ...]
-
-    @property
-    def num_docs(self) -> int:
-        return sum(s.num_docs for s in self.shards)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.shards)
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": FORMAT_NAME,
-                "version": FORMAT_VERSION,
-                "d": self.d,
-                "dtype": dtype_name(self.dtype),
-                "num_docs": self.num_docs,
-                "num_tokens": self.num_tokens,
-                "shards": [vars(s) for s in self.shards],
-            },
-            indent=1,
-        )
-
-
-def _sha256(path: Path) -> str:
+def _sha256(handle) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
+    handle.seek(0)
+    for block in iter(lambda: handle.read(1 << 22), b""):
+        digest.update(block)
     return digest.hexdigest()
 
 
-def write_shard(directory: Path, number: int, shard: Shard) -> ShardInfo:
-    """Write ``shard`` as ``shard-NNNNN.safetensors`` in ``directory`` and describe it for the manifest."""
-    name = f"shard-{number:05d}.safetensors"
+def fsync_file(path) -> None:
+    """Flush ``path``'s data to the disk (a crash after this returns keeps the file whole)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def shard_file_name(number: int) -> str:
+    return f"shard-{number:05d}.safetensors"
+
+
+def write_shard(path: Path, shard: Shard) -> ShardInfo:
+    """Write ``shard`` to the new file ``path``, flush it to disk and describe it for the manifest."""
     tensors = {"tokens": shard.tokens.contiguous(), "cu_seqlens": shard.cu_seqlens.to(torch.int64).contiguous()}
     if shard.scale is not None:
         tensors["scale"] = shard.scale.to(torch.float32).contiguous()
-    path = directory / name
+    path = Path(path)
     save_file(tensors, str(path))
-    return ShardInfo(name, shard.num_docs, shard.num_tokens, path.stat().st_size, _sha256(path))
+    fsync_file(path)
+    with open(path, "rb") as handle:
+        sha = _sha256(handle)
+    return ShardInfo(path.name, shard.num_docs, shard.num_tokens, path.stat().st_size, sha)
 
 
-def read_manifest(directory) -> Manifest:
-    """Parse and check ``directory/manifest.json``; errors name the path and the bad field."""
-    directory = Path(directory)
-    path = directory / MANIFEST_NAME
-    if not directory.is_dir():
-        raise FileNotFoundError(f"path: no index directory at {str(directory)!r}")
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; {str(directory)!r} is not a saved lik.Index")
+def open_shard_file(directory, manifest: Manifest, info: ShardInfo):
+    """Open one shard of the index at ``directory`` (unbuffered, read only). Refuses a file whose real path is
+    outside the index directory (a link that escapes it)."""
+    root = os.path.realpath(directory)
+    path = manifest.data_directory(directory) / info.file
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root or real == root:
+        raise ValueError(f"{path}: shard file resolves outside the index directory ({real!r}); refusing to read it")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
-        raise ValueError(f"{path}: not a lik.Index manifest (format field is not {FORMAT_NAME!r})")
-    if raw.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format version {raw.get('version')!r}, this lik reads version {FORMAT_VERSION}")
-    try:
-        dtype = DTYPES[raw["dtype"]]
-        d = int(raw["d"])
-        shards = tuple(ShardInfo(**s) for s in raw["shards"])
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"{path}: malformed manifest ({error!r})") from None
-    manifest = Manifest(d, dtype, shards)
-    if raw.get("num_docs") != manifest.num_docs or raw.get("num_tokens") != manifest.num_tokens:
-        raise ValueError(f"{path}: num_docs / num_tokens do not equal the sums over the shard list")
-    return manifest
+        return open(real, "rb", buffering=0)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: shard listed in the manifest is missing") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, not a shard file") from None
 
 
-def _read_header(path: Path) -> tuple[int, dict]:
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"{path}: truncated shard (no safetensors header)")
-        (length,) = struct.unpack("<Q", prefix)
-        blob = f.read(length)
+def _header(handle, path: Path, size: int) -> tuple[int, dict]:
+    """``(data_start, {name: (tag, shape, begin, end)})`` of a safetensors file, validated against its size."""
+    handle.seek(0)
+    prefix = handle.read(8)
+    if len(prefix) < 8:
+        raise ValueError(f"{path}: truncated shard (no safetensors header)")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise ValueError(f"{path}: safetensors header length {length} exceeds the file ({size} bytes)")
+    blob = handle.read(length)
     if len(blob) < length:
         raise ValueError(f"{path}: truncated shard (header cut short)")
     try:
-        return 8 + length, json.loads(blob)
-    except json.JSONDecodeError:
-        raise ValueError(f"{path}: corrupt safetensors header") from None
+        raw = json.loads(blob.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
+    entries = {}
+    for name, entry in raw.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"{path}: safetensors header entry {name!r} is not {{dtype, shape, data_offsets}}")
+        tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(tag, str) or tag not in _TAG_BYTES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {tag!r:.40}")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"{path}: tensor {name!r} has a malformed shape {shape!r:.80}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"{path}: tensor {name!r} has malformed data_offsets {offsets!r:.80}")
+        if math.prod(shape) * _TAG_BYTES[tag] != offsets[1] - offsets[0]:
+            raise ValueError(f"{path}: tensor {name!r}: shape {shape} of {tag} needs "
+                             f"{math.prod(shape) * _TAG_BYTES[tag]} bytes, its data_offsets span "
+                             f"{offsets[1] - offsets[0]}")
+        entries[name] = (tag, shape, offsets[0], offsets[1])
+    # As the safetensors format demands: the tensors tile the data area in order, without gaps or overlaps.
+    data_start, end = 8 + length, 0
+    for name, (_, _, begin, stop) in sorted(entries.items(), key=lambda item: (item[1][2], item[1][3])):
+        if begin != end:
+            raise ValueError(f"{path}: tensor {name!r} data_offsets start at {begin}, expected {end} "
+                             "(overlapping or with a gap)")
+        end = stop
+    if data_start + end != size:
+        raise ValueError(f"{path}: the tensors' data ends at byte {data_start + end}, the file has {size} bytes")
+    return data_start, entries
 
 
-def _map_tensor(path: Path, data_start: int, header: dict, name: str, mmap: bool) -> torch.Tensor:
-    entry = header.get(name)
-    if entry is None:
-        raise ValueError(f"{path}: shard has no {name!r} tensor")
-    dtype = _SAFETENSORS_TAGS.get(entry["dtype"])
-    if dtype is None:
-        raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-    begin, end = entry["data_offsets"]
+def _map_tensor(handle, path: Path, data_start: int, entry, mmap: bool) -> torch.Tensor:
+    tag, shape, begin, end = entry
+    dtype = _TAG_DTYPES[tag]
     count = end - begin
     if count == 0:
-        return torch.empty(entry["shape"], dtype=dtype)
+        return torch.empty(shape, dtype=dtype)
     if mmap:
-        # Copy-on-write mapping: pages are read from the file on access, nothing is loaded up front.
-        array = np.memmap(path, dtype=np.uint8, mode="c", offset=data_start + begin, shape=(count,))
-        raw = torch.from_numpy(array)
+        # Copy-on-write mapping of the opened file: pages are read on access, and stay this file's pages.
+        raw = torch.from_numpy(np.memmap(handle, dtype=np.uint8, mode="c", offset=data_start + begin,
+                                         shape=(count,)))
     else:
-        with open(path, "rb") as f:
-            f.seek(data_start + begin)
-            raw = torch.frombuffer(bytearray(f.read(count)), dtype=torch.uint8)
-    return raw.view(dtype).view(entry["shape"])
+        handle.seek(data_start + begin)
+        data = handle.read(count)
+        if len(data) != count:
+            raise ValueError(f"{path}: truncated shard (tensor data cut short)")
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
 
 
-def open_shard(directory: Path, info: ShardInfo, manifest: Manifest, *, mmap: bool, verify: bool) -> Shard:
-    """Read (or memory-map) one shard and check it against its manifest entry; errors name the file."""
-    path = Path(directory) / info.file
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: shard listed in the manifest is missing")
-    size = path.stat().st_size
+def _entry(entries: dict, name: str, path: Path, tags, what: str):
+    entry = entries.get(name)
+    if entry is None:
+        raise ValueError(f"{path}: shard has no {name!r} tensor")
+    if entry[0] not in tags:
+        raise ValueError(f"{path}: tensor {name!r} is {entry[0]}, expected {what}")
+    return entry
+
+
+def open_shard(handle, path: Path, info: ShardInfo, manifest: Manifest, *, mmap: bool, verify: bool,
+               header_only: bool = False) -> Shard | None:
+    """Check one shard, opened by :func:`open_shard_file`, against its manifest entry and its own header, then
+    read (or memory-map) it.
+
+    ``path``: the shard's path, for messages. ``verify``: also compare the file's sha256 with the manifest.
+    ``header_only``: check the size and header against the manifest and read nothing else (returns ``None``).
+    Errors name the file.
+    """
+    path = Path(path)
+    size = os.fstat(handle.fileno()).st_size
     if size != info.bytes:
         kind = "truncated" if size < info.bytes else "larger than recorded"
         raise ValueError(f"{path}: shard is {kind} ({size} bytes, the manifest says {info.bytes})")
-    if verify and _sha256(path) != info.sha256:
+    data_start, entries = _header(handle, path, size)
+    tag = next(t for t, dtype in _TAG_DTYPES.items() if dtype == manifest.dtype)
+    tokens_entry = _entry(entries, "tokens", path, (tag,), f"{tag} (the manifest says {dtype_name(manifest.dtype)})")
+    cu_entry = _entry(entries, "cu_seqlens", path, ("I64", "I32"), "an integer tensor (I64)")
+    if tokens_entry[1] != [info.num_tokens, manifest.d] or cu_entry[1] != [info.num_docs + 1]:
+        raise ValueError(
+            f"{path}: shard holds tokens {tokens_entry[1]} and cu_seqlens {cu_entry[1]}; the manifest says "
+            f"{info.num_docs} documents / {info.num_tokens} tokens of d={manifest.d}"
+        )
+    scale_entry = None
+    if manifest.dtype in EIGHT_BIT:
+        scale_entry = _entry(entries, "scale", path, ("F32",), "F32")
+        if scale_entry[1] != [info.num_tokens]:
+            raise ValueError(f"{path}: scale has shape {scale_entry[1]}, expected [{info.num_tokens}]")
+    if header_only:
+        return None
+    if verify and _sha256(handle) != info.sha256:
         raise ValueError(f"{path}: checksum mismatch (sha256 differs from the manifest): the shard is corrupt")
-    data_start, header = _read_header(path)
-    tokens = _map_tensor(path, data_start, header, "tokens", mmap)
-    cu_seqlens = _map_tensor(path, data_start, header, "cu_seqlens", mmap=False)
-    scale = _map_tensor(path, data_start, header, "scale", mmap) if manifest.dtype in EIGHT_BIT else None
-    if tokens.dtype != manifest.dtype or tokens.dim() != 2 or tokens.shape[1] != manifest.d:
-        raise ValueError(
-            f"{path}: tokens are {tokens.dtype} {list(tokens.shape)}, "
-            f"the manifest says {manifest.dtype} [*, {manifest.d}]"
-        )
-    if tokens.shape[0] != info.num_tokens or cu_seqlens.numel() != info.num_docs + 1:
-        raise ValueError(
-            f"{path}: shard holds {cu_seqlens.numel() - 1} documents / {tokens.shape[0]} tokens, "
-            f"the manifest says {info.num_docs} / {info.num_tokens}"
-        )
+    cu_seqlens = _map_tensor(handle, path, data_start, cu_entry, mmap=False).to(torch.int64)
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != info.num_tokens or bool((cu_seqlens.diff() < 0).any()):
         raise ValueError(f"{path}: cu_seqlens must start at 0, be non-decreasing and end at the token count")
-    if scale is not None and scale.shape != (info.num_tokens,):
-        raise ValueError(f"{path}: scale has shape {list(scale.shape)}, expected [{info.num_tokens}]")
+    tokens = _map_tensor(handle, path, data_start, tokens_entry, mmap)
+    scale = None if scale_entry is None else _map_tensor(handle, path, data_start, scale_entry, mmap)
     region = None
     if mmap:
-        scale_offset = None if scale is None else data_start + header["scale"]["data_offsets"][0]
-        region = FileRegion(path, data_start + header["tokens"]["data_offsets"][0],
-                            tokens.shape[1] * tokens.element_size(), scale_offset)
+        scale_offset = None if scale_entry is None else data_start + scale_entry[2]
+        region = FileRegion(path, handle, data_start + tokens_entry[2], manifest.d * tokens.element_size(),
+                            scale_offset)
     return Shard(tokens, cu_seqlens, scale, region)
-
-
-@contextlib.contextmanager
-def atomic_directory(destination, *, overwrite: bool = False):
-    """Yield a temporary directory beside ``destination``; on success rename it to ``destination``.
-
-    On any exception the temporary directory is removed and ``destination`` is untouched.
-    """
-    destination = Path(destination)
-    if destination.exists() and not overwrite:
-        raise FileExistsError(f"path: {str(destination)!r} already exists (pass overwrite=True to replace it)")
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    temporary = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}"
-    temporary.mkdir()
-    try:
-        yield temporary
-        if destination.exists():
-            old = destination.parent / f".{destination.name}.old-{uuid.uuid4().hex[:12]}"
-            os.rename(destination, old)
-            os.rename(temporary, destination)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(temporary, destination)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import operator
 import os
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -11,80 +11,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..ops.quantization import quantize
+from .building import as_int, quiet, shards_from
 from .distributed import gather_top_k
-from .format import (
-    EIGHT_BIT,
-    MANIFEST_NAME,
-    Manifest,
-    Shard,
-    atomic_directory,
-    dtype_name,
-    open_shard,
-    read_manifest,
-    write_shard,
-)
+from .format import EIGHT_BIT, Shard, dtype_name, open_shard, open_shard_file
 from .placement import PLACEMENTS, ResidentSource, StreamedSource, plan_chunks
 from .search import search_chunks, select_chunks
+from .storage import IndexWriter, load_generation
 
 __all__ = ["Index", "DEFAULT_SHARD_TOKENS", "DEFAULT_CHUNK_TOKENS"]
 
 DEFAULT_SHARD_TOKENS = 1 << 22  # tokens per shard file (1 GiB of fp16 at d = 128)
 DEFAULT_CHUNK_TOKENS = 1 << 20  # tokens scored per maxsim_packed call
-
-
-def _quiet(progress: bool | None) -> bool | None:
-    """tqdm's ``disable``: ``None`` (the default) shows bars on a terminal only."""
-    return None if progress is None else not progress
-
-
-def _prepare(doc, d: int | None, dtype: torch.dtype, number: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if not isinstance(doc, torch.Tensor):
-        raise TypeError(f"docs[{number}] must be a torch.Tensor [L, d], got {type(doc).__name__}")
-    if doc.dim() != 2:
-        raise ValueError(f"docs[{number}] must be 2-D [L, d], got shape {list(doc.shape)}")
-    if d is not None and doc.shape[1] != d:
-        raise ValueError(f"docs[{number}] has d={doc.shape[1]}, the index has d={d}")
-    if not doc.is_floating_point() or doc.dtype in EIGHT_BIT:
-        raise TypeError(f"docs[{number}] must be a float tensor (fp16/bf16/fp32/fp64), got {doc.dtype}")
-    doc = doc.detach().cpu()
-    if dtype in EIGHT_BIT:
-        return quantize(doc, dtype)
-    return doc.to(dtype), None
-
-
-def _shards_from(docs: Iterable[torch.Tensor], d, dtype, shard_tokens: int, progress):
-    """Yield :class:`Shard` s of about ``shard_tokens`` tokens; never holds more than one shard's documents."""
-    pending, scales, lengths, count = [], [], [], 0
-    for number, doc in enumerate(tqdm(docs, desc="index documents", unit="doc", disable=_quiet(progress))):
-        tokens, scale = _prepare(doc, d, dtype, number)
-        d = tokens.shape[1]
-        pending.append(tokens)
-        scales.append(scale)
-        lengths.append(tokens.shape[0])
-        count += tokens.shape[0]
-        if count >= shard_tokens:
-            yield _pack(pending, scales, lengths, d, dtype)
-            pending, scales, lengths, count = [], [], [], 0
-    if pending:
-        yield _pack(pending, scales, lengths, d, dtype)
-
-
-def _pack(tokens, scales, lengths, d, dtype) -> Shard:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    packed = torch.cat(tokens) if tokens else torch.empty(0, d, dtype=dtype)
-    scale = torch.cat(scales) if dtype in EIGHT_BIT else None
-    return Shard(packed, cu, scale)
-
-
-def _as_int(value, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+_LOAD_OPTIONS = {"placement", "device", "chunk_tokens", "verify"}
 
 
 def _free_host_bytes() -> int:
@@ -92,6 +30,24 @@ def _free_host_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+class _State:
+    """One consistent view of an index's documents: its segments (never changed) and the chunk source built from
+    them on first use. ``add`` makes a new state and swaps one reference, so a search holds the state it began
+    with and a source is never paired with other segments."""
+
+    def __init__(self, segments, num_docs: int | None):
+        self.segments = tuple(segments)
+        self.num_docs = sum(s.num_docs for s in self.segments) if num_docs is None else num_docs
+        self._source = None
+        self._lock = threading.Lock()
+
+    def source(self, build):
+        with self._lock:
+            if self._source is None:
+                self._source = build(self.segments)
+            return self._source
 
 
 class Index:
@@ -108,22 +64,36 @@ class Index:
     Several GPUs: in each process of a ``torch.distributed`` group, ``Index.load(path, shard=rank,
     num_shards=world_size)``; ``search`` then merges the ranks' top-k with collectives and returns the same
     global result on every rank.
+
+    Threads: any number of threads may search while one thread calls :meth:`add` (concurrent ``add`` s are
+    serialised by a lock). A search sees the documents present when it started; one that starts after ``add``
+    returned sees the added documents. Searches of a streamed index (``"host"`` / ``"disk"`` on a GPU) share its
+    device buffers and run one at a time.
     """
 
     def __init__(self, d: int, dtype: torch.dtype, segments=(), *, placement="host", device="cpu",
                  first_id=0, total_docs=None, shard=0, num_shards=1, chunk_tokens=None):
         dtype_name(dtype)
         self.d, self.dtype = int(d), dtype
-        self.segments = list(segments)
         self.placement, self.device = placement, torch.device(device)
         self.first_id, self.shard, self.num_shards = first_id, shard, num_shards
         # None: DEFAULT_CHUNK_TOKENS for streamed placements and the CPU, whole shards for a GPU-resident index.
         self._chunk_tokens_given = chunk_tokens is not None
-        self.chunk_tokens = _as_int(DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens, "chunk_tokens")
+        self.chunk_tokens = as_int(DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens, "chunk_tokens")
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
-        self._total_docs = total_docs
-        self._source = None
+        self._whole_docs = total_docs  # a rank's index knows the whole index's size from the manifest
+        self._write_lock = threading.Lock()
+        self._state = _State(segments, total_docs)
+
+    @property
+    def segments(self) -> list[Shard]:
+        """The packed segments this process holds, in id order (a snapshot: ``add`` does not change it)."""
+        return list(self._state.segments)
+
+    @segments.setter
+    def segments(self, segments) -> None:
+        self._state = _State(segments, self._whole_docs)
 
     # ------------------------------------------------------------------ building and saving
     @classmethod
@@ -135,23 +105,23 @@ class Index:
         ``dtype``: float16 / bfloat16 / float32 (stored as is) or int8 / float8_e4m3fn (quantized per token
         with :func:`lik.quantize`). With ``out``, shards are written to that directory as they fill (never
         more than one shard in memory) and the saved index is loaded with ``load_options``; without, the index
-        is held in host memory.
+        is held in host memory. ``overwrite`` as in :meth:`save`.
         """
         dtype_name(dtype)
-        shard_tokens = _as_int(shard_tokens, "shard_tokens")
+        shard_tokens = as_int(shard_tokens, "shard_tokens")
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
-        if out is not None:
-            _write(Path(out), _shards_from(docs, None, dtype, shard_tokens, progress), dtype, overwrite, None)
-            return cls.load(out, **load_options)
-        unknown = set(load_options) - {"placement", "device", "chunk_tokens", "verify"}
+        unknown = set(load_options) - _LOAD_OPTIONS
         if unknown:
             raise TypeError(f"Index.build got unexpected keyword arguments {sorted(unknown)}")
         placement = load_options.get("placement", "auto")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if out is not None:
+            _write(Path(out), shards_from(docs, None, dtype, shard_tokens, progress), dtype, overwrite, None)
+            return cls.load(out, **load_options)
         device = _resolve_device(load_options.get("device"), placement)
-        segments = list(_shards_from(docs, None, dtype, shard_tokens, progress))
+        segments = list(shards_from(docs, None, dtype, shard_tokens, progress))
         if not segments:
             raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
         if placement in ("auto", "disk"):  # nothing is on disk yet: "disk" means host memory until saved
@@ -163,19 +133,29 @@ class Index:
         return index
 
     def add(self, docs: Iterable[torch.Tensor], *, progress: bool | None = None) -> "Index":
-        """Append ``docs`` (ids continue from ``len(self)``); returns ``self``."""
+        """Append ``docs`` (ids continue from ``len(self)``); returns ``self``. All or nothing: if a document is
+        refused, none of ``docs`` is added. Safe while other threads search (see the class docstring)."""
         if self.num_shards > 1:
             raise ValueError("add: this index is one shard of a distributed index; add to the full index and save")
-        for segment in _shards_from(docs, self.d, self.dtype, DEFAULT_SHARD_TOKENS, progress):
-            self.segments.append(self._place(segment, "host" if self.placement == "disk" else self.placement))
-        self._total_docs, self._source = None, None
+        with self._write_lock:
+            placement = "host" if self.placement == "disk" else self.placement
+            added = [self._place(segment, placement)
+                     for segment in shards_from(docs, self.d, self.dtype, DEFAULT_SHARD_TOKENS, progress)]
+            self._state = _State(self._state.segments + tuple(added), None)
         return self
 
     def save(self, path, *, overwrite: bool = False, progress: bool | None = None) -> None:
-        """Write the index to directory ``path`` (atomically: a temporary directory renamed when complete)."""
+        """Write the index to directory ``path``.
+
+        Crash-safe: ``path`` holds either nothing / the index it held before, or the complete new index, whenever
+        the process stops. ``overwrite=False`` refuses an existing ``path``, also one that appears while the
+        shards are written (``FileExistsError``); ``overwrite=True`` replaces a lik index (only: anything else at
+        ``path`` is refused and left as it is). See ``docs/index-durability.md``.
+        """
         if self.num_shards > 1:
             raise ValueError("save: this index is one shard of a distributed index")
-        cpu = (Shard(s.tokens.cpu(), s.cu_seqlens, None if s.scale is None else s.scale.cpu()) for s in self.segments)
+        state = self._state
+        cpu = (Shard(s.tokens.cpu(), s.cu_seqlens, None if s.scale is None else s.scale.cpu()) for s in state.segments)
         _write(Path(path), cpu, self.dtype, overwrite, self.d, progress=progress)
 
     # ------------------------------------------------------------------ loading
@@ -190,29 +170,29 @@ class Index:
             shard, num_shards: load only documents ``[N * shard // num_shards, N * (shard + 1) // num_shards)``
                 (one process per GPU: ``shard=rank, num_shards=world_size``).
             device: where queries are scored (default: the current CUDA device, else CPU).
-            verify: check each shard's sha256 against the manifest.
+            verify: check the sha256 of each shard this process reads against the manifest. Without it, the
+                manifest and every shard header are still validated; only flipped bits inside tensor data pass.
+
+        The manifest and its shard files are read as one generation, also while another process replaces the
+        index; a loaded index keeps reading the files it opened.
         """
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         shard, num_shards = _check_shard(shard, num_shards)
         device = _resolve_device(device, placement)
         directory = Path(path)
-        manifest = read_manifest(directory)
+        manifest, (pieces, handles) = load_generation(
+            directory, lambda m: _open_range(directory, m, shard, num_shards, verify))
         total = manifest.num_docs
-        lo, hi = total * shard // num_shards, total * (shard + 1) // num_shards
-        pieces, first = [], 0
-        for info in manifest.shards:
-            start, stop = max(lo, first), min(hi, first + info.num_docs)
-            if start < stop or (info.num_docs == 0 and verify):
-                piece = open_shard(directory, info, manifest, mmap=True, verify=verify)
-                if start < stop:
-                    pieces.append(piece.slice_docs(start - first, stop - first))
-            first += info.num_docs
         if placement == "auto":
             placement = _auto_placement(pieces, device)
-        index = cls(manifest.d, manifest.dtype, placement=placement, device=device, first_id=lo,
-                    total_docs=total, shard=shard, num_shards=num_shards, chunk_tokens=chunk_tokens)
+        index = cls(manifest.d, manifest.dtype, placement=placement, device=device,
+                    first_id=total * shard // num_shards, total_docs=total, shard=shard, num_shards=num_shards,
+                    chunk_tokens=chunk_tokens)
         index.segments = [index._place(p, placement) for p in pieces]
+        if placement != "disk":  # the data was copied out of the files
+            for handle in handles:
+                handle.close()
         index.path = directory
         return index
 
@@ -230,33 +210,30 @@ class Index:
     # ------------------------------------------------------------------ searching
     def __len__(self) -> int:
         """Documents in the whole index (all shards, also on a rank that holds one shard)."""
-        if self._total_docs is None:
-            self._total_docs = sum(s.num_docs for s in self.segments)
-        return self._total_docs
+        return self._state.num_docs
 
     @property
     def local_range(self) -> tuple[int, int]:
         """Global ids ``[first, stop)`` this process holds."""
-        return self.first_id, self.first_id + sum(s.num_docs for s in self.segments)
+        return self.first_id, self.first_id + sum(s.num_docs for s in self._state.segments)
 
     def _chunk_source(self):
-        if self._source is None:
-            first_ids, first = [], self.first_id
-            for segment in self.segments:
-                first_ids.append(first)
-                first += segment.num_docs
-            if self.device.type == "cuda" and self.placement in ("host", "disk"):
-                plans = plan_chunks(self.segments, first_ids, self.chunk_tokens)
-                self._source = StreamedSource(self.segments, plans, self.device, staged=self.placement == "disk")
-            else:
-                # Resident on a GPU, a chunk only bounds the [Nq, documents] scores (a few MB for a whole shard):
-                # one call per shard saves the per-chunk launches and merges (BENCHMARKS.md, "lik.Index search").
-                chunk_tokens = self.chunk_tokens
-                if self.device.type == "cuda" and not self._chunk_tokens_given:
-                    chunk_tokens = max([chunk_tokens] + [s.num_tokens for s in self.segments])
-                plans = plan_chunks(self.segments, first_ids, chunk_tokens)
-                self._source = ResidentSource(self.segments, plans, self.device)
-        return self._source
+        return self._state.source(self._make_source)
+
+    def _make_source(self, segments):
+        first_ids, first = [], self.first_id
+        for segment in segments:
+            first_ids.append(first)
+            first += segment.num_docs
+        if self.device.type == "cuda" and self.placement in ("host", "disk"):
+            plans = plan_chunks(segments, first_ids, self.chunk_tokens)
+            return StreamedSource(segments, plans, self.device, staged=self.placement == "disk")
+        # Resident on a GPU, a chunk only bounds the [Nq, documents] scores (a few MB for a whole shard):
+        # one call per shard saves the per-chunk launches and merges (BENCHMARKS.md, "lik.Index search").
+        chunk_tokens = self.chunk_tokens
+        if self.device.type == "cuda" and not self._chunk_tokens_given:
+            chunk_tokens = max([chunk_tokens] + [s.num_tokens for s in segments])
+        return ResidentSource(segments, plan_chunks(segments, first_ids, chunk_tokens), self.device)
 
     @torch.no_grad()
     def search(self, Q: torch.Tensor, k: int, q_mask: torch.Tensor | None = None, *, doc_ids=None):
@@ -291,26 +268,31 @@ class Index:
             Q3 = Q3.to(self.dtype)
         elif Q3.dtype == torch.float64:
             Q3 = Q3.float()  # 8-bit scoring quantizes fp16 / bf16 / fp32 queries
-        doc_ids = self._check_doc_ids(doc_ids)
-        available = len(self) if doc_ids is None else doc_ids.numel()
-        k = _as_int(k, "k")
+        state = self._state  # one view of the documents for the whole search, whatever add() does meanwhile
+        doc_ids = _check_doc_ids(doc_ids, state.num_docs)
+        available = state.num_docs if doc_ids is None else doc_ids.numel()
+        k = as_int(k, "k")
         if not 0 <= k <= available:
             what = "documents in the index" if doc_ids is None else "distinct doc_ids"
             raise ValueError(f"k must be in [0, {available}] ({available} {what}), got k={k}")
-        source = self._chunk_source()
+        if Q3.shape[0] == 0:  # no query: nothing to score or to gather
+            empty = torch.empty(0, k, dtype=torch.float32, device=Q.device)
+            return empty, empty.to(torch.int64)
+        source = state.source(self._make_source)
         selection = select_chunks(source.plans, doc_ids)
         local_docs = sum(p.num_docs for p in source.plans) if doc_ids is None else sum(
             int(local.numel()) for _, local in selection)
-        scores, ids = search_chunks(Q3, q_mask, source, selection, min(k, local_docs))
+        with source.lock:
+            scores, ids = search_chunks(Q3, q_mask, source, selection, min(k, local_docs))
         if self.num_shards > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("this index is one shard of several: initialise torch.distributed to search it")
-            scores, ids = gather_top_k(scores, ids, k, self._rank_counts(doc_ids, k))
+            scores, ids = gather_top_k(scores, ids, k, self._rank_counts(doc_ids, k, state.num_docs))
         scores, ids = scores.to(Q.device), ids.to(Q.device)
         return (scores[0], ids[0]) if squeeze else (scores, ids)
 
-    def _rank_counts(self, doc_ids, k: int) -> list[int]:
-        total, world = len(self), dist.get_world_size()
+    def _rank_counts(self, doc_ids, k: int, total: int) -> list[int]:
+        world = dist.get_world_size()
         if world != self.num_shards:
             raise RuntimeError(f"the index was loaded with num_shards={self.num_shards}, the world has {world} ranks")
         counts = []
@@ -320,24 +302,68 @@ class Index:
             counts.append(min(k, n))
         return counts
 
-    def _check_doc_ids(self, doc_ids):
-        if doc_ids is None:
-            return None
-        ids = doc_ids.cpu() if isinstance(doc_ids, torch.Tensor) else torch.as_tensor(doc_ids)
-        if ids.numel() == 0 and not isinstance(doc_ids, torch.Tensor):
-            ids = ids.to(torch.int64)  # an empty list has no integer type to infer
-        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex() or ids.dim() != 1:
-            raise TypeError(f"doc_ids must be a 1-D integer sequence, got {ids.dtype} {list(ids.shape)}")
-        ids = torch.unique(ids.to(torch.int64))
-        if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= len(self)):
-            raise ValueError(f"doc_ids must be in [0, {len(self)}), got values {int(ids[0])}..{int(ids[-1])}")
-        return ids
-
     def __repr__(self) -> str:
         where = f"shard {self.shard}/{self.num_shards}, " if self.num_shards > 1 else ""
-        tokens = sum(s.num_tokens for s in self.segments)
+        tokens = sum(s.num_tokens for s in self._state.segments)
         return (f"lik.Index({len(self)} documents, {where}{tokens} tokens held, d={self.d}, "
                 f"dtype={dtype_name(self.dtype)}, placement={self.placement!r}, device={str(self.device)!r})")
+
+
+def _check_doc_ids(doc_ids, num_docs: int) -> torch.Tensor | None:
+    """Sorted unique CPU int64 ids in ``[0, num_docs)``; errors name ``doc_ids``."""
+    if doc_ids is None:
+        return None
+    if isinstance(doc_ids, (str, bytes)):
+        raise TypeError(f"doc_ids must be a 1-D integer sequence, got {type(doc_ids).__name__}")
+    if isinstance(doc_ids, torch.Tensor):
+        ids = doc_ids.detach().cpu()
+    else:
+        try:
+            ids = torch.as_tensor(doc_ids)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as error:
+            raise TypeError(f"doc_ids must be a 1-D integer sequence of ids in [0, {num_docs}) ({error})") from None
+        if ids.numel() == 0:
+            ids = ids.to(torch.int64)  # an empty list has no integer type to infer
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex() or ids.dim() != 1:
+        raise TypeError(f"doc_ids must be a 1-D integer sequence, got {ids.dtype} {list(ids.shape)}")
+    if ids.numel() and ids.dtype in (torch.uint32, torch.uint64):  # may not fit int64: compare before casting
+        top = int(ids.numpy().max())
+        if top >= num_docs:
+            raise ValueError(f"doc_ids must be in [0, {num_docs}), got an id of {top}")
+    ids = torch.unique(ids.to(torch.int64))
+    if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= num_docs):
+        raise ValueError(f"doc_ids must be in [0, {num_docs}), got values {int(ids[0])}..{int(ids[-1])}")
+    return ids
+
+
+def _open_range(directory: Path, manifest, shard: int, num_shards: int, verify: bool):
+    """Open every shard file of ``manifest`` (so that a concurrent replace shows before anything is read), check
+    every header against the manifest, and map documents ``[lo, hi)`` of this rank. Returns the pieces and the
+    open files they read from."""
+    total = manifest.num_docs
+    lo, hi = total * shard // num_shards, total * (shard + 1) // num_shards
+    handles = []
+    try:
+        for info in manifest.shards:
+            handles.append(open_shard_file(directory, manifest, info))
+        pieces, kept, first = [], [], 0
+        data = manifest.data_directory(directory)
+        for info, handle in zip(manifest.shards, handles):
+            start, stop = max(lo, first), min(hi, first + info.num_docs)
+            wanted = start < stop
+            piece = open_shard(handle, data / info.file, info, manifest, mmap=True, verify=verify and wanted,
+                               header_only=not wanted)
+            if wanted:
+                pieces.append(piece.slice_docs(start - first, stop - first))
+                kept.append(handle)
+            else:
+                handle.close()
+            first += info.num_docs
+    except BaseException:
+        for handle in handles:
+            handle.close()
+        raise
+    return pieces, kept
 
 
 def _resolve_device(device, placement: str) -> torch.device:
@@ -354,7 +380,7 @@ def _check_shard(shard, num_shards) -> tuple[int, int]:
         raise ValueError("shard and num_shards go together: pass both or neither")
     if shard is None:
         return 0, 1
-    shard, num_shards = _as_int(shard, "shard"), _as_int(num_shards, "num_shards")
+    shard, num_shards = as_int(shard, "shard"), as_int(num_shards, "num_shards")
     if num_shards < 1 or not 0 <= shard < num_shards:
         raise ValueError(f"need 0 <= shard < num_shards, got shard={shard}, num_shards={num_shards}")
     return shard, num_shards
@@ -370,13 +396,13 @@ def _auto_placement(pieces, device) -> str:
 
 
 def _write(path: Path, shards, dtype, overwrite: bool, d: int | None, progress=None) -> None:
-    with atomic_directory(path, overwrite=overwrite) as temporary:
-        infos = []
-        for number, shard in enumerate(tqdm(shards, desc="write shards", unit="shard", disable=_quiet(progress))):
+    """Write ``shards`` as a new generation of the index at ``path`` (see :class:`~lik.index.storage.IndexWriter`)."""
+    with IndexWriter(path, overwrite=overwrite) as writer:
+        for number, shard in enumerate(tqdm(shards, desc="write shards", unit="shard", disable=quiet(progress))):
             if d is not None and shard.tokens.shape[1] != d:
                 raise ValueError(f"docs: shard {number} has d={shard.tokens.shape[1]}, expected d={d}")
             d = shard.tokens.shape[1]
-            infos.append(write_shard(temporary, number, shard))
+            writer.write_shard(shard)
         if d is None:
             raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
-        (temporary / MANIFEST_NAME).write_text(Manifest(d, dtype, tuple(infos)).to_json(), encoding="utf-8")
+        writer.commit(d, dtype)

@@ -12,9 +12,10 @@ Device memory for ``"host"`` and ``"disk"`` is two chunk buffers whatever the co
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -85,24 +86,30 @@ def _chunk_offsets(segment: Shard, plan: ChunkPlan) -> torch.Tensor:
 
 
 def read_into(file, offset: int, out: torch.Tensor) -> None:
-    """Fill the contiguous CPU tensor ``out`` with the bytes of ``file`` (an unbuffered binary file) at ``offset``."""
+    """Fill the contiguous CPU tensor ``out`` with the bytes of ``file`` (an unbuffered binary file) at ``offset``.
+    Positional reads where the OS has them, so sources sharing a file never move each other's position."""
     view = memoryview(out.view(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(view):
-        file.seek(offset + done)
-        got = file.readinto(view[done:])
+        if hasattr(os, "preadv"):
+            got = os.preadv(file.fileno(), [view[done:]], offset + done)
+        else:
+            file.seek(offset + done)
+            got = file.readinto(view[done:])
         if not got:
             raise ValueError(f"{file.name}: file ended {len(view) - done} bytes early (truncated shard?)")
         done += got
 
 
 class ChunkSource:
-    """Yields :class:`Chunk` s of chosen plans, in order, on ``device``."""
+    """Yields :class:`Chunk` s of chosen plans, in order, on ``device``. ``lock``: held by a search while it
+    draws chunks (a source whose buffers one search at a time may use makes it a real lock)."""
 
     def __init__(self, segments: Sequence[Shard], plans: Sequence[ChunkPlan], device: torch.device):
         self.segments = list(segments)
         self.plans = list(plans)
         self.device = torch.device(device)
+        self.lock = contextlib.nullcontext()
 
     def chunks(self, plan_numbers: Sequence[int]) -> Iterator[Chunk]:
         raise NotImplementedError
@@ -142,6 +149,7 @@ class StreamedSource(ChunkSource):
 
     def __init__(self, segments, plans, device, *, staged: bool):
         super().__init__(segments, plans, device)
+        self.lock = threading.Lock()  # the device and staging buffers serve one search at a time
         self.staged = staged
         capacity = max((p.num_tokens for p in self.plans), default=0)
         dim = self.segments[0].tokens.shape[1] if self.segments else 0
@@ -158,23 +166,18 @@ class StreamedSource(ChunkSource):
                 torch.empty(capacity if has_scale else 0, dtype=torch.float32).pin_memory() for _ in range(2)
             ]
         self.copy_stream = torch.cuda.Stream(device=self.device)
-        self._files: dict[Path, object] = {}
-
-    def _file(self, path: Path):
-        """The shard file, opened once per source (unbuffered: reads go straight into the staging buffer)."""
-        handle = self._files.get(path)
-        if handle is None:
-            handle = self._files[path] = open(path, "rb", buffering=0)
-            if hasattr(os, "posix_fadvise"):  # chunks are read front to back: ask for a large readahead
+        if hasattr(os, "posix_fadvise"):  # chunks are read front to back: ask for a large readahead
+            for handle in {id(s.region.handle): s.region.handle for s in self.segments if s.region}.values():
                 os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return handle
 
     def _stage(self, segment: Shard, plan: ChunkPlan, slot: int, tokens, scale):
         """Bring a chunk of a memory-mapped (or host) segment into staging buffer ``slot``."""
         n = plan.num_tokens
         region = segment.region
         if region is not None:
-            handle = self._file(region.path)
+            # The file opened at load time (unbuffered: reads go straight into the staging buffer), so a writer
+            # replacing the index meanwhile changes nothing this index reads.
+            handle = region.handle
             read_into(handle, region.tokens_offset + plan.token_start * region.row_bytes, self.staging[slot][:n])
             if scale is not None:
                 read_into(handle, region.scale_offset + 4 * plan.token_start, self.scale_staging[slot][:n])

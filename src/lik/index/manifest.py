@@ -1,0 +1,220 @@
+"""The manifest of a saved :class:`lik.Index`: its fields, their validation, and the rule for the names it holds.
+
+``manifest.json`` (version 2)::
+
+    {"format": "lik-index", "version": 2, "generation": "gen-<32 hex>", "d": 128, "dtype": "int8",
+     "num_docs": N, "num_tokens": T,
+     "shards": [{"file": "shard-00000.safetensors", "num_docs", "num_tokens", "bytes", "sha256"}, ...]}
+
+Shard ``file`` s live in the generation's subdirectory ``<index>/<generation>/``. Version 1 (lik before
+generations) kept them in the index directory itself and has no ``generation``; it is still read. Every name a
+manifest holds is a plain file name (no separator, no ``..``), so nothing outside the index directory is read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "MANIFEST_NAME",
+    "DTYPES",
+    "EIGHT_BIT",
+    "ShardInfo",
+    "Manifest",
+    "dtype_name",
+    "new_generation",
+    "is_generation_name",
+    "check_plain_name",
+    "parse_manifest",
+    "read_manifest_bytes",
+    "read_manifest",
+]
+
+FORMAT_NAME = "lik-index"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+MANIFEST_NAME = "manifest.json"
+# A manifest lists one short entry per shard: this bounds what a hostile file makes a load read into memory.
+MAX_MANIFEST_BYTES = 1 << 28
+INT64_MAX = (1 << 63) - 1
+DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
+_GENERATION = re.compile(r"gen-[0-9a-f]{32}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise TypeError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
+
+
+def new_generation() -> str:
+    """A fresh generation name: ``gen-`` and 32 random hex digits (never reused, so a reader's files never change)."""
+    return f"gen-{uuid.uuid4().hex}"
+
+
+def is_generation_name(name: str) -> bool:
+    return _GENERATION.fullmatch(name) is not None
+
+
+def check_plain_name(name, where: str) -> str:
+    """``name`` if it is a plain file name inside a directory; else ``ValueError`` naming ``where``."""
+    if not isinstance(name, str):
+        raise ValueError(f"{where} must be a file name (a string), got {type(name).__name__}")
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0") or ":" in name or name != name.strip():
+        raise ValueError(f"{where} must be a plain file name inside the index directory, got {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    file: str
+    num_docs: int
+    num_tokens: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``generation``: the subdirectory holding the shard files (``None``: a version-1 index, files beside the
+    manifest)."""
+
+    d: int
+    dtype: torch.dtype
+    shards: tuple[ShardInfo, ...]
+    generation: str | None = None
+
+    @property
+    def num_docs(self) -> int:
+        return sum(s.num_docs for s in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards)
+
+    def data_directory(self, directory) -> Path:
+        """Where this manifest's shard files lie, for an index at ``directory``."""
+        return Path(directory) if self.generation is None else Path(directory) / self.generation
+
+    def to_json(self) -> str:
+        if self.generation is None:
+            raise ValueError("a manifest is written with its generation (the version-1 layout is read only)")
+        return json.dumps(
+            {
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                "generation": self.generation,
+                "d": self.d,
+                "dtype": dtype_name(self.dtype),
+                "num_docs": self.num_docs,
+                "num_tokens": self.num_tokens,
+                "shards": [vars(s) for s in self.shards],
+            },
+            indent=1,
+        )
+
+
+def _count(raw: dict, key: str, where: str, path, low: int = 0) -> int:
+    if key not in raw:
+        raise ValueError(f"{path}: field {where}{key!r} is missing")
+    value = raw[key]
+    if type(value) is not int or not low <= value <= INT64_MAX:
+        raise ValueError(f"{path}: field {where}{key!r} must be an integer in [{low}, 2**63), got {value!r:.80}")
+    return value
+
+
+def _shard_info(raw, number: int, path) -> ShardInfo:
+    where = f"shards[{number}]."
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: field 'shards[{number}]' must be an object, got {type(raw).__name__}")
+    if "file" not in raw:
+        raise ValueError(f"{path}: field {where}'file' is missing")
+    file = check_plain_name(raw["file"], f"{path}: field {where}'file'")
+    sha = raw.get("sha256")
+    if not isinstance(sha, str) or _SHA256.fullmatch(sha) is None:
+        raise ValueError(f"{path}: field {where}'sha256' must be 64 lowercase hex digits, got {sha!r:.80}")
+    return ShardInfo(file, _count(raw, "num_docs", where, path), _count(raw, "num_tokens", where, path),
+                     _count(raw, "bytes", where, path), sha)
+
+
+def parse_manifest(text: bytes, path) -> Manifest:
+    """Check every field of a manifest's bytes (type, range, consistency); errors are ``ValueError`` s naming
+    ``path`` and the field. Nothing here touches a shard: :func:`lik.index.format.open_shard` cross-checks each
+    shard's own header against its entry."""
+    try:
+        raw = json.loads(text.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError, and ints past Python's digit limit
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a lik.Index manifest (nested too deeply)") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise ValueError(f"{path}: not a lik.Index manifest (format field is not {FORMAT_NAME!r})")
+    version = raw.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise ValueError(f"{path}: format version {version!r:.40}, this lik reads versions {READABLE_VERSIONS}")
+    generation = None
+    if version >= 2:
+        generation = raw.get("generation")
+        if not isinstance(generation, str) or not is_generation_name(generation):
+            raise ValueError(f"{path}: field 'generation' must be 'gen-' and 32 hex digits, got {generation!r:.80}")
+    dtype = raw.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"{path}: malformed manifest: field 'dtype' must be one of {sorted(DTYPES)}, "
+                         f"got {dtype!r:.40}")
+    d = _count(raw, "d", "", path, low=1)
+    shards = raw.get("shards")
+    if not isinstance(shards, list):
+        raise ValueError(f"{path}: field 'shards' must be a list, got {type(shards).__name__}")
+    infos = tuple(_shard_info(s, number, path) for number, s in enumerate(shards))
+    seen = set()
+    for number, info in enumerate(infos):
+        if info.file in seen:
+            raise ValueError(f"{path}: field 'shards[{number}].file' names {info.file!r} a second time")
+        seen.add(info.file)
+    manifest = Manifest(d, DTYPES[dtype], infos, generation)
+    for key, total in (("num_docs", manifest.num_docs), ("num_tokens", manifest.num_tokens)):
+        if _count(raw, key, "", path) != total:
+            raise ValueError(f"{path}: num_docs / num_tokens do not equal the sums over the shard list "
+                             f"(field {key!r} is {raw[key]}, the shards sum to {total})")
+    return manifest
+
+
+def read_manifest_bytes(directory) -> bytes:
+    """The bytes of ``directory/manifest.json``, read in one go (a writer replaces the file atomically)."""
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    if not directory.is_dir():
+        raise FileNotFoundError(f"path: no index directory at {str(directory)!r}")
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing; {str(directory)!r} is not a saved lik.Index") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, not a lik.Index manifest") from None
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes, not a lik.Index manifest")
+    return text
+
+
+def read_manifest(directory) -> Manifest:
+    """Parse and check ``directory/manifest.json``; errors name the path and the bad field."""
+    return parse_manifest(read_manifest_bytes(directory), Path(directory) / MANIFEST_NAME)
