@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 import lik
 from lik import cli, demo
+from lik.index import commands
 from lik.index.commands import CommandError, format_rate
 
 from .index.helpers import grid_docs, grid_queries
@@ -328,6 +329,23 @@ def test_overwrite_replaces_an_index_and_touches_nothing_else(work, capsys):
         return {k: v for k, v in snapshot.items() if k.split(os.sep)[0] not in ("ix", "one.pt")}
 
     assert outside(after) == outside(before)
+
+
+def test_an_out_directory_that_appears_during_the_build_is_kept(work, capsys, monkeypatch):
+    read = commands.read_embeddings
+
+    def read_while_someone_writes(path):
+        yield from read(path)
+        (work / "new").mkdir()
+        (work / "new" / "notes.txt").write_text("the user's own file")
+
+    monkeypatch.setattr(commands, "read_embeddings", read_while_someone_writes)
+    before = tree(work)
+    code, _, err = run(capsys, "index", "build", work / "docs.pt", "--out", work / "new")
+    assert code == 1 and len(err.splitlines()) == 1 and "--out" in err and "--overwrite" in err, err
+    after = tree(work)
+    assert set(after) - set(before) == {"new", os.path.join("new", "notes.txt")}
+    assert {k: after[k] for k in before} == before
 
 
 def test_a_failing_build_leaves_nothing_behind(work, capsys):

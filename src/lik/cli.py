@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_index_parser(commands) -> None:
     index = commands.add_parser("index", help="build or inspect a saved lik.Index",
-                                description="Build a lik.Index from embedding files, or describe one.")
+                                description="Build a lik.Index from embedding files, or describe one.",
+                                epilog="`lik index build --help` lists the embedding file layouts.")
     actions = index.add_subparsers(dest="index_command", required=True, metavar="{build,info}")
     build = actions.add_parser(
         "build", help="pack embedding files into an index directory", epilog=EMBEDDING_LAYOUTS,

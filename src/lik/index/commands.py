@@ -382,11 +382,10 @@ def run_index(args: argparse.Namespace) -> int:
     try:
         index = Index.build(_documents(args.embeddings), dtype=DTYPES[args.dtype], out=args.out,
                             shard_tokens=args.shard_tokens, overwrite=args.overwrite, placement="disk", device="cpu")
-    except FileExistsError as error:
-        if args.overwrite:
-            raise
-        raise CommandError(f"--out {args.out}: appeared during the build (pass --overwrite to replace an index)") \
-            from error
+    except FileExistsError as error:  # --out was checked above: someone wrote there meanwhile (said in flags)
+        what = ("something other than a lik index, or another writer's index, took its place" if args.overwrite
+                else "it appeared (pass --overwrite to replace an index)")
+        raise CommandError(f"--out {args.out}: changed during the build, nothing replaced: {what}") from error
     seconds = time.perf_counter() - start
     tokens = sum(s.num_tokens for s in index.segments)
     print(f"built {args.out}: {len(index)} documents, {tokens} tokens, d={index.d}, {args.dtype} "
