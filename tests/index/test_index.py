@@ -214,3 +214,23 @@ def test_build_streams_to_disk_and_the_shard_split_covers_the_corpus(tmp_path, r
         lik.Index.load(tmp_path / "ix", placement="ram")
     with pytest.raises(ValueError, match="placement='gpu'"):
         lik.Index.load(tmp_path / "ix", placement="gpu", device="cpu")
+
+
+def test_no_queries_give_k_columns_and_bad_doc_ids_are_named(monkeypatch, rng):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    index = lik.Index.build(grid_docs(rng), progress=False)
+    for doc_ids in (None, [1, 2, 3]):
+        scores, ids = index.search(torch.empty(0, 4, 6), 3, doc_ids=doc_ids)
+        assert scores.shape == (0, 3) and ids.shape == (0, 3)
+        assert scores.dtype == torch.float32 and ids.dtype == torch.int64
+    scores, ids = index.search(torch.empty(0, 4, 6), 0, torch.ones(0, 4, dtype=torch.bool))
+    assert scores.shape == (0, 0)
+    Q = grid_queries(rng)
+    for bad in ("0123", b"\x00", [2**70], {1, 2}, [[1, 2]], [0.0], object()):
+        with pytest.raises(TypeError, match="doc_ids"):
+            index.search(Q, 1, doc_ids=bad)
+    with pytest.raises(ValueError, match=r"doc_ids must be in \[0, 10\), got an id of 18446744073709551615"):
+        index.search(Q, 1, doc_ids=torch.tensor([2**64 - 1], dtype=torch.uint64))
+    with pytest.raises(ValueError, match=r"doc_ids must be in \[0, 10\)"):
+        index.search(Q, 1, doc_ids=[-1])
+    assert index.search(Q, 1, doc_ids=torch.tensor([3], dtype=torch.uint8))[1].tolist() == [[3]] * 3
