@@ -3,10 +3,16 @@ enable() routes its processors and losses through lik, reversibly."""
 
 from __future__ import annotations
 
+import io
+import pickle
+
 import pytest
 import torch
 
 import lik.integrations.colpali as lik_colpali
+from lik.integrations import _patching
+
+from .conftest import load_recording_modules, names_lik
 
 
 def _ragged(rng, lengths, dim=16, dtype=torch.float32):
@@ -24,7 +30,7 @@ def join_early(request, monkeypatch):
 def test_score_multi_vector_matches_block_padding(colpali_scoring, rng, join_early):
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
-    stock = getattr(stock, "lik_stock", stock)
+    stock = _patching.original(stock)
     qs = _ragged(rng, (3, 5, 1, 4))
     # Pages 2 and 5 are the longest of their blocks of 3: colpali-engine pads every other page with zeros.
     ps = _ragged(rng, (4, 9, 2, 7, 7, 3, 1, 0))
@@ -47,7 +53,7 @@ def test_score_multi_vector_rows_of_ragged_queries(colpali_scoring, rng, monkeyp
     and several calls when the packed copy or the per-row maxima exceed their budgets."""
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
-    stock = getattr(stock, "lik_stock", stock)
+    stock = _patching.original(stock)
     if budgets is not None:
         monkeypatch.setattr(lik_colpali, "_PACK_BUDGET_BYTES", budgets[0])  # two pages per packed copy
         monkeypatch.setattr(lik_colpali, "_ROW_SCORES_BUDGET_BYTES", budgets[1])  # two pages per call
@@ -70,7 +76,7 @@ def test_score_multi_vector_garbage_pages_match_colpali(colpali_scoring, rng):
     queries meets an inf as 0 * inf = NaN; lik's padding row does the same)."""
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
-    stock = getattr(stock, "lik_stock", stock)
+    stock = _patching.original(stock)
     qs = _ragged(rng, (4, 2, 4))
     ps = _ragged(rng, (6, 6, 6, 6))
     ps[1][2, 3] = float("inf")
@@ -84,7 +90,7 @@ def test_score_multi_vector_garbage_pages_match_colpali(colpali_scoring, rng):
 def test_score_multi_vector_bf16_sums_in_fp32(colpali_scoring, rng):
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.score_multi_vector
-    stock = getattr(stock, "lik_stock", stock)
+    stock = _patching.original(stock)
     qs = _ragged(rng, (20, 17), dim=128, dtype=torch.bfloat16)
     ps = _ragged(rng, (300, 257, 300), dim=128, dtype=torch.bfloat16)
     exact = stock([q.double() for q in qs], [p.double() for p in ps], device="cpu")
@@ -105,7 +111,7 @@ def test_score_multi_vector_bf16_sums_in_fp32(colpali_scoring, rng):
 def test_score_multi_vector_joins_pages_once(colpali_scoring, rng, monkeypatch, lengths, batch_size, budget, joins):
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
-    stock = getattr(stock, "lik_stock", stock)
+    stock = _patching.original(stock)
     monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: True)
     if budget is not None:
         monkeypatch.setattr(lik_colpali, "_PACK_BUDGET_BYTES", budget)
@@ -134,7 +140,7 @@ def test_score_multi_vector_page_lengths_without_the_shape_pass(colpali_scoring,
     Zero-wide pages (element counts say nothing of their lengths) take the pass."""
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
-    stock = getattr(stock, "lik_stock", stock)
+    stock = _patching.original(stock)
     monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: early)
     passes = []
     sizes = lik_colpali._sizes
@@ -155,7 +161,7 @@ def test_score_multi_vector_zero_token_meets_garbage_and_negative_similarities(c
     (0 * inf)."""
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
-    stock = getattr(stock, "lik_stock", stock)
+    stock = _patching.original(stock)
     qs = _ragged(rng, (3, 5, 2))
     qs[1][2, 4] = float("inf")
     qs[2][0, 1] = float("nan")
@@ -241,7 +247,7 @@ def test_query_lengths_from_element_counts(colpali_scoring, rng):
     and never written."""
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
-    stock = getattr(stock, "lik_stock", stock)
+    stock = _patching.original(stock)
     qs = _ragged(rng, (6, 0, 1, 11, 2), dtype=torch.bfloat16)
     ps = _ragged(rng, (5, 5, 5), dtype=torch.bfloat16)
     for _ in range(2):
@@ -312,22 +318,82 @@ def test_smooth_max_keeps_colpali_path(colpali_scoring, rng, monkeypatch):
     assert calls == []
 
 
-def test_enable_is_reversible_and_covers_every_binding(colpali_scoring, monkeypatch, rng):
+def test_enable_is_reversible_and_covers_every_binding(colpali_scoring, count_calls, monkeypatch, rng,
+                                                      reference_path):
     maxsim_module, processing, losses = colpali_scoring
     sites = [(maxsim_module, "maxsim_inbatch"), (maxsim_module, "maxsim_kd"), (processing, "maxsim_inbatch"),
              (losses, "maxsim_inbatch"), (losses, "maxsim_kd")]
     before = [getattr(m, n) for m, n in sites]
     stock_score = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"]
+    q, d = torch.randn(2, 3, 8, generator=rng), torch.randn(2, 4, 8, generator=rng)
+    calls = count_calls(lik_colpali, "maxsim")
     with lik_colpali.enabled():
-        assert all(getattr(m, n).lik_stock is b for (m, n), b in zip(sites, before))
+        assert [getattr(m, n) for m, n in sites] == before  # nothing rebound: colpali-engine's functions switched
+        for module, name in sites:
+            count = len(calls)
+            getattr(module, name)(q, d if name == "maxsim_inbatch" else d[:, None])
+            assert len(calls) == count + 1, (module.__name__, name)
         qs, ps = _ragged(rng, (3, 2)), _ragged(rng, (4, 6, 5))
         got = processing.BaseVisualRetrieverProcessor.score_multi_vector(qs, ps, device="cpu")
         torch.testing.assert_close(got, lik_colpali.score_multi_vector(qs, ps, device="cpu"), rtol=0, atol=0)
         monkeypatch.setenv("COLPALI_SCORES_BACKEND", "torch")
         assert processing.maxsim_inbatch(torch.randn(2, 3, 8).bfloat16(), torch.randn(2, 3, 8).bfloat16()).dtype \
             == torch.bfloat16  # colpali-engine's own path
-    assert [getattr(m, n) for m, n in sites] == before
+        monkeypatch.delenv("COLPALI_SCORES_BACKEND")
+    calls.clear()
+    for module, name in sites:
+        getattr(module, name)(q, d if name == "maxsim_inbatch" else d[:, None])
+    assert calls == [] and [getattr(m, n) for m, n in sites] == before
     assert processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"] is stock_score
+
+
+def test_scoring_objects_pickle_while_enabled_and_load_as_the_switch_says(colpali_scoring, count_calls, rng,
+                                                                         reference_path):
+    """colpali-engine's scoring functions and a loss, pickled (``pickle`` and ``torch.save``) while the switch is
+    on, name no lik module and load as colpali-engine's own objects, which follow the loading process's switch."""
+    maxsim_module, processing, losses = colpali_scoring
+    objects = {"inbatch": maxsim_module.maxsim_inbatch, "kd": maxsim_module.maxsim_kd,
+               "score": processing.BaseVisualRetrieverProcessor.score_multi_vector}
+    with lik_colpali.enabled():
+        objects["loss"] = losses.ColbertLoss(normalize_scores=False)
+        payload = pickle.dumps(objects)
+        saved = io.BytesIO()
+        torch.save(objects, saved)
+    loaded, modules = load_recording_modules(payload)
+    assert not names_lik(modules), sorted(modules)
+    saved.seek(0)
+    q, d = torch.randn(2, 3, 8, generator=rng), torch.randn(2, 4, 8, generator=rng)
+    calls = count_calls(lik_colpali, "maxsim")
+    for copy in (loaded, torch.load(saved, weights_only=False)):
+        assert all(copy[name] is objects[name] for name in ("inbatch", "kd", "score"))
+        expected = copy["loss"](q, d)
+        assert calls == []
+        with lik_colpali.enabled():
+            torch.testing.assert_close(copy["loss"](q, d), expected, rtol=1e-6, atol=1e-6)
+        assert len(calls) == 1
+        calls.clear()
+
+
+def test_disable_restores_what_was_taken_while_enabled(colpali_scoring, count_calls, rng, reference_path):
+    _, processing, losses = colpali_scoring
+    calls = count_calls(lik_colpali, "maxsim")
+    packed_calls = count_calls(lik_colpali, "maxsim_packed")  # ragged pages
+    q, d = torch.randn(2, 3, 8, generator=rng), torch.randn(2, 4, 8, generator=rng)
+    qs, ps = _ragged(rng, (3, 2)), _ragged(rng, (4, 6))
+    with lik_colpali.enabled():
+        score = processing.BaseVisualRetrieverProcessor.score_multi_vector
+        inbatch = losses.maxsim_inbatch
+        loss = losses.ColbertLoss(normalize_scores=False)
+        score(qs, ps, device="cpu")
+        inbatch(q, d)
+        loss(q, d)
+        assert len(calls) + len(packed_calls) == 3
+    calls.clear()
+    packed_calls.clear()
+    score(qs, ps, device="cpu")
+    inbatch(q, d)
+    loss(q, d)
+    assert calls == [] and packed_calls == []
 
 
 @pytest.mark.gpu
@@ -347,7 +413,7 @@ def test_score_multi_vector_on_gpu_matches_colpali(colpali_scoring, rng, device)
     with colpali-engine's zero tokens, and a padded tensor, against colpali-engine on fp32 copies."""
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
-    stock = getattr(stock, "lik_stock", stock)
+    stock = _patching.original(stock)
     qs = [t.cuda() for t in _ragged(rng, (20, 1, 33, 7), dim=128, dtype=torch.bfloat16)]
     for lengths in ((300,) * 40, (300, 120, 300, 57, 300, 1)):
         ps = [t.cuda() for t in _ragged(rng, lengths, dim=128, dtype=torch.bfloat16)]

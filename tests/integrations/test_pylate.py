@@ -3,20 +3,23 @@ reaches every call site, reversibly."""
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 
-import numpy as np
 import pytest
 import torch
 
 pylate_scores = pytest.importorskip("pylate.scores")
 
 import lik.integrations.pylate as lik_pylate  # noqa: E402
+from lik.integrations import _patching  # noqa: E402
+
+from .conftest import load_recording_modules, names_lik  # noqa: E402
 
 
 def _stock(name):
-    fn = getattr(pylate_scores.colbert, name)
-    return getattr(fn, "lik_stock", fn)
+    return _patching.original(getattr(pylate_scores.colbert, name))
 
 
 def _inputs(rng, dtype=torch.float32, n_q=3, l_q=7, n_d=5, l_d=11, dim=16):
@@ -162,23 +165,37 @@ def _call_sites():
     }
 
 
-def test_enable_rebinds_every_call_site_and_disable_restores_them():
+def _score_with(name, fn, rng):
+    Q, D, _, _ = _inputs(rng)
+    if name == "colbert_kd_scores":
+        return fn(Q, torch.randn(3, 2, 9, 16, generator=rng))
+    return fn(Q, D[:3]) if name == "colbert_scores_pairwise" else fn(Q, D)
+
+
+def test_enable_reaches_every_call_site_and_disable_restores_them(count_calls, rng, reference_path):
     sites = _call_sites()
     before = {(module.__name__, name): getattr(module, name) for module, name in sites}
     stock_call = pylate_scores.ColBERTScores.__call__
+    calls = count_calls(lik_pylate, "maxsim")
     with lik_pylate.enabled():
         assert lik_pylate.is_enabled()
         for module, name in sites:
-            assert getattr(module, name).lik_stock is before[(module.__name__, name)], (module.__name__, name)
-        assert pylate_scores.ColBERTScores.__call__ is not stock_call
+            count = len(calls)
+            _score_with(name, getattr(module, name), rng)
+            assert len(calls) == count + 1, (module.__name__, name)
+        # Nothing rebound: PyLate's own objects are switched.
+        assert {(m.__name__, n): getattr(m, n) for m, n in sites} == before
+        assert pylate_scores.ColBERTScores.__call__ is stock_call
     assert not lik_pylate.is_enabled()
-    assert {(m.__name__, n): getattr(m, n) for m, n in sites} == before
-    assert pylate_scores.ColBERTScores.__call__ is stock_call
+    calls.clear()
+    for module, name in sites:
+        _score_with(name, getattr(module, name), rng)
+    assert calls == []
     import pylate.losses.distillation as distillation
     assert "score_metric" not in vars(distillation.Distillation)
 
 
-def test_enabled_call_sites_run_lik(monkeypatch, rng):
+def test_enabled_call_sites_run_lik(monkeypatch, rng, reference_path):
     calls = []
     real = lik_pylate.maxsim
 
@@ -201,12 +218,15 @@ def test_enabled_call_sites_run_lik(monkeypatch, rng):
         holder = losses.Distillation.__new__(losses.Distillation)
         torch.nn.Module.__init__(holder)
         holder.score_metric = stock_loss_metric
-        assert holder.score_metric.lik_stock is stock_loss_metric
+        holder.score_metric(Q, D[None].expand(3, -1, -1, -1), q_mask, d_mask[None].expand(3, -1, -1))
+        assert len(calls) == 4
         # An explicit PyLate backend keeps PyLate's own path.
         pylate_scores.colbert_scores(Q, D, backend="torch")
-        assert len(calls) == 3
+        assert len(calls) == 4
     assert [r["id"] for r in results[0]] and len(results[0]) == 3
     assert holder.score_metric is stock_loss_metric
+    holder.score_metric(Q, D[None].expand(3, -1, -1, -1))
+    assert len(calls) == 4
 
 
 def test_env_backend_is_honoured(monkeypatch, rng):
@@ -304,6 +324,70 @@ def test_model_similarity_scores_with_lik(tiny_colbert, monkeypatch, rng):
         scores = tiny_colbert.similarity(Q, D)
     assert calls == [1]
     torch.testing.assert_close(scores, stock, rtol=1e-5, atol=1e-5)
+
+
+def _tiny_colbert(path):
+    from pylate import models
+    from sentence_transformers.base.modules import Transformer
+
+    torch.manual_seed(0)
+    model = models.ColBERT(modules=[Transformer(path, max_seq_length=16), models.Dense(in_features=32, out_features=16,
+                                                                                        bias=False)],
+                           device="cpu", query_length=8, document_length=16)
+    model.similarity_fn_name  # noqa: B018 (stores PyLate's scoring function in the model)
+    return model
+
+
+def test_models_and_losses_pickle_while_enabled_and_load_as_the_switch_says(tiny_bert_path, count_calls, rng,
+                                                                            reference_path):
+    """A ColBERT model built before the switch, one built under it and the losses holding PyLate's scoring pickle
+    (``pickle`` and ``torch.save``) while it is on; the pickles name no lik module, so they load where lik is
+    absent, score as PyLate off the switch and with lik on it."""
+    from pylate import losses
+
+    before = _tiny_colbert(tiny_bert_path)
+    with lik_pylate.enabled():
+        during = _tiny_colbert(tiny_bert_path)
+        objects = [before, during, losses.Distillation(model=during), losses.Contrastive(model=during)]
+        payload = pickle.dumps(objects)
+        saved = io.BytesIO()
+        torch.save(objects, saved)
+    Q, D = torch.randn(2, 5, 16, generator=rng), torch.randn(3, 7, 16, generator=rng)
+    D4 = torch.randn(2, 3, 7, 16, generator=rng)
+    expected = (_stock("colbert_scores")(Q, D), _stock("colbert_kd_scores")(Q, D4))
+    calls = count_calls(lik_pylate, "maxsim")
+    loaded, modules = load_recording_modules(payload)
+    assert not names_lik(modules), sorted(modules)
+    saved.seek(0)
+    for model, _, distillation, contrastive in (loaded, torch.load(saved, weights_only=False)):
+        scores = (model.similarity(Q, D), distillation.score_metric(Q, D4))
+        assert torch.equal(scores[0], expected[0]) and torch.equal(scores[1], expected[1]) and calls == []
+        with lik_pylate.enabled():
+            torch.testing.assert_close(model.similarity(Q, D), expected[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(distillation.score_metric(Q, D4), expected[1], rtol=1e-5, atol=1e-5)
+            contrastive.score_metric(Q, D[None].expand(2, -1, -1, -1))
+        assert len(calls) == 3
+        calls.clear()
+
+
+def test_disable_restores_objects_configured_while_enabled(tiny_bert_path, count_calls, rng, reference_path):
+    from pylate import losses
+
+    model = _tiny_colbert(tiny_bert_path)
+    calls = count_calls(lik_pylate, "maxsim")
+    Q, D = torch.randn(2, 5, 16, generator=rng), torch.randn(3, 7, 16, generator=rng)
+    with lik_pylate.enabled():
+        model.similarity_fn_name = "MaxSim"  # PyLate stores its scoring function again, under the switch
+        built = _tiny_colbert(tiny_bert_path)
+        distillation = losses.Distillation(model=built)
+        model.similarity(Q, D)
+        assert len(calls) == 1
+    calls.clear()
+    assert torch.equal(model.similarity(Q, D), _stock("colbert_scores")(Q, D))
+    assert torch.equal(built.similarity(Q, D), _stock("colbert_scores")(Q, D))
+    D4 = torch.randn(2, 3, 7, 16, generator=rng)
+    assert torch.equal(distillation.score_metric(Q, D4), _stock("colbert_kd_scores")(Q, D4))
+    assert calls == []
 
 
 class _TokenIndex:

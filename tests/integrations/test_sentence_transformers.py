@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import io
+import pickle
+
 import pytest
 import torch
 
@@ -11,11 +14,13 @@ if not hasattr(similarity, "maxsim"):
     pytest.skip("this sentence-transformers has no multi-vector scoring", allow_module_level=True)
 
 import lik.integrations.sentence_transformers as lik_st  # noqa: E402
+from lik.integrations import _patching  # noqa: E402
+
+from .conftest import load_recording_modules, names_lik  # noqa: E402
 
 
 def _stock(name):
-    fn = getattr(similarity, name)
-    return getattr(fn, "__wrapped__", fn) if getattr(fn, "__module__", "").startswith("lik") else fn
+    return _patching.original(getattr(similarity, name))
 
 
 def test_ragged_lists_bitwise(rng, reference_path):
@@ -66,26 +71,85 @@ def test_pairwise_count_mismatch_is_an_error(rng):
         lik_st.maxsim_pairwise(torch.randn(2, 3, 8), torch.randn(3, 3, 8))
 
 
-def test_enable_rebinds_and_restores(monkeypatch, rng):
+def test_enable_switches_every_caller_and_restores(count_calls, rng, reference_path):
     import sentence_transformers.util as util
 
     names = [n for n in ("maxsim", "maxsim_pairwise", "mean_maxsim", "mean_maxsim_pairwise") if hasattr(similarity, n)]
     before = {n: getattr(similarity, n) for n in names}
-    calls = []
-    real = lik_st._lik_maxsim
-    monkeypatch.setattr(lik_st, "_lik_maxsim", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_calls(lik_st, "_lik_maxsim")
+    A, B = torch.randn(2, 3, 8, generator=rng), torch.randn(4, 5, 8, generator=rng)
     with lik_st.enabled():
+        assert {n: getattr(similarity, n) for n in names} == before  # nothing rebound: the functions switched
         for n in names:
-            assert getattr(similarity, n) is getattr(lik_st, n)
-            assert getattr(util, n) is getattr(lik_st, n)
-        fn = similarity.SimilarityFunction.to_similarity_fn("maxsim")
-        fn(torch.randn(2, 3, 8), torch.randn(4, 5, 8))
+            getattr(util, n)(A, B if "pairwise" not in n else B[:2])
+        assert len(calls) == len(names)
+        similarity.SimilarityFunction.to_similarity_fn("maxsim")(A, B)
         try:
             from sentence_transformers.multi_vector_encoder.scoring import colbert as scoring
         except ImportError:
             scoring = None
-        if scoring is not None:
-            scoring.colbert_scores(torch.randn(2, 3, 8), torch.randn(2, 2, 5, 8))
-        assert len(calls) >= 2
-    assert {n: getattr(similarity, n) for n in names} == before
-    assert util.maxsim is before["maxsim"]
+        assert len(calls) == len(names) + 1
+        if scoring is not None:  # one call per candidate slot
+            scoring.colbert_scores(A[:2], torch.randn(2, 2, 5, 8, generator=rng))
+            assert len(calls) > len(names) + 1
+    calls.clear()
+    for n in names:
+        getattr(util, n)(A, B if "pairwise" not in n else B[:2])
+    assert calls == [] and util.maxsim is before["maxsim"]
+
+
+# ------------------------------------------------------------------------- real models: pickles and disable()
+
+
+def _encoder(path, **kwargs):
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Transformer
+
+    torch.manual_seed(0)
+    return MultiVectorEncoder(modules=[Transformer(path, max_seq_length=16)], device="cpu", **kwargs)
+
+
+def test_models_pickle_while_enabled_and_load_as_the_switch_says(tiny_bert_path, count_calls, rng, reference_path):
+    """A model built before the switch and one configured under it pickle (``pickle`` and ``torch.save``) while it
+    is on; the pickles name no lik module, so they load where lik is absent, score as sentence-transformers off the
+    switch and with lik on it."""
+    before = _encoder(tiny_bert_path)
+    before.similarity_fn_name  # noqa: B018 (stores sentence-transformers' function in the model)
+    A, B = torch.randn(2, 3, 8, generator=rng), torch.randn(4, 5, 8, generator=rng)
+    with lik_st.enabled():
+        during = _encoder(tiny_bert_path, similarity_fn_name="meanmaxsim")
+        payloads = [pickle.dumps(model) for model in (before, during)]
+        saved = []
+        for model in (before, during):
+            saved.append(io.BytesIO())
+            torch.save(model, saved[-1])
+    expected = [_stock("maxsim")(A, B), _stock("mean_maxsim")(A, B)]
+    calls = count_calls(lik_st, "_lik_maxsim")
+    for payload, buffer, scores in zip(payloads, saved, expected):
+        loaded, modules = load_recording_modules(payload)
+        assert not names_lik(modules), sorted(modules)
+        buffer.seek(0)
+        for model in (loaded, torch.load(buffer, weights_only=False)):
+            assert torch.equal(model.similarity(A, B), scores)
+            assert calls == []
+            with lik_st.enabled():
+                torch.testing.assert_close(model.similarity(A, B), scores, rtol=1e-5, atol=1e-5)
+            assert len(calls) == 1
+            calls.clear()
+
+
+def test_disable_restores_models_configured_while_enabled(tiny_bert_path, count_calls, rng, reference_path):
+    model = _encoder(tiny_bert_path)
+    A, B = torch.randn(2, 3, 8, generator=rng), torch.randn(4, 5, 8, generator=rng)
+    calls = count_calls(lik_st, "_lik_maxsim")
+    with lik_st.enabled():
+        model.similarity_fn_name = "maxsim"
+        built = _encoder(tiny_bert_path, similarity_fn_name="meanmaxsim")
+        function = similarity.SimilarityFunction.to_similarity_fn("maxsim")
+        model.similarity(A, B)
+        assert len(calls) == 1
+    calls.clear()
+    assert torch.equal(model.similarity(A, B), _stock("maxsim")(A, B))
+    assert torch.equal(built.similarity(A, B), _stock("mean_maxsim")(A, B))
+    assert torch.equal(function(A, B), _stock("maxsim")(A, B))
+    assert calls == []

@@ -1,13 +1,20 @@
 """transformers integration: lik.MultiScaleDeformableAttention is the module of lik.integrations.transformers,
-and a Deformable DETR built after enable() calls lik in every deformable-attention layer."""
+and every Deformable DETR, whenever built or loaded, runs lik in each deformable-attention layer while enable()
+is in effect, and transformers' own code after disable()."""
 
 from __future__ import annotations
+
+import io
+import pickle
 
 import pytest
 import torch
 
 import lik
 import lik.integrations.transformers as lik_transformers
+from lik.integrations import _patching
+
+from .conftest import load_recording_modules, names_lik
 
 
 def test_top_level_name_is_the_integration_class():
@@ -41,27 +48,72 @@ def _tiny_detr():
     return DeformableDetrModel(config).eval()
 
 
-def test_models_built_after_enable_call_lik(monkeypatch):
+def _attention_layers(model):
+    return [m for m in model.modules() if type(m).__name__ == "MultiScaleDeformableAttention"]
+
+
+def test_models_built_before_and_during_enable_run_lik_until_disable(count_calls, reference_path):
     modeling = pytest.importorskip("transformers.models.deformable_detr.modeling_deformable_detr")
     stock_class = modeling.MultiScaleDeformableAttention
-    stock_model = _tiny_detr()
+    before = _tiny_detr()
     pixels = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
-        expected = stock_model(pixel_values=pixels).last_hidden_state
-    calls = []
-    real_forward = lik_transformers.MultiScaleDeformableAttention.forward
-    monkeypatch.setattr(lik_transformers.MultiScaleDeformableAttention, "forward",
-                        lambda self, *a, **k: calls.append(1) or real_forward(self, *a, **k))
+        expected = before(pixel_values=pixels).last_hidden_state
+    calls = count_calls(lik_transformers, "ms_deform_attn")
+    with lik_transformers.enabled():
+        assert modeling.MultiScaleDeformableAttention is stock_class  # no class replaced: its forward switched
+        during = _tiny_detr()
+        layers = _attention_layers(during)
+        assert layers and all(type(m) is stock_class for m in layers)
+        with torch.no_grad():
+            for model in (before, during):
+                torch.testing.assert_close(model(pixel_values=pixels).last_hidden_state, expected,
+                                           rtol=1e-4, atol=1e-4)
+        assert len(calls) == 2 * len(layers)  # every deformable-attention layer of both ran lik
+    calls.clear()
+    with torch.no_grad():
+        for model in (before, during):
+            assert torch.equal(model(pixel_values=pixels).last_hidden_state, expected)
+    assert calls == []  # disable() reached the model built under the switch too
+
+
+def test_models_pickle_while_enabled_and_load_as_the_switch_says(count_calls, reference_path):
+    pytest.importorskip("transformers.models.deformable_detr.modeling_deformable_detr")
     with lik_transformers.enabled():
         model = _tiny_detr()
-    assert modeling.MultiScaleDeformableAttention is stock_class  # restored
-    attns = [m for m in model.modules() if type(m).__name__ == "MultiScaleDeformableAttention"]
-    assert attns and all(isinstance(m, lik_transformers.MultiScaleDeformableAttention) for m in attns)
+        payload = pickle.dumps(model)
+        saved = io.BytesIO()
+        torch.save(model, saved)
+    loaded, modules = load_recording_modules(payload)
+    assert not names_lik(modules), sorted(modules)
+    saved.seek(0)
+    pixels = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
-        got = model(pixel_values=pixels).last_hidden_state
-    assert len(calls) == len(attns)  # every deformable-attention layer ran lik, once per forward
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    assert lik_transformers.patch_model(stock_model) == len(attns)
+        expected = model(pixel_values=pixels).last_hidden_state
+    calls = count_calls(lik_transformers, "ms_deform_attn")
+    for copy in (loaded, torch.load(saved, weights_only=False)):
+        with torch.no_grad():
+            assert torch.equal(copy(pixel_values=pixels).last_hidden_state, expected) and calls == []
+            with lik_transformers.enabled():
+                torch.testing.assert_close(copy(pixel_values=pixels).last_hidden_state, expected,
+                                           rtol=1e-4, atol=1e-4)
+        assert len(calls) == len(_attention_layers(copy))
+        calls.clear()
+
+
+def test_patch_model_swaps_lik_in_for_good(count_calls, reference_path):
+    pytest.importorskip("transformers.models.deformable_detr.modeling_deformable_detr")
+    model = _tiny_detr()
+    pixels = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        expected = model(pixel_values=pixels).last_hidden_state
+    layers = len(_attention_layers(model))
+    assert lik_transformers.patch_model(model) == layers
+    assert all(isinstance(m, lik_transformers.MultiScaleDeformableAttention) for m in _attention_layers(model))
+    calls = count_calls(lik_transformers, "ms_deform_attn")
+    with torch.no_grad():
+        torch.testing.assert_close(model(pixel_values=pixels).last_hidden_state, expected, rtol=1e-4, atol=1e-4)
+    assert len(calls) == layers
 
 
 @pytest.mark.parametrize("short", ["grounding_dino", "rt_detr", "mm_grounding_dino", "omdet_turbo"])
@@ -69,5 +121,5 @@ def test_enable_covers_the_family(short):
     modeling = pytest.importorskip(f"transformers.models.{short}.modeling_{short}")
     stock = modeling.MultiScaleDeformableAttention
     with lik_transformers.enabled():
-        assert modeling.MultiScaleDeformableAttention is lik_transformers.MultiScaleDeformableAttention
-    assert modeling.MultiScaleDeformableAttention is stock
+        assert modeling.MultiScaleDeformableAttention is stock and _patching.is_routed(stock.forward)
+    assert not _patching.is_routed(stock.forward)

@@ -7,11 +7,13 @@
 * :mod:`lik.integrations.sentence_transformers` -- ``util.maxsim`` / ``maxsim_pairwise`` (and the MeanMaxSim
   forms) of sentence-transformers 6, and ``enable()``.
 * :mod:`lik.integrations.transformers` -- the ``MultiScaleDeformableAttention`` module of Deformable DETR,
-  Grounding DINO, RT-DETR..., and ``enable()`` so models built afterwards use it.
+  Grounding DINO, RT-DETR..., and ``enable()`` so every such model uses it.
 * :mod:`lik.integrations.flash_maxsim` / :mod:`lik.integrations.late_interaction_kernels` -- the public functions
   of the two peer libraries, for people migrating.
 
-Each switch is one line, undone by ``disable()`` or scoped with ``with <module>.enabled(): ...``::
+Each switch is one line, undone by ``disable()`` or scoped with ``with <module>.enabled(): ...``. A switch rebinds
+no name: it switches the host's own functions in place (:mod:`lik.integrations._patching`), so every object follows
+it whenever it was built, ``disable()`` reaches them all, and a model pickled meanwhile names only the host::
 
     import lik.integrations.pylate as lik_pylate
     lik_pylate.enable()

@@ -26,9 +26,10 @@ log-sum-exp over the token similarities, which needs them all: colpali-engine ke
 without the switch), and the positive-pair scores of the two ``*NegativeCELoss`` classes (a ``[B, Lq, Ld]``
 einsum colpali-engine computes inline). ``COLPALI_SCORES_BACKEND=torch`` still forces colpali-engine's own path.
 
-colpali-engine 0.3.18 imports torchvision (through transformers' Qwen2-VL image processor) when its package is
-imported; this module imports only ``colpali_engine.utils.maxsim``, ``colpali_engine.utils.processing_utils`` and
-``colpali_engine.loss.late_interaction_losses``, which :func:`enable` needs.
+:func:`enable` imports colpali-engine's package, as the user's own code does. colpali-engine 0.3.18's package imports
+its model zoo and through it torchvision, so without a torchvision that loads beside the installed torch the switch
+raises an ImportError naming it: modules loaded around the failing package would be ones the user's code cannot
+import either.
 
 Example:
     >>> import lik.integrations.colpali as lik_colpali
@@ -431,29 +432,12 @@ def score_multi_vector(
 # The switch
 # ---------------------------------------------------------------------------------------------------------------
 
-_SWITCH = _patching.Switch("colpali_engine")
-
-_CALL_SITE_MODULES = (
-    "colpali_engine.utils.maxsim",
-    "colpali_engine.utils.processing_utils",
-    "colpali_engine.loss.late_interaction_losses",
-)
+_SWITCH = _patching.Switch(__name__, "colpali-engine", "colpali")
 
 
-def _forced_stock() -> bool:
+def _forced_stock(args: tuple = (), kwargs: dict | None = None) -> bool:
+    """``COLPALI_SCORES_BACKEND=torch`` keeps colpali-engine's own path."""
     return os.environ.get("COLPALI_SCORES_BACKEND", "auto").lower() == "torch"
-
-
-def _routed(stock, ours):
-    def call(*args, **kwargs):
-        return stock(*args, **kwargs) if _forced_stock() else ours(*args, **kwargs)
-
-    call.__name__ = stock.__name__
-    call.__qualname__ = stock.__qualname__
-    call.__doc__ = f"lik (through lik.integrations.colpali.enable()); colpali-engine's own: {stock.__module__}."
-    call.__wrapped__ = stock
-    call.lik_stock = stock
-    return call
 
 
 def is_enabled() -> bool:
@@ -465,24 +449,27 @@ def is_enabled() -> bool:
 def enable() -> None:
     """Make colpali-engine score with lik, until :func:`disable`.
 
-    Changes: every binding of ``colpali_engine.utils.maxsim.maxsim_inbatch`` / ``maxsim_kd`` in colpali-engine's
-    loaded modules (the processors' scoring and the ``Colbert*Loss`` classes) and
-    ``BaseVisualRetrieverProcessor.score_multi_vector`` now run lik, unless ``COLPALI_SCORES_BACKEND=torch``.
-    Losses with ``use_smooth_max=True`` keep colpali-engine's log-sum-exp path (see the module doc). Idempotent; all or nothing (a failure part way undoes what it changed).
+    Changes: colpali-engine's own ``utils.maxsim.maxsim_inbatch`` / ``maxsim_kd`` (the processors' scoring and the
+    ``Colbert*Loss`` classes call them) and ``BaseVisualRetrieverProcessor.score_multi_vector`` run lik, unless
+    ``COLPALI_SCORES_BACKEND=torch``. No name is rebound: the function objects themselves are switched, so every
+    holder follows the switch and :func:`disable` returns every one of them to colpali-engine's code; a pickle
+    names colpali-engine's functions only. Losses with ``use_smooth_max=True`` keep colpali-engine's log-sum-exp
+    path (see the module doc). Idempotent; all or nothing.
 
     Raises:
-        ImportError: colpali-engine (or what its modules import) is not installed.
+        ImportError: colpali-engine, or a package it imports (torchvision), cannot be imported; the message names
+        the missing module and gives the pip command.
     """
-    maxsim_module, processing, _ = _patching.import_all(_CALL_SITE_MODULES)
-    for stock, ours in ((maxsim_module.maxsim_inbatch, maxsim_inbatch), (maxsim_module.maxsim_kd, maxsim_kd)):
-        _SWITCH.rebind_everywhere(stock, _routed(stock, ours))
-    base = processing.BaseVisualRetrieverProcessor
-    stock_score = base.__dict__["score_multi_vector"].__func__
-    _SWITCH.set(base, "score_multi_vector", staticmethod(_routed(stock_score, score_multi_vector)))
+    maxsim_module, processing = _SWITCH.import_host("colpali_engine.utils.maxsim",
+                                                    "colpali_engine.utils.processing_utils")
+    _SWITCH.route(maxsim_module.maxsim_inbatch, maxsim_inbatch, _forced_stock)
+    _SWITCH.route(maxsim_module.maxsim_kd, maxsim_kd, _forced_stock)
+    stock_score = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
+    _SWITCH.route(stock_score, score_multi_vector, _forced_stock)
 
 
 def disable() -> None:
-    """Undo :func:`enable`."""
+    """Undo :func:`enable`: colpali-engine's functions run their own code again, for every caller."""
     _SWITCH.restore()
 
 

@@ -20,12 +20,12 @@ Deliberate differences, all in the user's favour:
   ``torch.stack``; a document with no token scores 0 instead of failing in ``max``;
 * ``colbert_scores_pairwise`` rejects lists of different lengths instead of silently dropping the extra items.
 
-:func:`enable` makes PyLate score with lik at every call site: ``pylate.scores.*`` (and thus
-``ColBERTScores``, the ``Contrastive`` / ``CachedContrastive`` losses through it and the ``Distillation`` loss,
-including instances built before the switch), ``rank.rerank``, ``retrieve.ColBERT``, the models' ``similarity``
-/ ``similarity_pairwise`` and the evaluators. An explicit PyLate ``backend=`` other than ``"auto"`` (argument or
-``PYLATE_SCORES_BACKEND``) still selects PyLate's own backend. :func:`disable` undoes it; ``with enabled():``
-scopes it.
+:func:`enable` makes PyLate score with lik at every call site: PyLate's own scoring functions and
+``ColBERTScores`` are switched in place, so ``pylate.scores.*``, the ``Contrastive`` / ``CachedContrastive`` /
+``Distillation`` losses, ``rank.rerank``, ``retrieve.ColBERT``, the models' ``similarity`` / ``similarity_pairwise``
+and the evaluators follow it, whenever they were built. An explicit PyLate ``backend=`` other than ``"auto"``
+(argument or ``PYLATE_SCORES_BACKEND``) still selects PyLate's own backend. :func:`disable` undoes it for every
+caller; ``with enabled():`` scopes it. Models pickled meanwhile name only PyLate's functions.
 
 Example:
     >>> import lik.integrations.pylate as lik_pylate
@@ -274,47 +274,32 @@ class ColBERTScores:
 # The switch
 # ---------------------------------------------------------------------------------------------------------------
 
-_SWITCH = _patching.Switch("pylate")
-
-# Every PyLate module that binds a scoring function by name (PyLate 1.6), imported before the rebinding scan.
-_CALL_SITE_MODULES = (
-    "pylate.scores.colbert",
-    "pylate.scores",
-    "pylate.scores.similarity_functions",
-    "pylate.rank.rank",
-    "pylate.rank",
-    "pylate.retrieve.colbert",
-    "pylate.losses.contrastive",
-    "pylate.losses.cached_contrastive",
-    "pylate.losses.distillation",
-    "pylate.models.colbert",
-    "pylate.evaluation.colbert_distillation",
-    "pylate.evaluation.colbert_triplet",
-)
+_SWITCH = _patching.Switch(__name__, "PyLate", "pylate")
 
 
 def _explicit_backend(backend: str | None) -> bool:
     """True when the caller named one of PyLate's own backends (argument, else ``PYLATE_SCORES_BACKEND``)."""
     if backend is None:
         backend = os.environ.get("PYLATE_SCORES_BACKEND", "auto")
-    return backend.lower() != "auto"
+    return not isinstance(backend, str) or backend.lower() != "auto"
 
 
-def _routed(stock, ours, backend_position: int):
-    """``ours`` unless the call names a PyLate backend explicitly (then PyLate's own ``stock``)."""
+def _names_pylate_backend(position: int):
+    """``keep_stock`` for a PyLate function whose ``backend`` argument is at ``position``: PyLate's own code runs
+    when the call names one of its backends."""
 
-    def call(*args, **kwargs):
-        backend = kwargs.get("backend", args[backend_position] if len(args) > backend_position else None)
-        if _explicit_backend(backend):
-            return stock(*args, **kwargs)
-        return ours(*args, **kwargs)
+    def keep_stock(args: tuple, kwargs: dict) -> bool:
+        return _explicit_backend(kwargs.get("backend", args[position] if len(args) > position else None))
 
-    call.__name__ = getattr(stock, "__name__", "call")
-    call.__qualname__ = getattr(stock, "__qualname__", call.__name__)
-    call.__doc__ = f"lik (through lik.integrations.pylate.enable()); PyLate's own: {stock.__module__}."
-    call.__wrapped__ = stock
-    call.lik_stock = stock
-    return call
+    return keep_stock
+
+
+_FUSED = ColBERTScores()
+
+
+def _colbert_scores_call(self, *args, **kwargs) -> torch.Tensor:
+    """``pylate.scores.ColBERTScores.__call__`` while the switch is on: one fused lik call."""
+    return _FUSED(*args, **kwargs)
 
 
 def is_enabled() -> bool:
@@ -326,60 +311,29 @@ def is_enabled() -> bool:
 def enable() -> None:
     """Make PyLate score with lik everywhere it scores, until :func:`disable`.
 
-    Changes, in PyLate's loaded modules: every module-level binding of ``colbert_scores``,
-    ``colbert_kd_scores`` and ``colbert_scores_pairwise`` (``pylate.scores``, ``rank.rerank`` and so
-    ``retrieve.ColBERT``, the similarity functions the models use, the evaluators) now points to a router that
-    runs lik unless an explicit PyLate ``backend`` is named; ``ColBERTScores.__call__`` (used by
-    ``Contrastive`` and ``CachedContrastive``) becomes one fused lik call; ``Distillation.score_metric`` and
-    ``ColBERT``'s similarity functions read as lik's wherever an instance, old or new, holds PyLate's stock
-    function. A user-supplied ``score_metric`` is left alone. Idempotent; all or nothing (a failure part way undoes what it changed).
+    Changes: PyLate's own ``colbert_scores``, ``colbert_kd_scores``, ``colbert_scores_pairwise`` and
+    ``ColBERTScores.__call__`` run lik unless the call names a PyLate backend explicitly. No name is rebound: the
+    function objects themselves are switched, so every holder follows the switch (``pylate.scores``,
+    ``rank.rerank``, ``retrieve.ColBERT``, the evaluators, the ``Contrastive`` / ``CachedContrastive`` /
+    ``Distillation`` losses and ``ColBERT`` models whenever built, models loaded from a pickle), and
+    :func:`disable` returns every one of them to PyLate's code. A user-supplied ``score_metric`` is left alone;
+    a model pickled while the switch is on names PyLate's functions only. Idempotent; all or nothing.
 
     Raises:
-        ImportError: PyLate is not installed.
+        ImportError: PyLate is not installed; the message gives the pip command.
     """
-    modules = _patching.import_all(_CALL_SITE_MODULES)
-    colbert_module = modules[0]
-    stock = {
-        "colbert_scores": colbert_module.colbert_scores,
-        "colbert_kd_scores": colbert_module.colbert_kd_scores,
-        "colbert_scores_pairwise": colbert_module.colbert_scores_pairwise,
-    }
-    ours = {"colbert_scores": colbert_scores, "colbert_kd_scores": colbert_kd_scores,
-            "colbert_scores_pairwise": colbert_scores_pairwise}
-    positions = {"colbert_scores": 4, "colbert_kd_scores": 4, "colbert_scores_pairwise": 2}
-    routed = {name: _routed(stock[name], ours[name], positions[name]) for name in stock}
-    for name in stock:
-        _SWITCH.rebind_everywhere(stock[name], routed[name])
-    stock_call = colbert_module.ColBERTScores.__call__
-    fused = ColBERTScores()
-
-    def scores_call(self, queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None,
-                    backend=None):
-        if _explicit_backend(backend):
-            return stock_call(self, queries_embeddings, documents_embeddings, queries_mask, documents_mask,
-                              backend)
-        return fused(queries_embeddings, documents_embeddings, queries_mask, documents_mask)
-
-    _SWITCH.set(colbert_module.ColBERTScores, "__call__", scores_call)
-    import pylate.losses.distillation as distillation
-    import pylate.models.colbert as models_colbert
-
-    pairs = [(stock[name], routed[name]) for name in stock]
-    _SWITCH.map_attribute(distillation.Distillation, "score_metric", pairs)
-    _SWITCH.map_attribute(models_colbert.ColBERT, "_similarity", pairs)
-    _SWITCH.map_attribute(models_colbert.ColBERT, "_similarity_pairwise", pairs)
+    (scores,) = _SWITCH.import_host("pylate.scores.colbert")
+    _SWITCH.route(scores.colbert_scores, colbert_scores, _names_pylate_backend(4))
+    _SWITCH.route(scores.colbert_kd_scores, colbert_kd_scores, _names_pylate_backend(4))
+    _SWITCH.route(scores.colbert_scores_pairwise, colbert_scores_pairwise, _names_pylate_backend(2))
+    _SWITCH.route(scores.ColBERTScores.__call__, _colbert_scores_call, _names_pylate_backend(5))
 
 
 def disable() -> None:
-    """Undo :func:`enable`: every binding and class attribute it changed gets its previous value back."""
+    """Undo :func:`enable`: PyLate's functions run their own code again, for every caller."""
     _SWITCH.restore()
 
 
 def enabled():
     """Context manager: ``with lik.integrations.pylate.enabled(): ...`` scores with lik inside the block only."""
     return _SWITCH.scoped(enable)
-
-
-def _stock(fn):
-    """PyLate's own function behind a routed one (tests compare against it)."""
-    return getattr(fn, "lik_stock", fn)

@@ -10,10 +10,10 @@ Deliberate differences: half-precision similarities are accumulated in fp32 befo
 the max in the input dtype), masks are read as 0 / nonzero (a fractional query mask weight is not applied), and
 ``chunk_elements`` is accepted but not needed (lik holds no similarity tensor, so there is nothing to budget).
 
-:func:`enable` rebinds ``maxsim``, ``maxsim_pairwise``, ``mean_maxsim`` and ``mean_maxsim_pairwise`` in every
-loaded sentence-transformers module (``util``, ``util.similarity``, the multi-vector ``scoring`` functions and so
-every multi-vector loss, evaluator and ``SimilarityFunction`` built on them), and the multi-vector model's
-stored similarity functions (instances built before the switch included). :func:`disable` undoes it.
+:func:`enable` switches sentence-transformers' own ``util.similarity.maxsim``, ``maxsim_pairwise``, ``mean_maxsim``
+and ``mean_maxsim_pairwise`` to these (so ``util``, the multi-vector ``scoring`` functions and every loss, evaluator,
+``SimilarityFunction`` and model built on them, whenever built); :func:`disable` switches them back for every
+caller. Models pickled meanwhile name only sentence-transformers' functions.
 
 Example:
     >>> import lik.integrations.sentence_transformers as lik_st
@@ -196,15 +196,11 @@ def mean_maxsim_pairwise(a, b, a_mask=None, b_mask=None, chunk_elements=None, le
 # The switch
 # ---------------------------------------------------------------------------------------------------------------
 
-_SWITCH = _patching.Switch("sentence_transformers")
+_SWITCH = _patching.Switch(__name__, "sentence-transformers 6", "sentence-transformers")
 
-_OPTIONAL_MODULES = (
-    "sentence_transformers.multi_vector_encoder",
-    "sentence_transformers.multi_vector_encoder.scoring.colbert",
-    "sentence_transformers.multi_vector_encoder.model",
-    "sentence_transformers.multi_vector_encoder.losses",
-    "sentence_transformers.multi_vector_encoder.evaluation",
-)
+# sentence-transformers' MaxSim family, by name in ``util.similarity``, and lik's function for each.
+_ROUTES = {"maxsim": maxsim, "maxsim_pairwise": maxsim_pairwise, "mean_maxsim": mean_maxsim,
+           "mean_maxsim_pairwise": mean_maxsim_pairwise}
 
 
 def is_enabled() -> bool:
@@ -216,41 +212,26 @@ def is_enabled() -> bool:
 def enable() -> None:
     """Make sentence-transformers' multi-vector scoring run on lik, until :func:`disable`.
 
-    Changes: every binding of ``maxsim``, ``maxsim_pairwise``, ``mean_maxsim`` and ``mean_maxsim_pairwise`` (those
-    the installed version defines) in loaded sentence-transformers modules now refers to this module's; the
-    multi-vector model class reads its stored similarity functions as lik's where they are the stock ones.
-    Idempotent; all or nothing (a failure part way undoes what it changed).
+    Changes: ``util.similarity.maxsim``, ``maxsim_pairwise``, ``mean_maxsim`` and ``mean_maxsim_pairwise`` (those
+    the installed version defines) run this module's functions. No name is rebound: the host's function objects
+    themselves are switched, so every caller holding them follows the switch (``util.maxsim``, the multi-vector
+    ``scoring`` functions, losses, evaluators, ``SimilarityFunction``, and models whatever their age, including
+    models loaded from a pickle), and :func:`disable` returns every one of them to the stock code. A model pickled
+    while the switch is on names sentence-transformers' functions only. Idempotent; all or nothing.
 
     Raises:
-        ImportError: sentence-transformers is not installed, or has no ``util.similarity.maxsim``.
+        ImportError: sentence-transformers (6.0 or newer) is not installed; the message gives the pip command.
     """
-    import importlib
-
-    similarity = importlib.import_module("sentence_transformers.util.similarity")
+    (similarity,) = _SWITCH.import_host("sentence_transformers.util.similarity")
     if not hasattr(similarity, "maxsim"):
-        raise ImportError("this sentence-transformers has no util.similarity.maxsim (multi-vector scoring came in 6.0)")
-    for name in _OPTIONAL_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    ours = {"maxsim": maxsim, "maxsim_pairwise": maxsim_pairwise, "mean_maxsim": mean_maxsim,
-            "mean_maxsim_pairwise": mean_maxsim_pairwise}
-    pairs = [(getattr(similarity, name), fn) for name, fn in ours.items() if hasattr(similarity, name)]
-    for stock, replacement in pairs:
-        _SWITCH.rebind_everywhere(stock, replacement)
-    import sys
-
-    model_module = sys.modules.get("sentence_transformers.multi_vector_encoder.model")
-    for cls in [getattr(model_module, name) for name in dir(model_module or object())
-                if isinstance(getattr(model_module, name, None), type)] if model_module else []:
-        if cls.__module__ == model_module.__name__ and "_similarity" in getattr(cls, "__annotations__", {}):
-            _SWITCH.map_attribute(cls, "_similarity", pairs)
-            _SWITCH.map_attribute(cls, "_similarity_pairwise", pairs)
+        raise _SWITCH.missing_host("this version has no util.similarity.maxsim (multi-vector scoring came in 6.0)")
+    for name, ours in _ROUTES.items():
+        if hasattr(similarity, name):
+            _SWITCH.route(getattr(similarity, name), ours)
 
 
 def disable() -> None:
-    """Undo :func:`enable`."""
+    """Undo :func:`enable`: sentence-transformers' functions run their own code again, for every caller."""
     _SWITCH.restore()
 
 

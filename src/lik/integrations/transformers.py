@@ -4,15 +4,16 @@
 that name in transformers' Deformable DETR family, backed by :func:`lik.ms_deform_attn`. It needs no import of
 transformers (``lik.MultiScaleDeformableAttention`` is this class).
 
-:func:`enable` rebinds ``MultiScaleDeformableAttention`` in every transformers modeling module that defines one
-(Deformable DETR, Grounding DINO, MM Grounding DINO, RT-DETR, OmDet-Turbo, LW-DETR, RF-DETR, PP-DocLayout...),
-so every such model *built afterwards* creates lik's module in its deformable-attention layers; models built
-before keep theirs (swap them with :func:`patch_model`). :func:`disable` restores transformers' classes.
+:func:`enable` switches the ``forward`` of transformers' own ``MultiScaleDeformableAttention`` in every modeling
+module that defines one (Deformable DETR, Grounding DINO, MM Grounding DINO, RT-DETR, OmDet-Turbo, LW-DETR, RF-DETR,
+PP-DocLayout...) to lik, so every such model, whenever built or loaded, runs lik while the switch is on;
+:func:`disable` returns them all to transformers' code. :func:`patch_model` swaps lik's module into one model for
+good, switch or not.
 
 Example:
     >>> import lik.integrations.transformers as lik_transformers
     >>> lik_transformers.enable()
-    >>> model = DeformableDetrForObjectDetection.from_pretrained(...)   # its layers call lik.ms_deform_attn
+    >>> model = DeformableDetrForObjectDetection.from_pretrained(...)   # its layers run lik.ms_deform_attn
 """
 
 from __future__ import annotations
@@ -64,14 +65,37 @@ class MultiScaleDeformableAttention(nn.Module):
                               attention_weights, im2col_step)
 
 
+def _lik_forward(module: nn.Module, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index,
+                 sampling_locations, attention_weights, im2col_step: int = 64) -> torch.Tensor:
+    """A transformers ``MultiScaleDeformableAttention.forward`` while the switch is on (the modules are
+    stateless, so ``module`` itself is not read)."""
+    return MultiScaleDeformableAttention.forward(module, value, value_spatial_shapes, value_spatial_shapes_list,
+                                                 level_start_index, sampling_locations, attention_weights,
+                                                 im2col_step)
+
+
 # transformers modeling modules (5.x) defining a class named MultiScaleDeformableAttention that their attention
-# layers instantiate; a module missing from the installed version is skipped.
+# layers instantiate; a module missing from (or failing to import in) the installed version is skipped.
 _MODELING_MODULES = (
     "deformable_detr", "grounding_dino", "mm_grounding_dino", "rt_detr", "omdet_turbo", "lw_detr", "rf_detr",
     "pp_doclayout_v2", "pp_doclayout_v3", "pp_doclayout_v4",
 )
 
-_SWITCH = _patching.Switch("transformers")
+_SWITCH = _patching.Switch(__name__, "transformers", "transformers")
+
+
+def _stock_classes() -> list[type]:
+    """transformers' ``MultiScaleDeformableAttention`` classes of the modeling modules that import here."""
+    classes = []
+    for short in _MODELING_MODULES:
+        try:
+            module = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
+        except ImportError:
+            continue
+        stock = getattr(module, "MultiScaleDeformableAttention", None)
+        if isinstance(stock, type) and not issubclass(stock, MultiScaleDeformableAttention) and stock not in classes:
+            classes.append(stock)
+    return classes
 
 
 def is_enabled() -> bool:
@@ -81,40 +105,35 @@ def is_enabled() -> bool:
 
 @_SWITCH.enabler
 def enable() -> None:
-    """Make every transformers model built afterwards use lik's deformable attention, until :func:`disable`.
+    """Make transformers' deformable attention run :func:`lik.ms_deform_attn`, until :func:`disable`.
 
-    Changes: the name ``MultiScaleDeformableAttention`` in each modeling module listed in
-    ``_MODELING_MODULES`` that defines it (and in any other loaded ``transformers.models.*`` module binding the
-    same class) now refers to :class:`MultiScaleDeformableAttention`. Already-built models are not touched (see
-    :func:`patch_model`). Idempotent; all or nothing (a failure part way undoes what it changed).
+    Changes: the ``forward`` of the ``MultiScaleDeformableAttention`` class of each modeling module in
+    ``_MODELING_MODULES`` that imports runs lik's. No class is replaced: every model of those families, built
+    before or after the switch or loaded from a pickle, runs lik while it is on and transformers' own code after
+    :func:`disable`; a model pickled meanwhile holds transformers' classes only. Idempotent; all or nothing.
 
     Raises:
-        ImportError: transformers is not installed.
+        ImportError: transformers is not installed; the message gives the pip command.
     """
-    importlib.import_module("transformers")
-    for short in _MODELING_MODULES:
-        try:
-            module = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
-        except ImportError:
-            continue
-        stock = getattr(module, "MultiScaleDeformableAttention", None)
-        if isinstance(stock, type) and stock is not MultiScaleDeformableAttention:
-            _SWITCH.rebind_everywhere(stock, MultiScaleDeformableAttention)
+    _SWITCH.import_host("transformers")
+    for stock in _stock_classes():
+        _SWITCH.route(stock.forward, _lik_forward)
 
 
 def disable() -> None:
-    """Undo :func:`enable`."""
+    """Undo :func:`enable`: transformers' deformable attention runs its own code again, in every model."""
     _SWITCH.restore()
 
 
 def enabled():
-    """Context manager: models built inside ``with enabled():`` use lik's deformable attention."""
+    """Context manager: transformers' deformable attention runs lik inside the block only."""
     return _SWITCH.scoped(enable)
 
 
 def patch_model(model: nn.Module) -> int:
     """Replace, in an already-built model, every submodule whose class is named ``MultiScaleDeformableAttention``
-    by lik's (they are stateless, so nothing is lost). Returns how many were replaced.
+    by lik's (they are stateless, so nothing is lost). Returns how many were replaced. Unlike :func:`enable`, this
+    is for good: the model then holds lik's class, whatever the switch, and a pickle of it needs lik to load.
 
     Example:
         >>> lik.integrations.transformers.patch_model(model)
