@@ -74,7 +74,7 @@ def rounds(step, lik_pylate, batch, n_rounds=15, steps_per_round=8):
                     run()
                 torch.cuda.synchronize()
                 times[name].append((time.perf_counter() - start) * 1e3 / steps_per_round)
-    ratios = [s / l for s, l in zip(times["stock"], times["lik"])]
+    ratios = [stock / mine for stock, mine in zip(times["stock"], times["lik"])]
     out = {"batch": batch, "rounds": n_rounds, "steps_per_round": steps_per_round,
            **{f"{name}_ms_median": statistics.median(t) for name, t in times.items()},
            **{f"{name}_ms_all": t for name, t in times.items()},
@@ -234,7 +234,7 @@ def colpali_phases(n_pages=1000, page_len=1030, dim=128, query_counts=(16, 128),
             print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8,
                                             max_name_column_width=50))
         out.append(row)
-        print("colpali phases Nq=%d: " % n_queries + " | ".join(
+        print(f"colpali phases Nq={n_queries}: " + " | ".join(
             f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
     return out
 

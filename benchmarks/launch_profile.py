@@ -25,8 +25,8 @@ import triton
 from triton.runtime import jit as triton_jit
 
 import lik
-from host_profile import host_us  # benchmarks/ is the script's directory, so on sys.path
 from lik import _launch
+from lik.bench.cases import host_us
 from lik.ops.msda.backward import msda_backward
 
 REPLAYS = 300

@@ -28,20 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 import triton.testing
 
-sys.path.insert(0, os.path.dirname(__file__))
-import msda_bench  # noqa: E402  (the benchmark's problem generator)
+import lik.ops.msda as msda
+from lik.bench.msda_cases import ENCODER, make_problem
+from lik.ops.msda.backward import msda_backward
+from lik.ops.msda.forward import msda_forward
 
-import lik.ops.msda as msda  # noqa: E402
-from lik.ops.msda.backward import msda_backward  # noqa: E402
-from lik.ops.msda.forward import msda_forward  # noqa: E402
-
+BARS = (20.0, 15.0)  # the encoder's forward and backward bars: speed-ups over the grid_sample reference, fp32
 TILES = [(2, 1), (4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (8, 4), (16, 4), (32, 4)]  # (rows, warps)
 
 
@@ -122,7 +120,7 @@ def main() -> None:
                    problems={})
     table = []
     for sampling in args.sampling.split(","):
-        p = msda_bench.make_problem(msda_bench.ENCODER, sampling, torch.float32)
+        p = make_problem(ENCODER, sampling, torch.float32)
         offsets, down = corner_offsets(p)
         corners = offsets.numel() * 4
         print(f"encoder {sampling} fp32: {corners / 1e6:.1f} M corner lines of {p['value'].shape[-1] * 4} B",
@@ -135,17 +133,17 @@ def main() -> None:
         row["lik_forward_ms"] = triton.testing.do_bench(lambda: msda_forward(*args_), return_mode="median")
         row["lik_backward_ms"] = triton.testing.do_bench(
             lambda: msda_backward(p["grad"], *args_, deterministic=False), return_mode="median")
-        x = msda_bench.leaves(p)
+        x = [p[k].detach().clone().requires_grad_() for k in ("value", "loc", "weights")]
         reference = msda.ms_deform_attn_reference
         row["gs_forward_ms"] = triton.testing.do_bench(
             lambda: reference(p["value"], p["shapes"], p["starts"], p["loc"], p["weights"]), return_mode="median")
         out = reference(x[0], p["shapes"], p["starts"], x[1], x[2])
         row["gs_backward_ms"] = triton.testing.do_bench(
             lambda: torch.autograd.grad(out, x, p["grad"], retain_graph=True), return_mode="median")
-        del out, x, p
+        out = x = p = None  # the lambdas above close over them: drop the tensors before the next problem
         torch.cuda.empty_cache()
         results["problems"][sampling] = row
-        fwd_bar, bwd_bar = msda_bench.BARS["encoder"]
+        fwd_bar, bwd_bar = BARS
         gather = min(row["gather"]["ms"], row["gather by-level"]["ms"])
         atomic = min(row["atomic"]["ms"], row["atomic by-level"]["ms"])
         table.append(

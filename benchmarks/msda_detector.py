@@ -1,12 +1,13 @@
 """End to end: HF transformers' ``DeformableDetrForObjectDetection`` (default config: ResNet-50, 4 levels, 6 + 6
 layers, 300 queries; random weights) at 800x1333, one training step (forward + DETR loss + backward) and one
 inference forward, with the stock PyTorch attention, with lik switched in as the README says, and with the original
-Deformable-DETR CUDA op (``msda_original_op.py``). Same weights and inputs for all; time (CUDA events around each
-step, the variants interleaved step by step, median of ``--steps`` rounds after three warm-up rounds), peak memory
-above the model and inputs (fresh, one variant at a time), the device time of one profiled step (all kernels and
-the deformable-attention ones), and the loss, logits and gradients of each against the stock model in fp32.
+Deformable-DETR CUDA op (``lik.bench.msda_cases.load_original_op``). Same weights and inputs for all; time (CUDA
+events around each step, the variants interleaved step by step, median of ``--steps`` rounds after three warm-up
+rounds), peak memory above the model and inputs (fresh, one variant at a time), the device time of one profiled step
+(all kernels and the deformable-attention ones), and the loss, logits and gradients of each against the stock model
+in fp32.
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/msda_detector.py --original-src /path/to/Deformable-DETR --out $OUT
+    PYTHONPATH=src python3 benchmarks/msda_detector.py --original-src /path/to/Deformable-DETR --out $OUT
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import transformers
 import transformers.models.deformable_detr.modeling_deformable_detr as modeling
 
 import lik
-from msda_original_op import OriginalModule, load_original_op
+from lik.bench.msda_cases import OriginalModule, load_original_op
 
 STOCK = modeling.MultiScaleDeformableAttention
 
@@ -179,7 +180,8 @@ def main():
             if name == "pytorch" and not amp:
                 reference = dict(loss=loss, logits=logits, grads=grads)
             else:
-                row["vs_pytorch_fp32"] = dict(loss=rel(loss, reference["loss"]), logits=rel(logits, reference["logits"]),
+                row["vs_pytorch_fp32"] = dict(loss=rel(loss, reference["loss"]),
+                                              logits=rel(logits, reference["logits"]),
                                               grads=rel(grads, reference["grads"]))
             del grads
             model.zero_grad(set_to_none=True)

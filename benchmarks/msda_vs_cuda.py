@@ -1,6 +1,6 @@
 """lik's deformable attention against the original Deformable-DETR CUDA op and the PyTorch grid_sample path, one
 process, one GPU: decoder (N 4 at 800x1333, 300 and 900 queries) and encoder (N 2 at 1536x2048) scales, fp32 and
-bf16 (the original op has no bf16), realistic sampling (``msda_bench.make_problem``).
+bf16 (the original op has no bf16), realistic sampling (``lik.bench.msda_cases.make_problem``).
 
 Per method and problem: forward with gradients wanted (a training forward: through the autograd Function), forward
 without (inference), backward alone (``autograd.grad`` on a retained graph): ``do_bench`` medians (L2 flushed),
@@ -9,7 +9,7 @@ host time per call (200 calls without synchronising: the wall time when the CPU,
 Also, at both decoder scales: kernels per call with their device time (torch.profiler); at 300 queries a cProfile
 of lik's forward + backward host path.
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/msda_vs_cuda.py --original-src /path/to/Deformable-DETR --out $OUT
+    PYTHONPATH=src python3 benchmarks/msda_vs_cuda.py --original-src /path/to/Deformable-DETR --out $OUT
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import triton
 import triton.testing
 
 import lik
-from host_profile import host_us  # benchmarks/ is the script's directory, so on sys.path
-from msda_bench import DECODER, ENCODER, detr_core, make_problem
-from msda_original_op import load_original_op
+from lik.bench.cases import host_us
+from lik.bench.msda_cases import DECODER, ENCODER, detr_core, load_original_op, make_problem
 
 DECODER_900 = dict(DECODER, name="decoder900", queries=900)
 PAPER_H100_BF16 = dict(fwd_ms=1.15, bwd_ms=4.33)  # "Efficient Multi-Scale Deformable Attention on GPUs", Triton
@@ -62,11 +61,11 @@ def time_methods(methods: dict, p, rounds: int) -> dict:
                        lambda out=out, x=x: torch.autograd.grad(out, x, p["grad"], retain_graph=True))
     rows = {name: {"fwd_rounds": [], "infer_rounds": [], "bwd_rounds": []} for name in methods}
     for _ in range(rounds):
-        for name, (fn, x, detached, out, grad) in state.items():
+        for name, (fn, x, detached, _out, grad) in state.items():
             rows[name]["fwd_rounds"].append(bench(lambda: fn(*x)))
             rows[name]["infer_rounds"].append(bench(lambda: fn(*detached)))
             rows[name]["bwd_rounds"].append(bench(grad))
-    for name, (fn, x, detached, out, grad) in state.items():
+    for name, (fn, x, _detached, _out, grad) in state.items():
         row = rows[name]
         for phase in ("fwd", "infer", "bwd"):
             row[f"{phase}_ms"] = sorted(row[f"{phase}_rounds"])[len(row[f"{phase}_rounds"]) // 2]
@@ -148,12 +147,12 @@ def tile_sweep():
             with config.override(msda_backward=config.MsdaBackwardConfig(gather_rows=32, **tile)):
                 bwd = triton.testing.do_bench(lambda: torch.autograd.grad(out, x, p["grad"], retain_graph=True),
                                               return_mode="median")
-            del out
+            out = None  # the backward's graph, closed over above
             results.append(dict(scale=scale["name"], dtype=str(dtype)[6:], rows=rows, warps=warps, fwd_ms=fwd,
                                 bwd_ms=bwd))
             print(f"tile {scale['name']} {str(dtype)[6:]} rows {rows} warps {warps}: fwd {fwd:.4f} bwd {bwd:.4f} ms",
                   flush=True)
-        del p, args, x
+        p = args = x = None  # closed over above: dropped before the next problem
         torch.cuda.empty_cache()
     return results
 
@@ -232,7 +231,8 @@ def main():
             op = dict(fwd_ms=PAPER_H100_BF16["fwd_ms"], bwd_ms=PAPER_H100_BF16["bwd_ms"]) if r["scale"] == "encoder" \
                 else dict(fwd_ms=float("nan"), bwd_ms=float("nan"))
         err = max(r["lik_vs_cuda_op"].values()) if "lik_vs_cuda_op" in r else float("nan")
-        print(f"{r['scale']:10} {r['dtype']:8} | {lk['fwd_ms']:8.4f} {op['fwd_ms']:8.4f} {op['fwd_ms'] / lk['fwd_ms']:5.2f} | "
+        print(f"{r['scale']:10} {r['dtype']:8} | {lk['fwd_ms']:8.4f} {op['fwd_ms']:8.4f} "
+              f"{op['fwd_ms'] / lk['fwd_ms']:5.2f} | "
               f"{lk['bwd_ms']:8.4f} {op['bwd_ms']:8.4f} {op['bwd_ms'] / lk['bwd_ms']:5.2f} | {pt['fwd_ms']:7.3f} "
               f"{pt['bwd_ms']:7.3f} | {lk['infer_ms']:.4f} | {err:.1e}")
 

@@ -41,7 +41,8 @@ def _passages(limit: int, seed: int) -> list[str]:
     texts = list(load_corpus())
     seen = set(texts)
     for info in sorted(pkgutil.iter_modules(), key=lambda m: m.name):
-        if info.name.startswith("_") or info.name not in sys.stdlib_module_names or info.name in ("antigravity", "this"):
+        skipped = ("antigravity", "this")
+        if info.name.startswith("_") or info.name not in sys.stdlib_module_names or info.name in skipped:
             continue
         try:
             module = importlib.import_module(info.name)
@@ -98,7 +99,8 @@ def _colpali_like(device, n_pages=1000, n_queries=64, page_len=1030, q_len=24, d
     pages = torch.nn.functional.normalize(pages, dim=-1)
     target = torch.randint(0, n_pages, (n_queries,), device=device, generator=gen)
     picks = torch.randint(0, page_len, (n_queries, q_len), device=device, generator=gen)
-    queries = pages[target[:, None], picks] + 0.5 * torch.randn(n_queries, q_len, dim, device=device, generator=gen) / dim**0.5 * 4
+    noise = torch.randn(n_queries, q_len, dim, device=device, generator=gen)
+    queries = pages[target[:, None], picks] + 0.5 * noise / dim**0.5 * 4
     return torch.nn.functional.normalize(queries, dim=-1), pages
 
 
@@ -190,7 +192,10 @@ def _compare(name, exact, methods, rows):
             per_query = []
             for i in range(exact.shape[0]):
                 e, g = exact[i], got[i]
-                top = lambda s, k: set(s.topk(min(k, s.numel())).indices.tolist())
+
+                def top(s, k):
+                    return set(s.topk(min(k, s.numel())).indices.tolist())
+
                 per_query.append((_spearman(e, g), len(top(e, 10) & top(g, 10)) / min(10, e.numel()),
                                   len(top(e, 100) & top(g, 100)) / min(100, e.numel()), float((e - g).abs().max())))
             cols = list(zip(*per_query))
@@ -230,7 +235,8 @@ def score(args) -> None:
     print(f"{'method':30} {'Spearman mean/min':>18} {'top-10 mean/min':>16} {'top-100 mean/min':>17} {'max err':>8}")
     for r in rows:
         if "error" not in r:
-            print(f"{r['method']:30} {r['spearman_mean']:.5f}/{r['spearman_min']:.5f} {r['top10_mean']:.3f}/{r['top10_min']:.2f}"
+            print(f"{r['method']:30} {r['spearman_mean']:.5f}/{r['spearman_min']:.5f} "
+                  f"{r['top10_mean']:.3f}/{r['top10_min']:.2f}"
                   f"    {r['top100_mean']:.3f}/{r['top100_min']:.2f}   {r['max_abs_err']:.4f}  ({r['data'][:12]})")
 
 

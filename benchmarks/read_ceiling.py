@@ -29,7 +29,7 @@ import triton.language as tl
 
 SIZES_MB = {
     "textual B 1000 (32 x 300 docs)": 76.8, "long-doc B 1000": 262.1, "textual B 10000": 768.0,
-    # the packed corpora of VARLEN.md (varlen_bench.py: bytes of the real tokens; floors 4.0 / 7.1 / 23.7 us
+    # the packed corpora of BENCHMARKS.md (lik bench --ops packed: bytes of the real tokens; floors 4.0 / 7.1 / 23.7 us
     # at 4.24 TB/s)
     "varlen corpus ragged": 17.0, "varlen corpus hotpotqa": 30.1, "varlen corpus uniform": 100.5,
     # 8-bit corpora (BENCHMARKS.md, 8-bit): 1-byte rows plus one fp32 scale per token, 300-token documents
@@ -68,7 +68,7 @@ def main():
     big_dst = torch.empty_like(big)
     copy_ms = bench(lambda: big_dst.copy_(big))
     copy_gbps = 2 * big.numel() * 2 / copy_ms / 1e6
-    del big_dst
+    big_dst = None  # drop it before the smaller sizes (the lambda above closes over it)
     rows = []
     flag = torch.zeros(1, device=dev)
     empty_ms = bench(lambda: empty_kernel[(1,)](flag))

@@ -199,10 +199,10 @@ def main() -> None:
                     continue
             runnable.append((cfg, call, ok, []))
         for _ in range(args.rounds):  # interleaved, so that a slow stretch touches every tile alike
-            for cfg, call, ok, times in runnable:
+            for cfg, call, _ok, times in runnable:
                 with _config.override(maxsim_forward=cfg):
                     times.append(bench(call))
-        for cfg, call, ok, times in runnable:
+        for cfg, _call, ok, times in runnable:
             ms = sorted(times)[len(times) // 2]
             rows.append({"config": cfg.__dict__, "ms": ms, "rounds_ms": times, "pct_floor": 100 * floor / ms,
                          "correct": ok})
@@ -220,7 +220,7 @@ def main() -> None:
         bad = [r for r in rows if "correct" in r and not r["correct"]]
         if bad:
             print(f"    WRONG RESULTS from {len(bad)} configs, e.g. {bad[0]['config']}", flush=True)
-        del Q, D
+        Q = D = None  # the calls above close over them: drop the tensors before the next shape
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, f"tune_maxsim_{args.dtype}.json"), "w") as f:
         json.dump(results, f, indent=1)

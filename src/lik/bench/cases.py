@@ -21,7 +21,7 @@ from .cells import failure, finish_cells, rel_error, round_order
 from .measure import Timer, free_memory, peak_memory_bytes
 from .roofline import Ceilings
 
-__all__ = ["Case", "CaseMethod", "run_case", "host_ms", "output_error", "floor_record"]
+__all__ = ["Case", "CaseMethod", "run_case", "host_ms", "host_us", "output_error", "floor_record"]
 
 Inputs = dict
 Call = Callable[[], object]
@@ -111,6 +111,11 @@ def host_ms(call: Call, device: torch.device, calls: int | None = None) -> float
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return 1e3 * elapsed / calls
+
+
+def host_us(call: Call, calls: int = 200) -> float:
+    """:func:`host_ms` in microseconds on the current CUDA device (the tools in benchmarks/ time host paths so)."""
+    return 1e3 * host_ms(call, torch.device("cuda", torch.cuda.current_device()), calls)
 
 
 def output_error(out, expected) -> float:

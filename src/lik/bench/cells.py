@@ -155,7 +155,7 @@ def finish_cells(entry: dict, floor_ms: float | None) -> None:
 def round_order(calls: dict, round_index: int) -> list:
     """The ``(name, call)`` pairs of timing round ``round_index``: rounds come in pairs, the methods in their order
     rotated to start at the ``round_index // 2``-th, then that order reversed. On a power-capped GPU a method's time
-    depends on what ran just before it (the first timing of a phase is the fast one, BENCHMARKS.md): a fixed order
+    depends on what ran just before it (the first timing of a phase is the fast one, benchmarks/NOTES.md): a fixed order
     would favour the first method every round, and a rotation alone keeps every method behind the same neighbour
     (a heavy one slows it in every round); the reversed rounds put it behind its other neighbour.
 

@@ -236,7 +236,8 @@ METHODS: tuple[Method, ...] = (
            applies=_eight_bit_cell),
     Method("eager", ("forward", "multi", "train"), lambda shape: einsum_maxsim),
     *(_chunk_method(c) for c in CHUNK_SIZES),
-    Method("compile", ("forward", "multi", "train"), _compiled, needs_cuda=True),
+    # Scores only: compiling the training step's backward graph takes longer than the rest of its cells together.
+    Method("compile", ("forward", "multi"), _compiled, needs_cuda=True),
 )
 
 

@@ -3,7 +3,7 @@ it has been built, the original Deformable-DETR CUDA op.
 
 Problems (M = 8 heads, D = 32 channels, L = 4 levels, P = 4 points, "realistic" sampling: reference points plus
 Deformable DETR's initial offset pattern plus noise): the decoder (N = 4 images at 800x1333: levels 100x167 ..
-13x21, 300 queries) and the encoder (N = 2 at 1536x2048: levels 192x256 .. 24x32, Lq = S = 65 280), fp32, and
+13x21, 300 and 900 queries) and the encoder (N = 2 at 1536x2048: levels 192x256 .. 24x32, Lq = S = 65 280), fp32, and
 the encoder in bf16. ``fwd`` times a training forward (inputs that require grad, through the autograd Function),
 ``bwd`` an ``autograd.grad`` of that output on a retained graph. The floor is the minimal bytes (each input read
 once, each output written once) at the run's copy bandwidth. The check compares with the float64 reference.
@@ -26,10 +26,12 @@ import torch.nn.functional as F
 
 from .cases import Case, CaseMethod, floor_record
 
-__all__ = ["msda_cases", "make_problem", "detr_core", "load_original_op", "OriginalModule", "ENCODER", "DECODER"]
+__all__ = ["msda_cases", "make_problem", "detr_core", "load_original_op", "OriginalModule", "ENCODER", "DECODER",
+           "DECODER_900"]
 
 ENCODER = dict(name="encoder", n=2, hw=[(192, 256), (96, 128), (48, 64), (24, 32)], queries=None)
 DECODER = dict(name="decoder", n=4, hw=[(100, 167), (50, 84), (25, 42), (13, 21)], queries=300)
+DECODER_900 = dict(DECODER, name="decoder-900", queries=900)
 SMOKE = dict(name="smoke", n=1, hw=[(6, 8), (3, 4)], queries=5)
 HEADS, DIM, POINTS = 8, 32, 4
 ORIGINAL_SRC = "LIK_ORIGINAL_MSDA_SRC"
@@ -209,8 +211,9 @@ def _floor(backward: bool):
 def msda_cases() -> list[Case]:
     """The deformable-attention cases, in table order."""
     cases = []
-    for scale, dtype, tag, tolerance in ((DECODER, torch.float32, "fp32", 1e-4), (ENCODER, torch.float32, "fp32", 1e-4),
-                                         (ENCODER, torch.bfloat16, "bf16", 2e-2)):
+    problems = ((DECODER, torch.float32, "fp32", 1e-4), (DECODER_900, torch.float32, "fp32", 1e-4),
+                (ENCODER, torch.float32, "fp32", 1e-4), (ENCODER, torch.bfloat16, "bf16", 2e-2))
+    for scale, dtype, tag, tolerance in problems:
         for phase in ("fwd", "bwd"):
             wrap = _backward if phase == "bwd" else _forward
             methods = {"lik": CaseMethod(wrap(_lik))}
@@ -222,7 +225,8 @@ def msda_cases() -> list[Case]:
             tol = 5e-3 if phase == "bwd" and scale is ENCODER and dtype == torch.float32 else tolerance
             pixels = sum(h * w for h, w in scale["hw"])
             queries = f"{scale['queries']} queries" if scale["queries"] else f"Lq = S = {pixels:,}".replace(",", " ")
-            label = f"{scale['name']} {tag} {'backward' if phase == 'bwd' else 'forward'} (N {scale['n']}, {queries})"
+            name = scale["name"].split("-")[0]
+            label = f"{name} {tag} {'backward' if phase == 'bwd' else 'forward'} (N {scale['n']}, {queries})"
             cases.append(Case(
                 "msda", f"msda/{scale['name']}-{tag}-{phase}", label, _inputs(scale, dtype), methods,
                 floor=_floor(phase == "bwd"),

@@ -30,6 +30,13 @@ def _median(entry: dict, column: str) -> float | None:
     return None if cell is None else cell.get("median_ms")
 
 
+def _floor_ms(entry: dict, op: Op) -> float | None:
+    """The floor drawn for a cell: that of lik's first method where it has its own (the 8-bit cells' 1-byte floor),
+    else the cell's."""
+    own = (entry["cells"].get(op.lik[0]) or {}).get("floor_ms")
+    return own or (entry.get("floor") or {}).get("floor_ms")
+
+
 def plot_op(results: dict, op: Op, path: Path) -> bool:
     """Draw ``op``'s plot into ``path``; ``False`` (nothing written) when the run has no timed cell for it."""
     import matplotlib
@@ -52,11 +59,10 @@ def plot_op(results: dict, op: Op, path: Path) -> bool:
                 xs.append(i + (k - (len(columns) - 1) / 2) * width)
                 ys.append(ms * scale)
         ax.bar(xs, ys, width, label=DISPLAY.get(column, column), color=_colour(column))
-    floors = [(i, e["floor"]["floor_ms"] * scale) for i, e in enumerate(entries)
-              if (e.get("floor") or {}).get("floor_ms")]
+    floors = [(i, f * scale) for i, e in enumerate(entries) if (f := _floor_ms(e, op))]
     if floors:
-        ax.scatter([i for i, _ in floors], [f for _, f in floors], marker="_", s=900, color="k", label="floor",
-                   zorder=3)
+        ax.hlines([f for _, f in floors], [i - 0.45 for i, _ in floors], [i + 0.45 for i, _ in floors], colors="k",
+                  linewidth=1.5, label="floor", zorder=3)
     ax.set_yscale("log")
     ax.set_ylabel("host us per call (log)" if op.host else "median ms (log)")
     ax.set_xticks(range(len(entries)))

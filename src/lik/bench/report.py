@@ -104,7 +104,8 @@ def _rows(op: Op, entries: list[dict]) -> list[str]:
         name = DISPLAY.get(c, c)
         header.append(f"{name} {unit} (% floor)" if c in op.lik and not op.host else
                       f"{name} {unit}" if c in op.lik else name)
-    header.append(f"{DISPLAY.get(op.lik[0], op.lik[0])} vs faster peer")
+    if op.peers:
+        header.append(f"{DISPLAY.get(op.lik[0], op.lik[0])} vs faster peer")
     versus_other = bool(op.others) and op.others[0] in columns
     if versus_other:
         header.append(f"{DISPLAY.get(op.lik[0], op.lik[0])} vs {DISPLAY.get(op.others[0], op.others[0])}")
@@ -117,7 +118,8 @@ def _rows(op: Op, entries: list[dict]) -> list[str]:
             continue
         row = [label(e)] + ([] if op.host else [_floor_text(e)])
         row += [_text(e, c, op, pct=c in op.lik) for c in columns]
-        row.append(_faster_peer(e, op, op.lik[0]))
+        if op.peers:
+            row.append(_faster_peer(e, op, op.lik[0]))
         if versus_other:
             other, mine = _median(e, op.others[0]), _median(e, op.lik[0])
             row.append(ratio_text(other / mine if other and mine else None))
