@@ -233,7 +233,7 @@ def check_every_kill_point(tmp_path, corpora, setup, operation, before, after, v
     for step in kill_points(total):
         parent = tmp_path / f"kill-{step}"
         setup(parent)
-        killed = killed_at(step, lambda: operation(parent / "ix"))
+        killed = killed_at(step, lambda parent=parent: operation(parent / "ix"))
         assert killed == (step <= total)
         state = which(parent / "ix", corpora, verify=True)
         assert state in (before, after), f"killed at step {step}: {state}"
@@ -363,7 +363,15 @@ def run_threads(*targets):
     return outcomes
 
 
-def test_two_writers_without_overwrite_one_gets_file_exists(tmp_path, monkeypatch, corpora):
+@pytest.fixture(params=["system call", "portable fallback"])
+def no_replace_rename(request, monkeypatch):
+    """The OS's rename-without-replace (Linux, macOS), or the ``mkdir`` + ``rename`` used where there is none."""
+    if request.param == "portable fallback":
+        monkeypatch.setattr(storage, "_rename_syscall", lambda source, target: False)
+    return request.param
+
+
+def test_two_writers_without_overwrite_one_gets_file_exists(tmp_path, monkeypatch, corpora, no_replace_rename):
     race_at_commit(monkeypatch)
     outcomes = run_threads(*(
         lambda docs=docs: lik.Index.build(docs, out=tmp_path / "ix", shard_tokens=6, progress=False, placement="disk")
@@ -376,7 +384,7 @@ def test_two_writers_without_overwrite_one_gets_file_exists(tmp_path, monkeypatc
     assert_clean(tmp_path)
 
 
-def test_two_writers_with_overwrite_both_replace_in_turn(tmp_path, monkeypatch, corpora):
+def test_two_writers_with_overwrite_both_replace_in_turn(tmp_path, monkeypatch, corpora, no_replace_rename):
     saved_old(corpora)(tmp_path)
     newer = {"new": corpora["new"], "again": corpora["new"][:2]}
     race_at_commit(monkeypatch)

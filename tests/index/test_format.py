@@ -185,6 +185,20 @@ def test_a_link_out_of_the_index_is_not_followed(tmp_path, saved):
         lik.Index.load(saved, verify=False)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_shard_that_is_not_a_regular_file_is_refused(saved, kind):
+    shard = shard_paths(saved)[1]
+    shard.unlink()
+    if kind == "fifo":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("no named pipes on this platform")
+        os.mkfifo(shard)  # opening it for reading would wait for a writer forever
+    else:
+        shard.mkdir()
+    with pytest.raises(ValueError, match=r"shard-00001\.safetensors: is not a regular file"):
+        lik.Index.load(saved, verify=False)
+
+
 # ------------------------------------------------------------------ shard headers
 TOKENS = torch.arange(12, dtype=torch.float16).reshape(2, 6)  # two documents of one token, d = 6
 CU = torch.tensor([0, 1, 2], dtype=torch.int64)

@@ -4,7 +4,7 @@ indexes) and pack runs of documents into :class:`~lik.index.format.Shard` s, one
 from __future__ import annotations
 
 import operator
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from tqdm import tqdm

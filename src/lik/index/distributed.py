@@ -8,7 +8,7 @@ filter), so one ``all_gather`` of fixed-size padded tensors suffices.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

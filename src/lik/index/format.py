@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ __all__ = [
     "Manifest",
     "Shard",
     "FileRegion",
+    "ShardFile",
     "dtype_name",
     "shard_file_name",
     "write_shard",
@@ -75,12 +77,12 @@ class FileRegion:
     file opened when the index was loaded: reads go to that file even after a writer replaced the index."""
 
     path: Path
-    handle: io.RawIOBase
+    handle: ShardFile
     tokens_offset: int
     row_bytes: int
     scale_offset: int | None
 
-    def skip_rows(self, rows: int) -> "FileRegion":
+    def skip_rows(self, rows: int) -> FileRegion:
         """The region of the rows after the first ``rows``."""
         scale = None if self.scale_offset is None else self.scale_offset + 4 * rows
         return FileRegion(self.path, self.handle, self.tokens_offset + rows * self.row_bytes, self.row_bytes, scale)
@@ -104,7 +106,7 @@ class Shard:
     def num_tokens(self) -> int:
         return self.tokens.shape[0]
 
-    def slice_docs(self, start: int, stop: int) -> "Shard":
+    def slice_docs(self, start: int, stop: int) -> Shard:
         """Documents ``[start, stop)`` of this shard (views, offsets rebased to 0)."""
         first, last = int(self.cu_seqlens[start]), int(self.cu_seqlens[stop])
         return Shard(
@@ -149,7 +151,14 @@ def write_shard(path: Path, shard: Shard) -> ShardInfo:
     return ShardInfo(path.name, shard.num_docs, shard.num_tokens, path.stat().st_size, sha)
 
 
-def open_shard_file(directory, manifest: Manifest, info: ShardInfo):
+class ShardFile(io.FileIO):
+    """A shard file opened (unbuffered, read only) when an index is loaded, closed when nothing refers to it."""
+
+    def __del__(self):
+        self.close()
+
+
+def open_shard_file(directory, manifest: Manifest, info: ShardInfo) -> ShardFile:
     """Open one shard of the index at ``directory`` (unbuffered, read only). Refuses a file whose real path is
     outside the index directory (a link that escapes it)."""
     root = os.path.realpath(directory)
@@ -158,11 +167,16 @@ def open_shard_file(directory, manifest: Manifest, info: ShardInfo):
     if os.path.commonpath([root, real]) != root or real == root:
         raise ValueError(f"{path}: shard file resolves outside the index directory ({real!r}); refusing to read it")
     try:
-        return open(real, "rb", buffering=0)
+        # Non-blocking open: a FIFO planted in the directory must not hang the load; only regular files are read.
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: shard listed in the manifest is missing") from None
-    except IsADirectoryError:
-        raise ValueError(f"{path}: is a directory, not a shard file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path}: is not a regular file, not a shard")
+    handle = ShardFile(fd, "rb")
+    handle.name = str(path)  # for messages (a file opened from a descriptor is named by its number)
+    return handle
 
 
 def _header(handle, path: Path, size: int) -> tuple[int, dict]:

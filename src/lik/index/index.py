@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -99,7 +99,7 @@ class Index:
     @classmethod
     def build(cls, docs: Iterable[torch.Tensor], *, dtype: torch.dtype = torch.float16, out=None,
               shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool | None = None,
-              **load_options) -> "Index":
+              **load_options) -> Index:
         """An index of ``docs`` (a list or any iterable of ``[L_i, d]`` float tensors, ``L_i`` may be 0).
 
         ``dtype``: float16 / bfloat16 / float32 (stored as is) or int8 / float8_e4m3fn (quantized per token
@@ -132,7 +132,7 @@ class Index:
                           for s in segments]
         return index
 
-    def add(self, docs: Iterable[torch.Tensor], *, progress: bool | None = None) -> "Index":
+    def add(self, docs: Iterable[torch.Tensor], *, progress: bool | None = None) -> Index:
         """Append ``docs`` (ids continue from ``len(self)``); returns ``self``. All or nothing: if a document is
         refused, none of ``docs`` is added. Safe while other threads search (see the class docstring)."""
         if self.num_shards > 1:
@@ -161,7 +161,7 @@ class Index:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, path, *, placement: str = "auto", shard: int | None = None, num_shards: int | None = None,
-             device=None, verify: bool = True, chunk_tokens: int | None = None) -> "Index":
+             device=None, verify: bool = True, chunk_tokens: int | None = None) -> Index:
         """Open a saved index.
 
         Args:

@@ -16,7 +16,7 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 

@@ -8,7 +8,7 @@ score, ties to the lower document id, NaN last.
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

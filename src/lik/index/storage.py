@@ -33,9 +33,10 @@ import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
+from collections.abc import Callable, Iterator
 
-from .format import Shard, ShardInfo, fsync_file, shard_file_name, write_shard
+from .format import Shard, ShardInfo, shard_file_name, write_shard
 from .manifest import (
     MANIFEST_NAME,
     FORMAT_NAME,
@@ -223,10 +224,7 @@ def is_lik_index(path: Path) -> bool:
 
 
 def _is_empty_directory(path: Path) -> bool:
-    try:
-        return path.is_dir() and not path.is_symlink() and next(os.scandir(path), None) is None
-    except OSError:
-        return False
+    return path.is_dir() and not path.is_symlink() and _is_empty(path)
 
 
 def _refuse(path: Path, overwrite: bool) -> None:
@@ -284,7 +282,7 @@ class IndexWriter:
         self.infos: list[ShardInfo] = []
         self.staging: Path | None = None
 
-    def __enter__(self) -> "IndexWriter":
+    def __enter__(self) -> IndexWriter:
         parent = self.destination.parent
         parent.mkdir(parents=True, exist_ok=True)
         remove_dead_staging(parent, self.destination.name)
