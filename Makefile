@@ -10,7 +10,7 @@ TORCH_CPU_SPEC ?= torch==2.13.0+cpu
 TORCH_CPU_PIP_ARGS ?=
 HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv lint quick test test-all test-gpu demo bench clean
+.PHONY: venv lint quick test test-all fuzz test-gpu demo bench clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,12 @@ test: $(VENV)/.lik-test
 test-all: $(VENV)/.lik-test
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not gpu" $(PYTEST_ARGS); status=$$?; \
 	$(DESELECTED_NOTE); exit $$status
+
+# The fuzz campaign (tests/fuzz) in its long profile: every property on many fresh random examples against its
+# float64 brute force (`make test` runs the same properties on a few fixed ones). A failure prints the blob that
+# reproduces it; LIK_FUZZ_EXAMPLES sets the examples per property.
+fuzz: $(VENV)/.lik-test
+	LIK_FUZZ_PROFILE=long TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) tests/fuzz $(PYTEST_ARGS)
 
 # A few minutes: each op's main test file through the interpreter, the index, the CLI and the docs' examples.
 QUICK_TESTS ?= tests/docs tests/ops/maxsim/test_maxsim.py tests/ops/msda/test_msda.py tests/ops/chamfer \
