@@ -183,9 +183,10 @@ def test_shape_filter():
     ]
     args = parse_args(["--ops", "8bit", "--quick"])  # the 8-bit table alone: its seven forward cells
     assert len(_selected_shapes(args, select_ops(args.ops))) == 7
-    with pytest.raises(SystemExit, match="no cell matches"):
-        from lik.bench.runner import plan
+    from lik.bench.runner import plan
 
+    assert [block for block, _, _ in plan(parse_args(["--suite", "train"]))] == ["train"]  # no other operator
+    with pytest.raises(SystemExit, match="no cell matches"):
         plan(parse_args(["--ops", "train", "--shapes", "visual"]))
     with pytest.raises(SystemExit, match="unknown op"):
         main(["--ops", "fwd", "--list"])

@@ -144,7 +144,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "copies) into OUT/ceilings.json")
     p.add_argument("--from-json", default=None,
                    help="no run: print the tables of an existing results JSON and redraw its plots")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.suite and args.ops == "all":  # --suite names MaxSim suites: the dense MaxSim tables only
+        args.ops = ",".join(op.name for op in OPS if op.suites)
+    return args
 
 
 def _maxsim_methods(args: argparse.Namespace, ops: list[Op]) -> list[Method]:
