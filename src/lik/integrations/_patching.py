@@ -122,20 +122,21 @@ class Switch:
                             f"(this version of {self.host} is not supported)")
         if is_routed(fn):
             return
-        code, defaults, kwdefaults = fn.__code__, fn.__defaults__, fn.__kwdefaults__
+        code, kwdefaults = fn.__code__, fn.__kwdefaults__
         signature = fn.__dict__.get("__signature__", _MISSING)
-        shown = inspect.signature(fn)
+        fn.__signature__ = inspect.signature(fn)  # what inspect and help() show stays the host's
         route = _Route(_copy(fn), replacement, keep_stock)
         names = {"co_name": code.co_name}
         if hasattr(code, "co_qualname"):  # Python 3.11 and newer
             names["co_qualname"] = code.co_qualname
+        # Either code runs with these defaults (each ignores what it does not name), so a call made meanwhile on
+        # another thread never sees a half-switched function.
+        fn.__kwdefaults__ = {**(kwdefaults or {}), _ROUTE_KEYWORD: route}
         fn.__code__ = _trampoline.__code__.replace(**names)
-        fn.__defaults__ = None
-        fn.__kwdefaults__ = {_ROUTE_KEYWORD: route}
-        fn.__signature__ = shown  # what inspect and help() show stays the host's
 
         def undo() -> None:
-            fn.__code__, fn.__defaults__, fn.__kwdefaults__ = code, defaults, kwdefaults
+            fn.__code__ = code
+            fn.__kwdefaults__ = kwdefaults
             if signature is _MISSING:
                 fn.__dict__.pop("__signature__", None)
             else:
