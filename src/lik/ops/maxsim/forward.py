@@ -10,7 +10,7 @@ from ..._config import cdiv, feature_chunks, maxsim_forward_config, maxsim_forwa
 from ..._launch import launch
 from ...core.division import divisor_constants
 from ...core.quantized import loader_chunks, loader_of
-from .forward_kernel import maxsim_fwd_kernel
+from ...core.forward_kernel import maxsim_fwd_kernel
 from .validation import MaxSimInputs
 
 __all__ = [

@@ -11,7 +11,7 @@ from ...core.division import divisor_constants
 from ...core.quantized import FLOAT, loader_chunks, loader_of
 from ...core.segments import PACKED, PAIRS
 from .forward import dot_precision, scale_pointers
-from .forward_kernel import maxsim_fwd_kernel
+from ...core.forward_kernel import maxsim_fwd_kernel
 from .packing import PackedInputs
 
 __all__ = ["packed_forward"]

@@ -25,7 +25,7 @@ from ..._launch import REPLAY_LIMIT, _current_device, replay_allowed, replay_of
 from ..quantization.function import rows_of
 from ..quantization.kernel import quantize_rows_replay
 from .forward import chunk_sums
-from .forward_kernel import maxsim_fwd_kernel
+from ...core.forward_kernel import maxsim_fwd_kernel
 
 __all__ = ["replay_key", "replay", "recorder", "REPLAYS"]
 

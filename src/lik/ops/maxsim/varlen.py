@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .forward_kernel import maxsim_fwd_kernel
+from ...core.forward_kernel import maxsim_fwd_kernel
 from .function import resolve_backward, scorer_uses_kernels
 from .packed_function import MaxSimPackedFunction, packed_route
 from .packing import PackedInputs

@@ -1,9 +1,9 @@
 """The forward program of packed pairs: query ``i`` (rows of the packed queries) against document ``i`` only.
 
-:func:`lik.maxsim_varlen`'s layout (``LAYOUT == PAIRS`` in :func:`~lik.ops.maxsim.forward.maxsim_fwd_kernel`).
+:func:`lik.maxsim_varlen`'s layout (``LAYOUT == PAIRS`` in :func:`~lik.core.forward_kernel.maxsim_fwd_kernel`).
 A program owns one pair and takes the row chunks ``row_block``, ``row_block + n_row_blocks``, ... of its query,
 so a ``max_seqlen_q`` hint below the true longest query costs speed, never tokens. The document is streamed by
-the tile loop every layout shares (:func:`~lik.ops.maxsim.tile.maxsim_doc_rows`) over its true length.
+the tile loop every layout shares (:func:`~lik.core.stream.maxsim_doc_rows`) over its true length.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...core.quantized import row_scales, scale_rows
-from ...core.segments import segment
-from .tile import NO_KEY, counted_rows, maxsim_doc_rows
+from .quantized import row_scales, scale_rows
+from .segments import segment
+from .stream import maxsim_doc_rows
+from .tile import NO_KEY, counted_rows
 
 __all__ = ["score_pairs"]
 
