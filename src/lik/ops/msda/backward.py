@@ -24,7 +24,8 @@ from ..._config import cdiv, msda_backward_config
 from ..._launch import dense_addresses, launch, remember
 from .forward import (RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, kernel_value,
                       replay_key)
-from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
+from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, level_shape, level_spills, load_samples,
+                       query_rows)
 
 __all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward"]
 
@@ -75,6 +76,10 @@ def msda_bwd_kernel(
         x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = bilinear(loc_x, loc_y, height, width, live)
         m00, m01, m10, m11 = corner_masks(in_x0, in_x1, in_y0, in_y1, chan_ok)
         pixel = start + (y0 * width + x0)
+        if level_spills(height, width, start, n_pixels):
+            # As in the forward: a table that does not fit value reads and scatters nothing outside [0, S).
+            pixel = start + (y0.to(tl.int64) * width + x0)
+            m00, m01, m10, m11 = corners_inside(pixel, width, n_pixels, m00, m01, m10, m11)
         ptr = (value_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
         s00 = tl.sum(grad * tl.load(ptr, mask=m00, other=0.0).to(tl.float32), axis=2)
         s01 = tl.sum(grad * tl.load(ptr + stride_vs, mask=m01, other=0.0).to(tl.float32), axis=2)
@@ -128,17 +133,24 @@ def msda_bwd_value_kernel(
     for level in range(n_levels):
         height, width, start = level_shape(level, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st)
         local = pixel - start
-        inside = row_ok & (local >= 0) & (local < height * width)
+        # No pixel in a level with a negative side (two negative sides have a positive product).
+        n_level_pixels = tl.where((height > 0) & (width > 0), height.to(tl.int64) * width, 0)
+        inside = row_ok & (local >= 0) & (local < n_level_pixels)
         y = tl.where(inside, local, 0) // tl.maximum(width, 1)
         x = tl.where(inside, local, 0) - y * width
-        bucket_row = (batch * n_heads + head) * n_cells + tl.load(cells_ptr + level)
+        level_cells = tl.load(cells_ptr + level)
+        bucket_row = (batch * n_heads + head) * n_cells
         # Fixed order: corner by corner, each bucket in sorted (= original point) order.
         for corner in tl.static_range(4):
             dy = corner // 2
             dx = corner % 2
-            bucket = bucket_row + (y - dy + 1) * (width + 1) + (x - dx + 1)
-            begin = tl.load(offsets_ptr + bucket, mask=inside, other=0)
-            count = tl.load(offsets_ptr + bucket + 1, mask=inside, other=0) - begin
+            cell = level_cells + (y - dy + 1) * (width + 1) + (x - dx + 1)
+            # Inside the level's cells by construction when the table matches the cells the host counted; the
+            # test keeps the bucket offsets in bounds even when it does not.
+            reached = inside & (cell >= 0) & (cell < n_cells)
+            bucket = bucket_row + cell
+            begin = tl.load(offsets_ptr + bucket, mask=reached, other=0)
+            count = tl.load(offsets_ptr + bucket + 1, mask=reached, other=0) - begin
             for k in range(tl.max(count, axis=0)):
                 live = k < count
                 sample = tl.load(order_ptr + begin + k, mask=live, other=0)
@@ -238,8 +250,10 @@ def msda_backward(
         gattn = attn.new_empty((n_chunks, *attn.shape), dtype=torch.float32)
     if deterministic:
         gvalue = torch.empty((n, n_pixels, heads, dim), dtype=value.dtype, device=device)
-        # Corner cells of every level on a (H + 1) x (W + 1) grid; one host sync for their total.
-        sizes = (shapes[:, 0].to(torch.int64) + 1) * (shapes[:, 1].to(torch.int64) + 1)
+        # Corner cells of every level on a (H + 1) x (W + 1) grid (none for an empty level, which no sample
+        # reaches); one host sync for their total.
+        heights, widths = shapes[:, 0].to(torch.int64), shapes[:, 1].to(torch.int64)
+        sizes = torch.where((heights > 0) & (widths > 0), (heights + 1) * (widths + 1), 0)
         cells = torch.cumsum(sizes, 0) - sizes
         n_cells = int(sizes.sum())
         no_bucket = n * heads * n_cells

@@ -17,7 +17,9 @@ import triton.language as tl
 
 from ..._config import _OVERRIDES, cdiv, msda_forward_config
 from ..._launch import _current_device, dense_addresses, launch, remember, replay_allowed
-from .sampling import bilinear, corner_masks, corner_weights, level_shape, load_samples, query_rows
+from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, level_shape, level_spills, load_samples,
+                       query_rows)
+from .validation import check_level_table
 
 __all__ = ["msda_fwd_kernel", "msda_forward", "contiguous_strides", "kernel_value", "dense", "check_pixel_count",
            "check_point_tile", "RUNTIME_INTS", "replay_key"]
@@ -93,7 +95,12 @@ def msda_fwd_kernel(
         x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = bilinear(loc_x, loc_y, height, width, live)
         w00, w01, w10, w11 = corner_weights(fx, fy, weight)
         m00, m01, m10, m11 = corner_masks(in_x0, in_x1, in_y0, in_y1, chan_ok)
-        ptr = (value_rows[:, None] + (start + (y0 * width + x0)) * stride_vs)[:, :, None] + chan_off
+        pixel = start + (y0 * width + x0)
+        if level_spills(height, width, start, n_pixels):
+            # A table that does not fit value (the host refuses these): mask every corner outside [0, S).
+            pixel = start + (y0.to(tl.int64) * width + x0)
+            m00, m01, m10, m11 = corners_inside(pixel, width, n_pixels, m00, m01, m10, m11)
+        ptr = (value_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
         down = width.to(tl.int64) * stride_vs
         acc += w00[:, :, None] * tl.load(ptr, mask=m00, other=0.0).to(tl.float32)
         acc += w01[:, :, None] * tl.load(ptr + stride_vs, mask=m01, other=0.0).to(tl.float32)
@@ -164,8 +171,13 @@ def msda_forward(
     loc: torch.Tensor,
     attn: torch.Tensor,
 ) -> torch.Tensor:
-    """Launch the forward on validated inputs (any strides: non-contiguous ones are copied once); returns
-    ``[N, Lq, M*D]`` in ``value``'s dtype. A call whose shapes were launched before replays that launch."""
+    """Launch the forward on inputs ``check_inputs`` accepted (any strides: non-contiguous ones are copied once);
+    returns ``[N, Lq, M*D]`` in ``value``'s dtype. A call whose shapes were launched before replays that launch.
+
+    The level table's values are checked here, before the replay, so every kernel path checks them once: eager
+    inference, the autograd Function and the ``torch.compile`` custom operator all reach the forward through this
+    function (the backward runs on the table its forward checked)."""
+    check_level_table(shapes, starts, value.shape[1])
     key = replay_key(value, shapes, starts, loc, attn)
     recorded = None if key is None else _FORWARD_REPLAYS.get(key)
     if recorded is not None:

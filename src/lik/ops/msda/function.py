@@ -151,7 +151,10 @@ def ms_deform_attn(
         value: ``[N, S, M, D]`` float16 / bfloat16 / float32 (float64 runs the reference), S = sum of H * W
             (the kernels take S < 2**31 and raise ``ValueError`` beyond).
         value_spatial_shapes: int32 or int64 ``[L, 2]``, (H, W) of each level.
-        value_level_start_index: int32 or int64 ``[L]``, offset of each level along S.
+        value_level_start_index: int32 or int64 ``[L]``, offset of each level along S. The table must fit
+            ``value`` (H, W and starts non-negative, ``start + H * W <= S`` per level, ``sum(H * W) <= S``), else
+            ``ValueError``; it is read once per table (a synchronisation for a CUDA table) and the check cached
+            until the table changes (docs/design.md, "Deformable attention semantics").
         sampling_locations: ``[N, Lq, M, L, P, 2]``, normalised (x, y), any float dtype.
         attention_weights: ``[N, Lq, M, L, P]``, any float dtype (mixed dtypes as autocast produces them work).
         im2col_step: accepted for compatibility and ignored (no divisibility rule).

@@ -12,23 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .validation import check_inputs
+from .validation import check_inputs, level_table
 
-__all__ = ["ms_deform_attn_reference", "level_table"]
-
-
-def level_table(value_spatial_shapes: torch.Tensor, value_level_start_index: torch.Tensor, n_pixels: int):
-    """Host copy of ``[(H, W, start), ...]`` (one synchronisation), checked against ``S = n_pixels``."""
-    shapes = value_spatial_shapes.tolist()
-    starts = value_level_start_index.tolist()
-    for level, ((height, width), start) in enumerate(zip(shapes, starts)):
-        if height < 0 or width < 0:
-            raise ValueError(f"value_spatial_shapes[{level}] = ({height}, {width}) is negative")
-        if start < 0 or start + height * width > n_pixels:
-            raise ValueError(
-                f"value_level_start_index[{level}] = {start} with H*W = {height * width} runs past S = {n_pixels}"
-            )
-    return [(h, w, s) for (h, w), s in zip(shapes, starts)]
+__all__ = ["ms_deform_attn_reference"]
 
 
 def _zero_of(*tensors: torch.Tensor) -> torch.Tensor:

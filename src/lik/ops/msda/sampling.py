@@ -8,6 +8,12 @@ gather, so the three can never disagree on which corner a sample touches or with
 The kernels walk the levels in a runtime loop, so a level's (H, W, start) are scalars: the per-point geometry
 costs a handful of instructions, which matters because every channel slice of a point repeats it (the kernels
 are bound by instruction issue and L1 gathers, benchmarks/NOTES.md, "Tiles [rows, points, channels]").
+
+No address ever leaves ``value``, whatever the level table holds. A level that fits (``0 <= start``,
+``start + H * W <= S``, both sides non-negative) keeps every in-map corner inside by construction, so the per-point
+path is unchanged; for one that does not, :func:`level_spills` is true and the kernels narrow the corner masks with
+:func:`corners_inside` (per point, on that level only), so a corner outside ``[0, S)`` reads zero and receives
+nothing. The host refuses such tables before any launch; this is the kernels' own guarantee.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["query_rows", "level_shape", "load_samples", "bilinear", "corner_weights", "corner_masks"]
+__all__ = ["query_rows", "level_shape", "level_spills", "load_samples", "bilinear", "corner_weights", "corner_masks",
+           "corners_inside"]
 
 
 @triton.jit
@@ -45,6 +52,26 @@ def level_shape(level, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st):
     width = tl.load(shapes_ptr + level * stride_sl + stride_sc).to(tl.int32)
     start = tl.load(starts_ptr + level * stride_st).to(tl.int64)
     return height, width, start
+
+
+@triton.jit
+def level_spills(height, width, start, n_pixels):
+    """Scalar: whether some pixel ``start + y * W + x`` (``0 <= y < H``, ``0 <= x < W``) of the level may lie outside
+    ``[0, n_pixels)``. False for every table the host accepts; then corner indices are in range by construction."""
+    return (height < 0) | (width < 0) | (start < 0) | (start + height.to(tl.int64) * width > n_pixels)
+
+
+@triton.jit
+def corners_inside(pixel, width, n_pixels, m00, m01, m10, m11):
+    """The four corner masks narrowed to corners whose pixel (``pixel``, ``pixel + 1``, ``pixel + W``,
+    ``pixel + W + 1``; ``pixel`` int64 ``[rows, points]``) lies in ``[0, n_pixels)``, for a level that spills."""
+    below = pixel + width
+    return (
+        m00 & ((pixel >= 0) & (pixel < n_pixels))[:, :, None],
+        m01 & ((pixel >= -1) & (pixel < n_pixels - 1))[:, :, None],
+        m10 & ((below >= 0) & (below < n_pixels))[:, :, None],
+        m11 & ((below >= -1) & (below < n_pixels - 1))[:, :, None],
+    )
 
 
 @triton.jit

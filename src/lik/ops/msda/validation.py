@@ -1,14 +1,18 @@
 """Input checking for multi-scale deformable attention.
 
-Every check looks at shapes, dtypes and devices only, so none of them synchronises with the GPU; each error names
-the offending argument. Nothing is copied here (the launchers copy a non-contiguous input once).
+:func:`check_inputs` looks at shapes, dtypes and devices only, so it never synchronises with the GPU. The level
+table's values (every level inside ``value``) are checked by :func:`check_level_table`, which reads the table to
+the host once per table and caches the result (docs/design.md, "Deformable attention semantics"). Each error
+names the offending argument. Nothing is copied here (the launchers copy a non-contiguous input once).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-__all__ = ["check_inputs", "KERNEL_DTYPES"]
+__all__ = ["check_inputs", "check_level_table", "level_table", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -72,3 +76,73 @@ def check_inputs(value, value_spatial_shapes, value_level_start_index, sampling_
                     ("sampling_locations", loc), ("attention_weights", weights)):
         if t.device != value.device:
             raise ValueError(f"{name} is on {t.device} but value is on {value.device}")
+
+
+def level_table(value_spatial_shapes: torch.Tensor, value_level_start_index: torch.Tensor,
+                n_pixels: int) -> list[tuple[int, int, int]]:
+    """Host copy of the level table as ``[(H, W, start), ...]`` (one synchronisation for a CUDA table), checked
+    against ``S = n_pixels``: every H, W and start non-negative, each level inside value
+    (``start + H * W <= S``) and all levels together no larger than it (``sum(H * W) <= S``).
+
+    Example:
+        >>> level_table(torch.tensor([[3, 4], [2, 2]]), torch.tensor([0, 12]), 16)    # [(3, 4, 0), (2, 2, 12)]
+        >>> level_table(torch.tensor([[3, 4], [2, 2]]), torch.tensor([0, 13]), 16)    # ValueError
+    """
+    shapes = value_spatial_shapes.tolist()
+    starts = value_level_start_index.tolist()
+    total = 0
+    for level, ((height, width), start) in enumerate(zip(shapes, starts)):
+        if height < 0 or width < 0:
+            raise ValueError(f"value_spatial_shapes[{level}] = ({height}, {width}) is negative")
+        if start < 0:
+            raise ValueError(f"value_level_start_index[{level}] = {start} is negative")
+        if start + height * width > n_pixels:
+            raise ValueError(
+                f"value_level_start_index[{level}] = {start} with H*W = {height * width} runs past S = {n_pixels} "
+                f"(value's dimension 1)"
+            )
+        total += height * width
+    if total > n_pixels:
+        raise ValueError(f"value_spatial_shapes: the levels hold sum(H*W) = {total} pixels, more than value's "
+                         f"S = {n_pixels}")
+    return [(h, w, s) for (h, w), s in zip(shapes, starts)]
+
+
+# Tables that passed, by identity: id(shapes) -> weak references to (shapes, starts), S and their version counters.
+# Weak, so a cached table never keeps memory alive; a dead reference never matches, so a reused id is harmless.
+# Cleared when full.
+_FITTING_TABLES: dict[int, tuple] = {}
+FITTING_TABLES_LIMIT = 64
+
+
+def _versions(shapes: torch.Tensor, starts: torch.Tensor):
+    if shapes.is_inference() or starts.is_inference():
+        return None  # an inference tensor has no version counter: cached by identity alone
+    return shapes._version, starts._version
+
+
+def check_level_table(value_spatial_shapes: torch.Tensor, value_level_start_index: torch.Tensor,
+                      n_pixels: int) -> None:
+    """:func:`level_table`'s checks, cached: a table seen before with the same ``S`` and unchanged since (the same
+    tensors, the same version counters, which every in-place write moves) costs one dictionary look-up; any other
+    is read to the host (a synchronisation when it lives on the GPU) and checked. During CUDA graph capture a
+    table not yet checked cannot be read and is left to the kernels, which never address a pixel outside value.
+
+    Example:
+        >>> check_level_table(shapes, starts, value.shape[1])   # reads and checks the table
+        >>> check_level_table(shapes, starts, value.shape[1])   # a look-up
+        >>> starts[1] += 1; check_level_table(shapes, starts, value.shape[1])   # changed in place: read again
+    """
+    seen = _FITTING_TABLES.get(id(value_spatial_shapes))
+    if (seen is not None and seen[0]() is value_spatial_shapes and seen[1]() is value_level_start_index
+            and seen[2] == n_pixels and (seen[3] is None or seen[3] == (value_spatial_shapes._version,
+                                                                       value_level_start_index._version))):
+        return
+    if value_spatial_shapes.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    level_table(value_spatial_shapes, value_level_start_index, n_pixels)
+    versions = _versions(value_spatial_shapes, value_level_start_index)
+    if len(_FITTING_TABLES) >= FITTING_TABLES_LIMIT:
+        _FITTING_TABLES.clear()
+    _FITTING_TABLES[id(value_spatial_shapes)] = (weakref.ref(value_spatial_shapes),
+                                                 weakref.ref(value_level_start_index), n_pixels, versions)
