@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 import lik
@@ -141,9 +141,11 @@ def test_maxsim_matches_brute_force(path, mask_mode, case):
     assert torch.all(dq[~(qm if case.query_3d else qm[0])] == 0), "gradient reached a masked query token"
     assert torch.all(dd[~(dm if case.per_query_docs else dm[0])] == 0), "gradient reached a masked document token"
     if torch.isnan(expected).any():
-        return  # NaN in a real token: only the scores are specified
+        event("gradients not compared: NaN in a real token (only the scores are specified)")
+        return
     if not exact and gap < 1e-5 * (1 + case.dim):
-        return  # a near-tie: float32 rounding may pick the other winner
+        event("gradients not compared: a near-tie (float32 rounding may pick the other winner)")
+        return
     rdq, rdd = grads_of(expected, (Q64, D64), grad)
     if not case.query_3d:
         rdq = rdq[0]
