@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tomllib
 from collections import defaultdict
 from pathlib import Path
@@ -61,3 +63,27 @@ def test_default_run_deselects_gpu_and_slow():
     assert "-m 'not gpu and not slow'" in options["addopts"]
     declared = {m.split(":")[0] for m in options["markers"]}
     assert {"gpu", "slow"} <= declared
+
+
+def _run_pytest(directory: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=directory,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_slow_list_marks_its_cases_and_refuses_stale_patterns(tmp_path):
+    """conftest.py's SLOW patterns mark exactly their cases (brackets literal), and a pattern left behind by a
+    renamed test stops a run that collected its file."""
+    source = (ROOT / "conftest.py").read_text()
+    (tmp_path / "conftest.py").write_text(source + '\nSLOW = {"test_cases.py::test_a[*-2]": "covered by [x-1]"}\n')
+    (tmp_path / "pyproject.toml").write_text(
+        "[tool.pytest.ini_options]\nmarkers = ['slow: slow']\naddopts = \"-m 'not slow'\"\n")
+    cases = "import pytest\n\n@pytest.mark.parametrize('n', [1, 2, 12])\n@pytest.mark.parametrize('s', ['x', 'y'])\n"
+    (tmp_path / "test_cases.py").write_text(cases + "def test_a(s, n):\n    pass\n")
+    default = _run_pytest(tmp_path)
+    assert default.returncode == 0 and "4 passed, 2 deselected" in default.stdout, default.stdout
+    slow = _run_pytest(tmp_path, "-m", "slow", "--collect-only")
+    selected = sorted(line for line in slow.stdout.splitlines() if line.startswith("test_cases.py::"))
+    assert selected == ["test_cases.py::test_a[x-2]", "test_cases.py::test_a[y-2]"], slow.stdout
+    (tmp_path / "test_cases.py").write_text(cases + "def test_b(s, n):\n    pass\n")
+    stale = _run_pytest(tmp_path)
+    assert stale.returncode != 0 and "SLOW list names cases that do not exist" in stale.stdout + stale.stderr

@@ -1,0 +1,59 @@
+"""The `slow` interpreter cases: deselected by the default run (`make test`, CI), run by `make test-all`.
+
+Through Triton's interpreter a kernel case costs seconds to minutes, so the default run keeps, for every kernel
+path, its fastest cases and leaves out the repetitions: each entry below names cases (fnmatch patterns over pytest
+node ids) whose path a faster case of the default run also takes, and says which. They are listed in one place so
+that what the fast default covers can be reviewed at a glance; a pattern that no longer matches any case of a file
+collected in full stops the run, so renaming a test cannot silently drop it from the list.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+import pytest
+
+CHAMFER = "tests/ops/chamfer/test_chamfer.py"
+
+# pattern -> why the default run does not need it (ids are `[launch-norm-dim]` and the like).
+SLOW = {
+    # Dimensions 1, 3, 8, 9, 14, 15 and 64 stay: both sides of each route's dimension bounds and a wide set.
+    f"{CHAMFER}::test_nearest_matches_dense_float64[*-2]": "dimension 2 takes dimension 1's and 3's path",
+    f"{CHAMFER}::test_nearest_matches_dense_float64[*-5]": "dimension 5 takes dimension 3's and 8's path",
+    f"{CHAMFER}::test_nearest_matches_dense_float64[*-33]": "dimension 33 takes dimension 15's and 64's path",
+    # MaxSim's kernel (the core routes) keeps MaxSim's tie rule, which tests/ops/maxsim checks; the direct and
+    # dot routes keep their own ties here.
+    f"{CHAMFER}::test_both_directions_ties_go_to_the_lowest_index[core-*]": "MaxSim's ties, tested there",
+    # Two passes of the core route over several blocks: test_nearest_matches_dense_float64[core-*] runs one
+    # pass over the same sizes; the small sizes of this test stay in the default run.
+    f"{CHAMFER}::test_both_directions_match_dense_float64[core-*-137-70]": "one pass of each: nearest tests",
+    f"{CHAMFER}::test_both_directions_match_dense_float64[core-*-7-193]": "one pass of each: nearest tests",
+}
+
+
+def _collected_whole(config: pytest.Config, path: Path) -> bool:
+    """Whether the run asked for all of ``path`` (the file, or a directory above it), not some of its cases."""
+    for arg in config.args:
+        if "::" in arg:
+            continue
+        asked = (config.invocation_params.dir / arg).resolve()
+        if asked == path or asked in path.parents:
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    matched = dict.fromkeys(SLOW, False)
+    # Brackets in a node id are literal (parameter ids), not fnmatch's character sets; `*` stays a wildcard.
+    literal = {p: p.replace("[", "\x00").replace("]", "[]]").replace("\x00", "[[]") for p in SLOW}
+    for item in items:
+        for pattern in SLOW:
+            if fnmatch.fnmatchcase(item.nodeid, literal[pattern]):
+                item.add_marker(pytest.mark.slow)
+                matched[pattern] = True
+    stale = [p for p, hit in matched.items() if not hit and _collected_whole(config, root / p.split("::")[0])]
+    if stale and not config.option.keyword and not getattr(config.option, "lf", False):
+        raise pytest.UsageError(f"conftest.py's SLOW list names cases that do not exist: {stale}")
