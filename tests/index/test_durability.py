@@ -7,21 +7,20 @@ loading as the old or the new index, and the next write removes what the dead wr
 do not overwrite, one gets ``FileExistsError``; a reader loads one whole generation and keeps reading it.
 
 The fast profile (the default, a fixed seed) runs in CI; ``LIK_FUZZ_PROFILE=long`` (``make fuzz``) kills at
-random instants many more times, flips every byte of every file and races longer, from a fresh seed each run.
+random instants many more times, flips every byte of every file and races longer, from a fresh seed each run
+(``LIK_FUZZ_SEED=N`` replays one).
 Processes are forked (the child inherits the built corpus: no interpreter start per kill), so these tests need
 ``os.fork``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
 import signal
 import threading
 import time
-import warnings
 
 import pytest
 import torch
@@ -30,16 +29,20 @@ import lik
 from lik.index import format as index_format
 from lik.index import storage
 
-from .helpers import grid_docs, grid_queries, index_files, install_fake_cuda, read_json, shard_paths, write_version_1
+from .helpers import (appear_while_writing, assert_clean, contents, count_steps, expected, fork, grid_docs,
+                      grid_queries, index_files, install_fake_cuda, kill_points, killed_at, race_at_commit, read_json,
+                      run_threads, which, write_version_1)
 
 LONG = os.environ.get("LIK_FUZZ_PROFILE", "ci") == "long"
-SEED = random.randrange(1 << 30) if LONG else 20240611
+# A failing test shows its seed in its captured output; LIK_FUZZ_SEED replays it.
+SEED = int(os.environ.get("LIK_FUZZ_SEED", random.randrange(1 << 30) if LONG else 20240611))
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked writer (POSIX only)")
 
 
 @pytest.fixture(autouse=True)
 def reference_scoring(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the files are under test, not the kernels: the reference scores
+    print(f"durability campaign: LIK_FUZZ_SEED={SEED}")
 
 
 @pytest.fixture(autouse=True)
@@ -55,39 +58,6 @@ def corpora():
     rng = torch.Generator().manual_seed(17)
     old, new = grid_docs(rng), grid_docs(rng, lengths=(2, 4, 0, 5, 1, 3, 6))
     return {"old": old, "new": new}
-
-
-def contents(index) -> tuple:
-    """What a loaded index holds: its size, every document's length and every token value."""
-    segments = index.segments
-    lengths = torch.cat([s.cu_seqlens.diff() for s in segments]).tolist()
-    return len(index), lengths, torch.cat([s.tokens.float() for s in segments]).flatten().tolist()
-
-
-def expected(docs) -> tuple:
-    return len(docs), [d.shape[0] for d in docs], torch.cat(docs).flatten().tolist()
-
-
-def which(path, corpora, **load) -> str | None:
-    """``"old"`` / ``"new"``: the corpus the index at ``path`` loads as (``None``: nothing there)."""
-    if not path.exists():
-        return None
-    found = contents(lik.Index.load(path, **load))
-    names = [name for name, docs in corpora.items() if found == expected(docs)]
-    assert names, f"{path} loads as neither corpus"
-    return names[0]
-
-
-def assert_clean(parent, name="ix", allow_version_1_leftovers=False):
-    """Only the index remains: no staging directories beside it, one generation and its manifest inside."""
-    assert sorted(os.listdir(parent)) == [name]
-    generation = read_json(parent / name / "manifest.json")["generation"]
-    inside = set(os.listdir(parent / name)) - {generation, "manifest.json"}
-    if allow_version_1_leftovers:
-        inside = {n for n in inside if not (n.startswith("shard-") and n.endswith(".safetensors"))}
-    assert not inside, f"left behind in the index: {sorted(inside)}"
-    assert sorted(os.listdir(parent / name / generation)) == sorted(
-        [".lik-generation", *(p.name for p in shard_paths(parent / name))])
 
 
 # ------------------------------------------------------------------ damaged files
@@ -141,88 +111,6 @@ def test_byte_flips_and_truncations_of_every_file(tmp_path, corpora, dtype):
 
 
 # ------------------------------------------------------------------ processes killed mid-write
-# Each call of these is one step of a write: a kill before any of them is a crash between two steps.
-STEPS = [(os, "mkdir"), (os, "rename"), (os, "replace"), (os, "unlink"), (os, "rmdir"), (os, "fsync"),
-         (storage, "rename_no_replace"), (index_format, "save_file")]
-
-
-@contextlib.contextmanager
-def at_each_step(on_step):
-    """Call ``on_step(name)`` before each step; a shard file it returns True for is left half written."""
-    saved = [(owner, name, getattr(owner, name)) for owner, name in STEPS]
-
-    def wrap(name, real):
-        def step(*args, **kwargs):
-            if name == "save_file":
-                result = real(*args, **kwargs)
-                if on_step(name):
-                    with open(args[1], "r+b") as f:  # a torn write: the shard cut short when the process died
-                        f.truncate(os.path.getsize(args[1]) // 2)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return result
-            on_step(name)
-            return real(*args, **kwargs)
-
-        return step
-
-    for owner, name, real in saved:
-        setattr(owner, name, wrap(name, real))
-    try:
-        yield
-    finally:
-        for owner, name, real in saved:
-            setattr(owner, name, real)
-
-
-def count_steps(operation) -> int:
-    steps = []
-    with at_each_step(lambda name: steps.append(name)):
-        operation()
-    return len(steps)
-
-
-def fork(child) -> int:
-    """Run ``child()`` in a forked process; returns its pid. The child ends with ``os._exit`` (never returns)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12 warns of threads; the child uses none
-        pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            child()
-            code = 0
-        finally:
-            os._exit(code)
-    return pid
-
-
-def killed_at(step: int, operation) -> bool:
-    """Run ``operation`` in a child killed just before its ``step``-th step; False if it finished first."""
-
-    def on_step(name):
-        on_step.count += 1
-        if on_step.count == step and name != "save_file":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return on_step.count == step
-
-    on_step.count = 0
-
-    def child():
-        with at_each_step(on_step):
-            operation()
-
-    _, status = os.waitpid(fork(child), 0)
-    if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
-        return True
-    assert os.WEXITSTATUS(status) == 0, "the write failed in the child"
-    return False
-
-
-def kill_points(total: int) -> list[int]:
-    return list(range(1, total + 2))  # every step, and once after the last
-
-
 def check_every_kill_point(tmp_path, corpora, setup, operation, before, after, version_1=False):
     """Kill ``operation`` before each of its steps in turn: the destination must load as ``before`` or ``after``,
     and the next write must succeed and leave nothing of the dead one."""
@@ -319,50 +207,6 @@ def test_writers_killed_at_random_instants(tmp_path, corpora):
 
 
 # ------------------------------------------------------------------ concurrent writers
-def race_at_commit(monkeypatch, writers: int = 2):
-    """Hold every writer at its commit until all have arrived, so that they race there."""
-    barrier = threading.Barrier(writers)
-    real = storage.rename_no_replace
-
-    def rename(source, target):
-        barrier.wait(timeout=30)
-        return real(source, target)
-
-    monkeypatch.setattr(storage, "rename_no_replace", rename)
-
-
-def appear_while_writing(monkeypatch, make):
-    """Run ``make()`` (which puts something at the destination) once the next writer has written a shard, after
-    its checks at the start."""
-    real = index_format.save_file
-
-    def save_file(*args, **kwargs):
-        monkeypatch.setattr(index_format, "save_file", real)
-        result = real(*args, **kwargs)
-        make()
-        return result
-
-    monkeypatch.setattr(index_format, "save_file", save_file)
-
-
-def run_threads(*targets):
-    outcomes = [None] * len(targets)
-
-    def run(number, target):
-        try:
-            target()
-            outcomes[number] = "ok"
-        except Exception as error:  # noqa: BLE001 (the outcome is the test's subject)
-            outcomes[number] = error
-
-    threads = [threading.Thread(target=run, args=(n, t)) for n, t in enumerate(targets)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    return outcomes
-
-
 @pytest.fixture(params=["system call", "portable fallback"])
 def no_replace_rename(request, monkeypatch):
     """The OS's rename-without-replace (Linux, macOS), or the ``mkdir`` + ``rename`` used where there is none."""
