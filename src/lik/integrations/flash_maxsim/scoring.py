@@ -1,27 +1,4 @@
-"""flash-maxsim 0.3.0's public scoring API on lik, for people migrating: change the import, keep the calls.
-
-    from lik.integrations.flash_maxsim import flash_maxsim_batched, pack_docs   # was: from flash_maxsim import ...
-
-Covered, with flash-maxsim's signatures and return shapes: :func:`flash_maxsim`, :func:`flash_maxsim_batched`,
-:func:`flash_maxsim_batched_train`, :func:`flash_maxsim_varlen`, :func:`flash_maxsim_packed`, :func:`pack_pairs`,
-:func:`pack_docs`, :func:`warmup`. flash-maxsim's semantics: ``doc_lengths`` / ``query_lengths`` / ``cu_seqlens``
-mark the valid prefix of each padded item (tokens past it never take part: lik's ``mask_mode="exclude"``);
-results are float32. Its int8 functions are not covered: lik has no 8-bit corpora yet.
-
-Deliberate differences (flash-maxsim's behaviour is not reproduced):
-
-* precision: flash-maxsim converts every input to float16 inside its kernels, so float32 inputs lose precision
-  and bfloat16 values beyond float16's range (65504) become inf; lik computes in the input dtype (fp32
-  accumulation);
-* empty documents: a zero-length document scores ``-inf`` in flash-maxsim's kernels (the running max starts at
-  -inf and nothing replaces it); lik scores it 0 (an empty sum), with zero gradient;
-* bad input raises ``ValueError`` / ``TypeError`` naming the argument instead of a bare ``AssertionError``;
-  ``pack_pairs`` / ``pack_docs`` of an empty list raise ``ValueError`` instead of ``IndexError``;
-* performance knobs (``query_chunk_size``, ``splitk``, ``pad_lq``) are accepted and have no effect: lik's launch
-  heuristics choose the tiling;
-* gradients of :func:`flash_maxsim_batched_train` come back in the input dtype (flash-maxsim computes them from
-  float16 copies).
-"""
+"""flash-maxsim's float scoring functions on lik (see :mod:`lik.integrations.flash_maxsim` for what differs)."""
 
 from __future__ import annotations
 
@@ -29,13 +6,19 @@ import time
 
 import torch
 
-from ..ops.maxsim import maxsim, maxsim_packed, maxsim_varlen, pack
-from ..precompile import warmup as _lik_warmup
+from ...ops.maxsim import maxsim, maxsim_packed, maxsim_varlen, pack
+from ...precompile import warmup as _lik_warmup
 
 __all__ = [
     "flash_maxsim",
     "flash_maxsim_batched",
     "flash_maxsim_batched_train",
+    "flash_maxsim_train",
+    "flash_maxsim_pairs",
+    "flash_maxsim_pairs_dense",
+    "flash_maxsim_persistent",
+    "flash_maxsim_qreuse",
+    "flash_maxsim_splitk",
     "flash_maxsim_varlen",
     "flash_maxsim_packed",
     "pack_pairs",
@@ -144,6 +127,77 @@ def flash_maxsim_batched_train(Q: torch.Tensor, D: torch.Tensor, shared_docs: bo
         >>> flash_maxsim_batched_train(Q, torch.randn(8, 180, 128)).sum().backward()
     """
     return _batched(Q, D, doc_lengths, shared_docs, query_lengths)
+
+
+def flash_maxsim_train(Q: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """:func:`flash_maxsim` with autograd (flash-maxsim's ``flash_maxsim_train``): ``Q [Lq, d]``, ``D [B, Ld, d]``
+    -> float32 ``[B]``; gradients flow to ``Q`` and ``D`` in their dtype.
+
+    Example:
+        >>> Q = torch.randn(16, 128, requires_grad=True)
+        >>> flash_maxsim_train(Q, torch.randn(10, 64, 128)).sum().backward()
+    """
+    _tensor("Q", Q, (2,))
+    _tensor("D", D, (3,))
+    return maxsim(Q, D)
+
+
+def flash_maxsim_pairs_dense(Q: torch.Tensor, D: torch.Tensor, q_lengths=None, doc_lengths=None) -> torch.Tensor:
+    """Equal-length pairs (flash-maxsim's ``flash_maxsim_pairs_dense``): ``Q [B, Lq, d]``, ``D [B, Ld, d]`` ->
+    float32 ``[B]``, ``scores[i] = MaxSim(Q[i], D[i])``; ``q_lengths`` / ``doc_lengths``: optional ``[B]`` valid
+    prefixes.
+
+    Example:
+        >>> flash_maxsim_pairs_dense(torch.randn(4, 32, 128), torch.randn(4, 180, 128)).shape
+        torch.Size([4])
+    """
+    _tensor("Q", Q, (3,))
+    _tensor("D", D, (3,))
+    if Q.shape[0] != D.shape[0]:
+        raise ValueError(f"Q and D must hold as many pairs: Q has {Q.shape[0]}, D has {D.shape[0]}")
+    q_mask = _prefix_mask("q_lengths", q_lengths, Q.shape[0], Q.shape[1], Q.device)
+    d_mask = _prefix_mask("doc_lengths", doc_lengths, D.shape[0], D.shape[1], D.device)
+    # Pair i is query i against the one-document candidate set D[i]: lik's per-query layout, K = 1.
+    d_mask = None if d_mask is None else d_mask[:, None]
+    return maxsim(Q, D[:, None], q_mask, d_mask)[:, 0]
+
+
+def flash_maxsim_pairs(q_embs, d_embs) -> torch.Tensor:
+    """MaxSim of (query i, document i) pairs (flash-maxsim's ``flash_maxsim_pairs``) -> float32 ``[N]``:
+    tensors ``[N, Lq, d]`` / ``[N, Ld, d]``, or lists of ``[Lq_i, d]`` / ``[Ld_i, d]`` tensors (packed when their
+    lengths differ).
+
+    Example:
+        >>> flash_maxsim_pairs([torch.randn(5, 64), torch.randn(7, 64)], [torch.randn(9, 64), torch.randn(3, 64)]).shape
+        torch.Size([2])
+    """
+    if isinstance(q_embs, torch.Tensor) and isinstance(d_embs, torch.Tensor):
+        return flash_maxsim_pairs_dense(q_embs, d_embs)
+    if not isinstance(q_embs, (list, tuple)) or len(q_embs) == 0:
+        raise ValueError("q_embs must be a [N, Lq, d] tensor or a non-empty list of [Lq_i, d] tensors")
+    if not isinstance(d_embs, (list, tuple)) or len(d_embs) != len(q_embs):
+        raise ValueError(f"d_embs must be a list of as many tensors as q_embs ({len(q_embs)})")
+    if len({tuple(q.shape) for q in q_embs}) == 1 and len({tuple(d.shape) for d in d_embs}) == 1:
+        return flash_maxsim_pairs_dense(torch.stack(list(q_embs)), torch.stack(list(d_embs)))
+    return flash_maxsim_varlen(*pack_pairs(q_embs, d_embs))
+
+
+def flash_maxsim_persistent(Q: torch.Tensor, D: torch.Tensor, doc_lengths=None, grid_factor: int = 2
+                            ) -> torch.Tensor:
+    """flash-maxsim's persistent-grid variant of :func:`flash_maxsim`: the same scores (``grid_factor``: accepted,
+    no effect; lik's launcher picks its grid)."""
+    return flash_maxsim(Q, D, doc_lengths)
+
+
+def flash_maxsim_qreuse(Q: torch.Tensor, D: torch.Tensor, doc_lengths=None) -> torch.Tensor:
+    """flash-maxsim's query-reuse variant of :func:`flash_maxsim`: the same scores."""
+    return flash_maxsim(Q, D, doc_lengths)
+
+
+def flash_maxsim_splitk(Q: torch.Tensor, D: torch.Tensor, doc_lengths=None, num_splits: int = 4) -> torch.Tensor:
+    """flash-maxsim's split-K variant of :func:`flash_maxsim`: the same scores (``num_splits``: accepted, no
+    effect)."""
+    return flash_maxsim(Q, D, doc_lengths)
 
 
 def flash_maxsim_varlen(Q_packed: torch.Tensor, D_packed: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -1,27 +1,5 @@
-"""late-interaction-kernels 0.4.5's scoring API on lik, for people migrating: change the import, keep the calls.
-
-    from lik.integrations.late_interaction_kernels import maxsim, retrieve   # was: from late_interaction_kernels ...
-
-Covered, with its signatures, shapes and mask semantics (``True`` = valid token; a masked document token never
-takes part in the max, a masked query token adds 0, a document with no valid token scores 0: lik's
-``mask_mode="exclude"``): :func:`maxsim`, :func:`maxsim_pairs`, :func:`maxsim_varlen` (packed queries against
-packed documents, every query with every document) and :func:`retrieve`.
-
-Deliberate differences (its behaviour is not reproduced):
-
-* non-finite values: its reference (the CPU path of ``retrieve``) replaces a non-finite per-token maximum by 0, so
-  a NaN or inf in a valid token silently scores like padding; lik propagates NaN to the pairs it touches and
-  ``retrieve`` ranks NaN scores last;
-* ties in ``retrieve``: ``torch.topk`` leaves their order unspecified; lik returns the lower document index first;
-* ``backward="lowmem"`` reduces ``grad_D`` with half-precision products there (fp32 inputs get fp16-precision
-  gradients); here ``"lowmem"`` selects lik's deterministic backward, which keeps fp32 accumulation, and
-  ``"unified"`` its fast one;
-* ``normalize=True`` L2-normalises copies of ``Q`` and ``D`` before scoring (the peer does it inside its kernel):
-  pass normalised embeddings with ``normalize=False`` to avoid the copy; no warning is printed for unnormalised
-  inputs;
-* ``max_seqlen_*`` of :func:`maxsim_varlen` are hints here: a value below the true longest sequence costs speed,
-  never tokens.
-"""
+"""late-interaction-kernels' core scoring on lik: ``maxsim``, ``maxsim_pairs``, ``maxsim_varlen``, ``retrieve`` and
+``MaxSimScorer`` (see :mod:`lik.integrations.late_interaction_kernels` for what differs)."""
 
 from __future__ import annotations
 
@@ -29,23 +7,44 @@ import operator
 
 import torch
 
-from ..ops.maxsim import maxsim as _lik_maxsim
-from ..ops.maxsim import maxsim_packed
-from ..retrieval import search
+from ...ops.maxsim import maxsim as _lik_maxsim
+from ...ops.maxsim import maxsim_packed
+from ...retrieval import search
 
-__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "retrieve"]
+__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "retrieve", "MaxSimScorer"]
 
 _BACKWARDS = {None: "auto", "auto": "auto", "unified": "fast", "lowmem": "deterministic"}
 
 
 def _backward(backward) -> str:
-    if backward not in _BACKWARDS:
+    if not isinstance(backward, (str, type(None))) or backward not in _BACKWARDS:
         raise ValueError(f"backward= must be one of ('auto', 'unified', 'lowmem') or None, got {backward!r}")
     return _BACKWARDS[backward]
 
 
 def _normalized(x: torch.Tensor, normalize: bool) -> torch.Tensor:
     return torch.nn.functional.normalize(x, p=2, dim=-1, eps=1e-12) if normalize else x
+
+
+def _check_pair(Q, D) -> None:
+    if not isinstance(Q, torch.Tensor) or not isinstance(D, torch.Tensor):
+        raise TypeError(f"Q and D must be torch.Tensors, got {type(Q).__name__} and {type(D).__name__}")
+    if Q.device != D.device:
+        raise ValueError(f"Q and D must be on the same device; got Q.device={Q.device} vs D.device={D.device}.")
+
+
+def _check_candidate_sets(Q: torch.Tensor, D: torch.Tensor, q_mask, d_mask) -> None:
+    """The per-query layout ``D [Nq, K, Ld, d]``, with the peer's wording of its errors."""
+    if Q.dim() != 3:
+        raise ValueError(f"D [Nq, K, Ld, d] (one candidate set per query) needs Q to be [Nq, Lq, d]; got "
+                         f"Q.shape={tuple(Q.shape)}")
+    if Q.shape[0] != D.shape[0]:
+        raise ValueError(f"D [Nq, K, Ld, d] needs D.shape[0] == Q.shape[0]; got Q.shape[0]={Q.shape[0]} vs "
+                         f"D.shape[0]={D.shape[0]}.")
+    if q_mask is not None and tuple(q_mask.shape) != tuple(Q.shape[:2]):
+        raise ValueError(f"q_mask must be [Nq, Lq] = {list(Q.shape[:2])}; got {list(q_mask.shape)}.")
+    if d_mask is not None and tuple(d_mask.shape) != tuple(D.shape[:3]):
+        raise ValueError(f"d_mask must be [Nq, K, Ld] = {list(D.shape[:3])}; got {list(d_mask.shape)}.")
 
 
 def maxsim(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
@@ -70,11 +69,11 @@ def maxsim(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
         torch.Size([4, 10])
     """
     mode = _backward(backward)
-    if not isinstance(Q, torch.Tensor) or not isinstance(D, torch.Tensor):
-        raise TypeError("Q and D must be torch.Tensors")
-    Q, D = _normalized(Q, normalize), _normalized(D, normalize)
+    _check_pair(Q, D)
     if D.dim() == 4:
-        return _lik_maxsim(Q, D, q_mask, d_mask, backward=mode)
+        _check_candidate_sets(Q, D, q_mask, d_mask)
+        return _lik_maxsim(_normalized(Q, normalize), _normalized(D, normalize), q_mask, d_mask, backward=mode)
+    Q, D = _normalized(Q, normalize), _normalized(D, normalize)
     single_doc = D.dim() == 2
     if single_doc:
         D = D.unsqueeze(0)
@@ -156,19 +155,24 @@ def retrieve(Q: torch.Tensor, D: torch.Tensor, top_k: int, q_mask: torch.Tensor 
     Example:
         >>> scores, ids = retrieve(torch.randn(2, 32, 128), torch.randn(1000, 180, 128), top_k=10)
     """
-    top_k = operator.index(top_k)
-    if top_k <= 0:
-        raise ValueError(f"top_k must be positive, got {top_k}")
-    if not isinstance(Q, torch.Tensor) or not isinstance(D, torch.Tensor):
-        raise TypeError("Q and D must be torch.Tensors")
-    if Q.device != D.device:
-        raise ValueError(f"Q and D must be on the same device; got Q.device={Q.device} vs D.device={D.device}.")
+    return top_documents(Q, D, top_k, q_mask, d_mask, normalize=normalize, chunk=chunk, largest=largest,
+                         k_name="top_k")
+
+
+def top_documents(Q, D, k, q_mask=None, d_mask=None, *, normalize: bool, chunk: int | None, largest: bool,
+                  k_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best (``largest``) or worst documents per query, sorted, ties by lower index, NaN last; ``k``
+    (named ``k_name`` in errors) must be positive and is clamped to the number of documents."""
+    k = operator.index(k)
+    if k <= 0:
+        raise ValueError(f"{k_name} must be positive, got {k}")
+    _check_pair(Q, D)
     with torch.no_grad():
         Q, D = _normalized(Q, normalize), _normalized(D, normalize)
         if D.dim() == 2:
             D = D.unsqueeze(0)
             d_mask = None if d_mask is None else d_mask.unsqueeze(0)
-        k = min(top_k, D.shape[0])
+        k = min(k, D.shape[0])
         if largest:
             return search(Q, D, k, q_mask, d_mask, chunk_size=chunk)
         scores = _lik_maxsim(Q, D, q_mask, d_mask)
@@ -177,3 +181,56 @@ def retrieve(Q: torch.Tensor, D: torch.Tensor, top_k: int, q_mask: torch.Tensor 
         order = order.gather(-1, scores.isnan().gather(-1, order).to(torch.uint8).sort(dim=-1, stable=True).indices)
         order = order[..., :k]
         return scores.gather(-1, order), order
+
+
+class MaxSimScorer(torch.nn.Module):
+    """Stateless MaxSim module (late-interaction-kernels' ``MaxSimScorer``).
+
+    Args:
+        normalize: L2-normalise ``Q`` and ``D`` per token first (default True, ColBERT's convention).
+        backward: ``"auto"``, ``"unified"`` (lik's fast backward) or ``"lowmem"`` (its deterministic one).
+        mask_pad_token: the padding token id :meth:`forward_with_ids` derives masks from.
+
+    ``scorer(Q, D, q_mask, d_mask)`` is :func:`maxsim` (autograd follows the caller's grad mode);
+    :meth:`score` runs without autograd; :meth:`retrieve` is :func:`retrieve`.
+
+    Example:
+        >>> scorer = MaxSimScorer()
+        >>> scorer(torch.randn(4, 32, 128), torch.randn(10, 300, 128)).shape
+        torch.Size([4, 10])
+    """
+
+    def __init__(self, *, normalize: bool = True, backward: str = "auto", mask_pad_token: int | None = None):
+        super().__init__()
+        if backward not in ("auto", "unified", "lowmem"):
+            raise ValueError(f"backward= must be one of ('auto', 'unified', 'lowmem'), got {backward!r}")
+        self.normalize = normalize
+        self.backward = backward
+        self.mask_pad_token = mask_pad_token
+
+    def extra_repr(self) -> str:
+        return f"normalize={self.normalize}, backward={self.backward!r}, mask_pad_token={self.mask_pad_token!r}"
+
+    def forward(self, Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
+                d_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """MaxSim scores (``[Nq, Nd]`` for 3-D inputs), differentiable."""
+        return maxsim(Q, D, q_mask, d_mask, normalize=self.normalize, backward=self.backward)
+
+    def score(self, Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
+              d_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` without autograd."""
+        with torch.no_grad():
+            return self.forward(Q, D, q_mask, d_mask)
+
+    def retrieve(self, Q: torch.Tensor, D: torch.Tensor, top_k: int, q_mask: torch.Tensor | None = None,
+                 d_mask: torch.Tensor | None = None, *, chunk: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`retrieve` with this scorer's ``normalize``."""
+        return retrieve(Q, D, top_k, q_mask, d_mask, normalize=self.normalize, chunk=chunk)
+
+    def forward_with_ids(self, Q: torch.Tensor, D: torch.Tensor, q_ids: torch.Tensor, d_ids: torch.Tensor
+                         ) -> torch.Tensor:
+        """:meth:`forward` with masks ``q_ids != mask_pad_token`` and ``d_ids != mask_pad_token``."""
+        if self.mask_pad_token is None:
+            raise ValueError("forward_with_ids needs mask_pad_token: MaxSimScorer(mask_pad_token=<pad id>)")
+        return self.forward(Q, D, q_ids != self.mask_pad_token, d_ids != self.mask_pad_token)
