@@ -1,0 +1,65 @@
+"""The launch of :func:`lik.knn_points`'s kernel: route, product precision, tiles (``override(knn=...)`` forces one).
+
+Kept beside the op for now; its place is :mod:`lik.config` with the other heuristics (one module per op)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ... import _device
+from ...config.forced import FORCED, register
+
+__all__ = ["KnnConfig", "knn_config", "KNN_POINT_MAX_DIM", "product_precision"]
+
+# Point clouds (D up to this) and every norm=1 compare exact coordinate differences; wider feature sets take
+# tensor-core products, as lik.nearest_neighbors does.
+KNN_POINT_MAX_DIM = 8
+
+
+@dataclass(frozen=True)
+class KnnConfig:
+    """Launch of the K-nearest-neighbour kernel.
+
+    ``route``: "direct" (coordinate differences on the CUDA cores: exact distances) or "products"
+    (``|x|^2 + |y|^2 - 2 x.y`` from a tensor-core product per tile; only picks the neighbours, whose distances are
+    then recomputed exactly). ``precision`` of float32 products: "tf32x3" (each operand split into two TF32 parts:
+    about float32's accuracy), "tf32" (one TF32 product: about 1e-3 relative), "ieee" (true float32 products), or
+    None to follow ``torch.get_float32_matmul_precision()``; half-precision inputs multiply in their own dtype.
+    ``block_m`` points of ``p1`` per program against tiles of ``block_n`` points of ``p2``, ``block_k`` feature
+    columns per product step."""
+
+    route: str
+    precision: str | None = None
+    block_m: int = 32
+    block_n: int = 64
+    block_k: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def product_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """The float32 product precision that ``torch.get_float32_matmul_precision()`` asks for, on ``device``: TF32
+    needs Ampere's tensor cores (elsewhere, and in the interpreter, true float32 products)."""
+    if dtype != torch.float32 or _device.interpreting() or _device.arch(device) < (8, 0):
+        return "ieee"
+    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def knn_config(*, dim: int, k: int, norm: int, dtype: torch.dtype, device: torch.device) -> KnnConfig:
+    """The launch for ``dim``-wide points, ``k`` neighbours, ``norm`` (1 or 2), ``dtype`` inputs on ``device``.
+
+    Not yet measured on a GPU (benchmarks/knn_bench.py times it): the tiles are the nearest-neighbour kernel's
+    shapes scaled for the running list, ``block_m x k`` int64 keys in registers beside the tile."""
+    forced = FORCED.get("knn")
+    if forced is not None:
+        return forced
+    if norm == 1 or dim <= KNN_POINT_MAX_DIM:
+        return KnnConfig("direct", block_m=32, block_n=64 if k <= 8 else 32, num_warps=4)
+    block_k = 64 if dtype != torch.float32 else 32
+    return KnnConfig("products", product_precision(dtype, device), block_m=64, block_n=64, block_k=block_k,
+                     num_warps=4, num_stages=2)
+
+
+register("knn", KnnConfig)
