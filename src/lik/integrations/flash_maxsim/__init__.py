@@ -21,10 +21,13 @@ Covered, with flash-maxsim's signatures and return shapes:
   :func:`maxsim_naive_int8`, with flash-maxsim's semantics (input-dtype sums, ``-inf`` for an empty document).
 
 flash-maxsim's semantics: ``doc_lengths`` / ``query_lengths`` / ``cu_seqlens`` mark the valid prefix of each
-padded item (tokens past it never take part: lik's ``mask_mode="exclude"``); results are float32. Not covered:
-the sparse-query scorers (``flash_maxsim_sparse``), Chamfer distance (``flash_chamfer*``; lik has its own
-:func:`lik.chamfer_distance`), the contrastive training step and ``flash_maxsim_int8_batched_train`` (training
-from an 8-bit copy of ``D``: lik's 8-bit scoring is inference only).
+padded item (tokens past it never take part: lik's ``mask_mode="exclude"``); results are float32.
+
+Not covered: Chamfer distance (``flash_chamfer``, ``flash_chamfer_train``, ``flash_chamfer_invgrid_train``,
+``naive_chamfer``, ``naive_chamfer_one_direction``: lik's :func:`lik.chamfer_distance` has PyTorch3D's contract),
+``flash_maxsim_int8_batched_train`` (training from an 8-bit copy of ``D``: lik's 8-bit scoring is inference only),
+and what flash-maxsim keeps in submodules outside its package namespace (the sparse-query scorers, the fused
+contrastive step, its backward proposals).
 
 Deliberate differences (flash-maxsim's behaviour is not reproduced):
 
