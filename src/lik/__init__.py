@@ -12,6 +12,7 @@ Public functions (see README.md for shapes and semantics):
 * :func:`lik.warmup` -- compile the kernel variants given query shapes need, before serving.
 * :func:`lik.chamfer_distance` / :func:`lik.nearest_neighbors` -- Chamfer distance (PyTorch3D's contract) and
   k = 1 nearest neighbours between point sets, trainable, O(P) memory.
+* :func:`lik.knn_points` -- K nearest neighbours (PyTorch3D's ``knn_points``), trainable, O(P K) memory.
 * :func:`lik.ms_deform_attn` -- multi-scale deformable attention (Deformable DETR family), trainable; aliases
   :class:`lik.MSDeformAttnFunction` / :class:`lik.MultiScaleDeformableAttnFunction` and the stateless
   :class:`lik.MultiScaleDeformableAttention` module with the transformers signature.
@@ -34,6 +35,7 @@ from .ops.maxsim import (
 )
 from .integrations.transformers import MultiScaleDeformableAttention
 from .ops.chamfer import chamfer_distance, nearest_neighbors
+from .ops.knn import knn_points
 from .ops.msda import (
     MSDeformAttnFunction,
     MultiScaleDeformableAttnFunction,
@@ -63,6 +65,7 @@ __all__ = [
     "warmup",
     "chamfer_distance",
     "nearest_neighbors",
+    "knn_points",
     "ms_deform_attn",
     "ms_deform_attn_reference",
     "MSDeformAttnFunction",
