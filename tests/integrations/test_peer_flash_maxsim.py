@@ -177,3 +177,11 @@ def test_kernel_variants_score_as_flash_maxsim(rng):
     expected = naive.maxsim_naive(Q, D, lengths)
     for variant in (ours.flash_maxsim_persistent, ours.flash_maxsim_qreuse, ours.flash_maxsim_splitk):
         torch.testing.assert_close(variant(Q, D, lengths), expected)
+
+
+def test_warmup_counts_the_shapes_it_ran(monkeypatch):
+    result = ours.warmup(shapes=[(2, 4, 30, 16)], train_shapes=[(2, 4, 30, 16)], device="cpu")
+    assert result["fwd_shapes"] == 1 and result["bwd_shapes"] == 1 and result["wall_seconds"] > 0
+    # Variants compiled already take milliseconds: the time is not rounded to 0 ("nothing ran").
+    monkeypatch.setattr("lik.integrations.flash_maxsim.scoring._lik_warmup", lambda *args, **kwargs: 1)
+    assert ours.warmup(shapes=[(2, 4, 30, 16)], train_shapes=[])["wall_seconds"] > 0
