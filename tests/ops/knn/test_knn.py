@@ -77,7 +77,8 @@ def check_against_dense(out, p1, p2, l1, l2, K, norm=2, rtol=1e-5, atol=1e-5):
 def test_matches_dense_float64(dim, rng, launch):
     # Lengths 0 and 1 on both sides, a full cloud, K past most lengths2 (K = 32 > 21).
     p1, p2, l1, l2 = clouds(rng, 4, 37, 21, dim, lengths1=[37, 0, 1, 20], lengths2=[21, 1, 0, 13])
-    for K in (1, 2, 5, 32):
+    # The wide set's runtime coordinate loop is slow in the interpreter: two list sizes there.
+    for K in (1, 2, 5, 32) if dim < 128 else (2, 32):
         out = lik.knn_points(p1, p2, l1, l2, K=K)
         check_against_dense(out, p1, p2, l1, l2, K, rtol=1e-5, atol=1e-4 if dim == 128 else 1e-6)
 

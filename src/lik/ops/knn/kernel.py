@@ -13,7 +13,7 @@ Two ways to make a tile's distances (:func:`lik.ops.knn.heuristic.knn_config` pi
 
 * ``direct``: coordinate differences on the CUDA cores, exact wherever the points lie; both clouds are read
   coordinate-major (``[N, D, P]``) so a tile's loads are contiguous.
-* ``products``: ``|x|^2 + |y|^2 + x.(-2y)`` with a tensor-core product per tile, on float32 operands centred on
+* ``products``: ``|x|^2 + |y|^2 - 2 x.y`` with a tensor-core product per tile, on float32 operands centred on
   the ``p1`` cloud (TF32 or TF32-split, as ``torch.get_float32_matmul_precision()`` says) or on the half-precision
   inputs themselves. It only picks the neighbours: their distances are recomputed exactly afterwards (and the list
   re-sorted). A tile that holds a point whose squared norm is not finite (an inf or NaN coordinate, or an overflow)
@@ -79,7 +79,7 @@ def exact_tile(x_base, y_base, rows, cols, row_ok, col_ok, stride_xp, stride_xd,
 def product_tile(a_base, b_base, xs, ys, rows, cols, row_ok, col_ok, stride_ap, stride_bp,
                  WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
-    """``|x|^2 + |y|^2 + a.b`` with ``a = x`` and ``b = -2y`` (``[.., WIDTH]``, feature-contiguous), clamped at 0."""
+    """``|x|^2 + |y|^2 - 2 a.b`` (``a.b = x.y``; ``[.., WIDTH]``, feature-contiguous), clamped at 0."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     a_rows = a_base + rows.to(tl.int64) * stride_ap
     b_cols = b_base + cols.to(tl.int64) * stride_bp
@@ -89,7 +89,7 @@ def product_tile(a_base, b_base, xs, ys, rows, cols, row_ok, col_ok, stride_ap, 
         a = tl.load(a_rows[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < WIDTH), other=0.0)
         b = tl.load(b_cols[:, None] + kk[None, :], mask=col_ok[:, None] & (kk[None, :] < WIDTH), other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-    dist = xs[:, None] + ys[None, :] + acc
+    dist = xs[:, None] + ys[None, :] - 2.0 * acc
     # Cancellation can dip below 0, whose bits would order wrongly (NaN fails the test and stays NaN).
     return tl.where(dist < 0.0, 0.0, dist)
 
@@ -174,20 +174,18 @@ def coordinate_major(points: torch.Tensor) -> torch.Tensor:
 
 
 def centred_operands(p1: torch.Tensor, p2: torch.Tensor, lengths1: torch.Tensor, precision: str):
-    """The products route's operands ``a [N, P1, W]``, ``b [N, P2, W]`` (``a.b = -2 x.y``) and float32 squared
+    """The products route's operands ``a [N, P1, W]``, ``b [N, P2, W]`` (``a.b = x.y``) and float32 squared
     norms ``[N, P]``. Half-precision inputs multiply as they are; float32 is centred on the finite valid ``p1``
     points' mean (centring keeps the digits of nearby points far from the origin) and, for "tf32x3", split into
     TF32 parts."""
     if p1.dtype != torch.float32:
-        a = p1.contiguous()
-        b = (-2.0 * p2).contiguous()
-        return a, b, p1.float().square().sum(-1), p2.float().square().sum(-1)
+        return p1.contiguous(), p2.contiguous(), p1.float().square().sum(-1), p2.float().square().sum(-1)
     rows = torch.arange(p1.shape[1], device=p1.device)[None, :] < lengths1[:, None]
     usable = rows & torch.isfinite(p1).all(-1)
     count = usable.sum(1, keepdim=True).clamp(min=1)
     centre = torch.where(usable[..., None], p1, 0.0).sum(1, keepdim=True) / count[..., None]
     x, y = p1 - centre, p2 - centre
-    a, b = x, -2.0 * y
+    a, b = x, y
     if precision == "tf32x3":
         a, b = tf32_parts(a, b)
     return a.contiguous(), b.contiguous(), x.square().sum(-1), y.square().sum(-1)
