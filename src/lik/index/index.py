@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from .building import as_int, quiet, shards_from
 from .distributed import gather_top_k
+from .documents import IdSpace, check_ids, compact_segments, live_selection, rank_counts, read_documents
 from .format import EIGHT_BIT, Shard, dtype_name, open_shard, open_shard_file
 from .placement import PLACEMENTS, ResidentSource, StreamedSource, plan_chunks
 from .search import search_chunks, select_chunks
@@ -33,14 +34,16 @@ def _free_host_bytes() -> int:
 
 
 class _State:
-    """One consistent view of an index's documents: its segments (never changed) and the chunk source built from
-    them on first use. ``add`` makes a new state and swaps one reference, so a search holds the state it began
-    with and a source is never paired with other segments."""
+    """One consistent view of an index's documents: its segments (never changed), their ids, and the chunk source
+    and live-document selection built from them on first use. ``add`` / ``remove`` / ``compact`` make a new state
+    and swap one reference, so a search holds the state it began with and a source is never paired with other
+    segments. ``num_docs``: documents stored in the whole index (all ranks)."""
 
-    def __init__(self, segments, num_docs: int | None):
+    def __init__(self, segments, num_docs: int | None, ids: IdSpace | None = None, source=None):
         self.segments = tuple(segments)
         self.num_docs = sum(s.num_docs for s in self.segments) if num_docs is None else num_docs
-        self._source = None
+        self.ids = IdSpace(self.num_docs) if ids is None else ids
+        self._source, self._live = source, None
         self._lock = threading.Lock()
 
     def source(self, build):
@@ -49,9 +52,16 @@ class _State:
                 self._source = build(self.segments)
             return self._source
 
+    def live_selection(self, source):
+        """Every chunk of ``source`` with its live documents (cached: removed ones never change in a state)."""
+        with self._lock:
+            if self._live is None:
+                self._live = live_selection(source.plans, self.ids.removed_positions(), source.device)
+            return self._live
+
 
 class Index:
-    """An exact MaxSim search index over ragged documents (ids ``0..len-1`` in insertion order).
+    """An exact MaxSim search index over ragged documents (ids in insertion order: ``0, 1, ...``).
 
     Example:
         >>> docs = [torch.randn(n, 128) for n in (300, 57, 0, 512)]
@@ -65,10 +75,14 @@ class Index:
     num_shards=world_size)``; ``search`` then merges the ranks' top-k with collectives and returns the same
     global result on every rank.
 
-    Threads: any number of threads may search while one thread calls :meth:`add` (concurrent ``add`` s are
-    serialised by a lock). A search sees the documents present when it started; one that starts after ``add``
-    returned sees the added documents. Searches of a streamed index (``"host"`` / ``"disk"`` on a GPU) share its
-    device buffers and run one at a time.
+    Removal: :meth:`remove` marks documents removed (search never returns them; ``save`` keeps the marks) and
+    :meth:`compact` drops them from the shards. Ids never change: a removed id is not reused, and after
+    ``compact`` every remaining document keeps its id (``add`` continues after the highest id ever given).
+
+    Threads: any number of threads may search while one thread calls :meth:`add`, :meth:`remove` or
+    :meth:`compact` (concurrent writes are serialised by a lock). A search sees the documents present when it
+    started; one that starts after a write returned sees its change. Searches of a streamed index (``"host"`` /
+    ``"disk"`` on a GPU) share its device buffers and run one at a time.
     """
 
     def __init__(self, d: int, dtype: torch.dtype, segments=(), *, placement="host", device="cpu",
@@ -133,16 +147,71 @@ class Index:
         return index
 
     def add(self, docs: Iterable[torch.Tensor], *, progress: bool | None = None) -> Index:
-        """Append ``docs`` (ids continue from ``len(self)``); returns ``self``. All or nothing: if a document is
-        refused, none of ``docs`` is added. Safe while other threads search (see the class docstring)."""
+        """Append ``docs`` (ids continue from :attr:`num_ids`, which is ``len(self)`` until documents are removed);
+        returns ``self``. All or nothing: if a document is refused, none of ``docs`` is added. Safe while other
+        threads search (see the class docstring)."""
         if self.num_shards > 1:
             raise ValueError("add: this index is one shard of a distributed index; add to the full index and save")
         with self._write_lock:
             placement = "host" if self.placement == "disk" else self.placement
             added = [self._place(segment, placement)
                      for segment in shards_from(docs, self.d, self.dtype, DEFAULT_SHARD_TOKENS, progress)]
-            self._state = _State(self._state.segments + tuple(added), None)
+            state = self._state
+            self._state = _State(state.segments + tuple(added), None,
+                                 state.ids.with_added(sum(s.num_docs for s in added)))
         return self
+
+    def remove(self, ids) -> Index:
+        """Mark documents ``ids`` (a 1-D integer sequence or tensor) removed; returns ``self``.
+
+        Searches never return a removed document (top-``k`` still returns ``k`` live documents when there are
+        that many), ``len`` no longer counts it, its id is never given again. Its tokens stay in the shards until
+        :meth:`compact`; :meth:`save` writes the marks. Removing an id again does nothing; an id never given
+        raises ``ValueError``. Example: ``index.remove([3, 17]).save("my-index", overwrite=True)``.
+        """
+        if self.num_shards > 1:
+            raise ValueError("remove: this index is one shard of a distributed index; remove from the full index "
+                             "and save")
+        with self._write_lock:
+            state = self._state
+            ids = state.ids.with_removed(check_ids(ids, state.ids.num_ids, "ids"))
+            self._state = _State(state.segments, state.num_docs, ids, state._source)
+        return self
+
+    def compact(self) -> Index:
+        """Drop the removed documents' tokens from the segments; returns ``self``. Every remaining document keeps
+        its id (searches return the same ids as before), and ids removed before are never given again.
+
+        Segments holding removed documents are rewritten in memory (on the GPU for ``"gpu"``, in host memory
+        otherwise); :meth:`save` writes the compacted shards, atomically as ever. Example:
+        ``index.remove([3, 17]).compact().save("my-index", overwrite=True)``.
+        """
+        if self.num_shards > 1:
+            raise ValueError("compact: this index is one shard of a distributed index")
+        with self._write_lock:
+            state = self._state
+            if state.ids.removed.numel():
+                placement = "host" if self.placement == "disk" else self.placement
+                kept = [s if any(s is t for t in state.segments) else self._place(s, placement)
+                        for s in compact_segments(state.segments, state.ids.removed_positions())]
+                self._state = _State(kept, None, state.ids.compacted())
+        return self
+
+    @property
+    def num_ids(self) -> int:
+        """Ids given so far: the next added document gets this id (``len(self)`` plus the removed documents)."""
+        return self._state.ids.num_ids
+
+    def get(self, ids) -> list[torch.Tensor]:
+        """The tokens of live documents ``ids`` (a 1-D integer sequence, in that order; repeats allowed) as CPU
+        tensors ``[L_i, d]``: the stored values (dtype of a float index; fp32 token times scale for an 8-bit one).
+
+        Example:
+            >>> index.get([0, 3])[1].shape     # torch.Size([L_3, d])
+        """
+        state = self._state
+        return read_documents(state.segments, self.first_id, state.ids, check_ids(ids, state.ids.num_ids, "ids",
+                                                                                  keep_order=True))
 
     def save(self, path, *, overwrite: bool = False, progress: bool | None = None) -> None:
         """Write the index to directory ``path``.
@@ -156,7 +225,7 @@ class Index:
             raise ValueError("save: this index is one shard of a distributed index")
         state = self._state
         cpu = (Shard(s.tokens.cpu(), s.cu_seqlens, None if s.scale is None else s.scale.cpu()) for s in state.segments)
-        _write(Path(path), cpu, self.dtype, overwrite, self.d, progress=progress)
+        _write(Path(path), cpu, self.dtype, overwrite, self.d, progress=progress, ranges=state.ids.ranges())
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -189,7 +258,7 @@ class Index:
         index = cls(manifest.d, manifest.dtype, placement=placement, device=device,
                     first_id=total * shard // num_shards, total_docs=total, shard=shard, num_shards=num_shards,
                     chunk_tokens=chunk_tokens)
-        index.segments = [index._place(p, placement) for p in pieces]
+        index._state = _State([index._place(p, placement) for p in pieces], total, IdSpace.from_manifest(manifest))
         if placement != "disk":  # the data was copied out of the files
             for handle in handles:
                 handle.close()
@@ -209,12 +278,14 @@ class Index:
 
     # ------------------------------------------------------------------ searching
     def __len__(self) -> int:
-        """Documents in the whole index (all shards, also on a rank that holds one shard)."""
-        return self._state.num_docs
+        """Live documents in the whole index (all shards, also on a rank that holds one shard; removed ones are
+        not counted)."""
+        return self._state.ids.num_live
 
     @property
     def local_range(self) -> tuple[int, int]:
-        """Global ids ``[first, stop)`` this process holds."""
+        """Stored documents ``[first, stop)`` this process holds, counted in shard order (their ids, unless
+        :meth:`compact` dropped documents before them)."""
         return self.first_id, self.first_id + sum(s.num_docs for s in self._state.segments)
 
     def _chunk_source(self):
@@ -269,71 +340,39 @@ class Index:
         elif Q3.dtype == torch.float64:
             Q3 = Q3.float()  # 8-bit scoring quantizes fp16 / bf16 / fp32 queries
         state = self._state  # one view of the documents for the whole search, whatever add() does meanwhile
-        doc_ids = _check_doc_ids(doc_ids, state.num_docs)
-        available = state.num_docs if doc_ids is None else doc_ids.numel()
+        doc_ids = check_ids(doc_ids, state.ids.num_ids, "doc_ids")
+        # Chunks and ranks count stored positions: removed documents are left out of what is scored.
+        positions = None if doc_ids is None else state.ids.live_positions(doc_ids)
+        available = len(self) if doc_ids is None else positions.numel()
         k = as_int(k, "k")
         if not 0 <= k <= available:
-            what = "documents in the index" if doc_ids is None else "distinct doc_ids"
+            what = "documents in the index" if doc_ids is None else "distinct live doc_ids"
             raise ValueError(f"k must be in [0, {available}] ({available} {what}), got k={k}")
         if Q3.shape[0] == 0:  # no query: nothing to score or to gather
             empty = torch.empty(0, k, dtype=torch.float32, device=Q.device)
             return empty, empty.to(torch.int64)
         source = state.source(self._make_source)
-        selection = select_chunks(source.plans, doc_ids)
-        local_docs = sum(p.num_docs for p in source.plans) if doc_ids is None else sum(
-            int(local.numel()) for _, local in selection)
+        selection = state.live_selection(source) if doc_ids is None else select_chunks(source.plans, positions)
+        local_docs = sum(source.plans[n].num_docs if local is None else local.numel() for n, local in selection)
         with source.lock:
             scores, ids = search_chunks(Q3, q_mask, source, selection, min(k, local_docs))
         if self.num_shards > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("this index is one shard of several: initialise torch.distributed to search it")
-            scores, ids = gather_top_k(scores, ids, k, self._rank_counts(doc_ids, k, state.num_docs))
-        scores, ids = scores.to(Q.device), ids.to(Q.device)
+            world = dist.get_world_size()
+            if world != self.num_shards:
+                raise RuntimeError(f"the index was loaded with num_shards={self.num_shards}, the world has {world} "
+                                   "ranks")
+            counts = rank_counts(world, positions, state.ids.removed_positions(), k, state.num_docs)
+            scores, ids = gather_top_k(scores, ids, k, counts)
+        scores, ids = scores.to(Q.device), state.ids.ids_of(ids.to(Q.device))
         return (scores[0], ids[0]) if squeeze else (scores, ids)
-
-    def _rank_counts(self, doc_ids, k: int, total: int) -> list[int]:
-        world = dist.get_world_size()
-        if world != self.num_shards:
-            raise RuntimeError(f"the index was loaded with num_shards={self.num_shards}, the world has {world} ranks")
-        counts = []
-        for rank in range(world):
-            lo, hi = total * rank // world, total * (rank + 1) // world
-            n = hi - lo if doc_ids is None else int(((doc_ids >= lo) & (doc_ids < hi)).sum())
-            counts.append(min(k, n))
-        return counts
 
     def __repr__(self) -> str:
         where = f"shard {self.shard}/{self.num_shards}, " if self.num_shards > 1 else ""
         tokens = sum(s.num_tokens for s in self._state.segments)
         return (f"lik.Index({len(self)} documents, {where}{tokens} tokens held, d={self.d}, "
                 f"dtype={dtype_name(self.dtype)}, placement={self.placement!r}, device={str(self.device)!r})")
-
-
-def _check_doc_ids(doc_ids, num_docs: int) -> torch.Tensor | None:
-    """Sorted unique CPU int64 ids in ``[0, num_docs)``; errors name ``doc_ids``."""
-    if doc_ids is None:
-        return None
-    if isinstance(doc_ids, (str, bytes)):
-        raise TypeError(f"doc_ids must be a 1-D integer sequence, got {type(doc_ids).__name__}")
-    if isinstance(doc_ids, torch.Tensor):
-        ids = doc_ids.detach().cpu()
-    else:
-        try:
-            ids = torch.as_tensor(doc_ids)
-        except (TypeError, ValueError, RuntimeError, OverflowError) as error:
-            raise TypeError(f"doc_ids must be a 1-D integer sequence of ids in [0, {num_docs}) ({error})") from None
-        if ids.numel() == 0:
-            ids = ids.to(torch.int64)  # an empty list has no integer type to infer
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex() or ids.dim() != 1:
-        raise TypeError(f"doc_ids must be a 1-D integer sequence, got {ids.dtype} {list(ids.shape)}")
-    if ids.numel() and ids.dtype in (torch.uint32, torch.uint64):  # may not fit int64: compare before casting
-        top = int(ids.numpy().max())
-        if top >= num_docs:
-            raise ValueError(f"doc_ids must be in [0, {num_docs}), got an id of {top}")
-    ids = torch.unique(ids.to(torch.int64))
-    if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= num_docs):
-        raise ValueError(f"doc_ids must be in [0, {num_docs}), got values {int(ids[0])}..{int(ids[-1])}")
-    return ids
 
 
 def _open_range(directory: Path, manifest, shard: int, num_shards: int, verify: bool):
@@ -395,7 +434,7 @@ def _auto_placement(pieces, device) -> str:
     return "host" if nbytes < 0.5 * _free_host_bytes() else "disk"
 
 
-def _write(path: Path, shards, dtype, overwrite: bool, d: int | None, progress=None) -> None:
+def _write(path: Path, shards, dtype, overwrite: bool, d: int | None, progress=None, ranges=None) -> None:
     """Write ``shards`` as a new generation of the index at ``path`` (see :class:`~lik.index.storage.IndexWriter`)."""
     with IndexWriter(path, overwrite=overwrite) as writer:
         for number, shard in enumerate(tqdm(shards, desc="write shards", unit="shard", disable=quiet(progress))):
@@ -405,4 +444,4 @@ def _write(path: Path, shards, dtype, overwrite: bool, d: int | None, progress=N
             writer.write_shard(shard)
         if d is None:
             raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
-        writer.commit(d, dtype)
+        writer.commit(d, dtype, **(ranges or {}))

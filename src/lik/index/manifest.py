@@ -9,10 +9,23 @@
 Shard ``file`` s live in the generation's subdirectory ``<index>/<generation>/``. Version 1 (lik before
 generations) kept them in the index directory itself and has no ``generation``; it is still read. Every name a
 manifest holds is a plain file name (no separator, no ``..``), so nothing outside the index directory is read.
+
+Version 3 is written only by an index that has removed documents (a lik that reads versions 1 and 2 only then
+refuses it, instead of returning removed documents); it adds, in document ids (insertion order)::
+
+    "num_ids": I,                    ids given so far (the next document added gets id I)
+    "removed": [[start, stop], ...], ids removed whose tokens the shards still hold (search skips them)
+    "compacted": [[start, stop], ...] ids removed and no longer stored (the shards skip them)
+    "ids_sha256": "<64 hex>"          sha256 of these three (see ids_digest): a damaged list is refused
+
+Ranges are half-open, sorted, disjoint, and the two lists share no id; ``num_ids`` is ``num_docs`` plus the ids
+in ``compacted``. The stored documents (shard order) have the ids of ``[0, num_ids)`` outside ``compacted``, in
+increasing order.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -29,9 +42,11 @@ __all__ = [
     "DTYPES",
     "EIGHT_BIT",
     "ShardInfo",
+    "IdRanges",
     "Manifest",
     "dtype_name",
     "new_generation",
+    "ids_digest",
     "is_generation_name",
     "check_plain_name",
     "parse_manifest",
@@ -40,8 +55,8 @@ __all__ = [
 ]
 
 FORMAT_NAME = "lik-index"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # the newest written: an index without removed documents is written as version 2
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 # A manifest lists one short entry per shard: this bounds what a hostile file makes a load read into memory.
 MAX_MANIFEST_BYTES = 1 << 28
@@ -63,6 +78,12 @@ def dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise TypeError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
+
+
+def ids_digest(num_ids: int, removed, compacted) -> str:
+    """The sha256 that guards a version-3 manifest's id fields (nothing else ties them to the shards' bytes)."""
+    text = json.dumps([num_ids, [list(r) for r in removed], [list(r) for r in compacted]], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def new_generation() -> str:
@@ -92,15 +113,26 @@ class ShardInfo:
     sha256: str
 
 
+IdRanges = tuple[tuple[int, int], ...]  # sorted, disjoint half-open ranges [start, stop) of document ids
+
+
 @dataclass(frozen=True)
 class Manifest:
     """``generation``: the subdirectory holding the shard files (``None``: a version-1 index, files beside the
-    manifest)."""
+    manifest). ``removed`` / ``compacted``: id ranges of removed documents still stored / no longer stored;
+    ``num_ids``: ids given so far (``None``: ``num_docs`` plus the compacted ids)."""
 
     d: int
     dtype: torch.dtype
     shards: tuple[ShardInfo, ...]
     generation: str | None = None
+    removed: IdRanges = ()
+    compacted: IdRanges = ()
+    num_ids: int | None = None
+
+    def __post_init__(self):
+        if self.num_ids is None:
+            object.__setattr__(self, "num_ids", self.num_docs + sum(b - a for a, b in self.compacted))
 
     @property
     def num_docs(self) -> int:
@@ -117,19 +149,22 @@ class Manifest:
     def to_json(self) -> str:
         if self.generation is None:
             raise ValueError("a manifest is written with its generation (the version-1 layout is read only)")
-        return json.dumps(
-            {
-                "format": FORMAT_NAME,
-                "version": FORMAT_VERSION,
-                "generation": self.generation,
-                "d": self.d,
-                "dtype": dtype_name(self.dtype),
-                "num_docs": self.num_docs,
-                "num_tokens": self.num_tokens,
-                "shards": [vars(s) for s in self.shards],
-            },
-            indent=1,
-        )
+        fields = {
+            "format": FORMAT_NAME,
+            "version": 2,
+            "generation": self.generation,
+            "d": self.d,
+            "dtype": dtype_name(self.dtype),
+            "num_docs": self.num_docs,
+            "num_tokens": self.num_tokens,
+        }
+        if self.removed or self.compacted or self.num_ids != self.num_docs:
+            fields.update(version=3, num_ids=self.num_ids, removed=[list(r) for r in self.removed],
+                          compacted=[list(r) for r in self.compacted],
+                          ids_sha256=ids_digest(self.num_ids, self.removed, self.compacted))
+        text = json.dumps({**fields, "shards": [vars(s) for s in self.shards]}, indent=1)
+        # One range per line, not one number per line: a long removal list stays readable and small.
+        return re.sub(r"\[\n\s*(\d+),\n\s*(\d+)\n\s*\]", r"[\1, \2]", text)
 
 
 def _count(raw: dict, key: str, where: str, path, low: int = 0) -> int:
@@ -153,6 +188,50 @@ def _shard_info(raw, number: int, path) -> ShardInfo:
         raise ValueError(f"{path}: field {where}'sha256' must be 64 lowercase hex digits, got {sha!r:.80}")
     return ShardInfo(file, _count(raw, "num_docs", where, path), _count(raw, "num_tokens", where, path),
                      _count(raw, "bytes", where, path), sha)
+
+
+def _id_ranges(raw: dict, key: str, num_ids: int, path) -> IdRanges:
+    """A list of sorted, disjoint ``[start, stop)`` id ranges inside ``[0, num_ids)``."""
+    value = raw.get(key)
+    if not isinstance(value, list):
+        raise ValueError(f"{path}: field {key!r} must be a list of [start, stop] id ranges, got {value!r:.80}")
+    ranges, end = [], 0
+    for number, pair in enumerate(value):
+        if (not isinstance(pair, list) or len(pair) != 2 or not all(type(n) is int for n in pair)
+                or not end <= pair[0] < pair[1] <= num_ids):
+            raise ValueError(f"{path}: field '{key}[{number}]' must be [start, stop] with {end} <= start < stop <= "
+                             f"num_ids ({num_ids}), sorted and disjoint; got {pair!r:.80}")
+        ranges.append((pair[0], pair[1]))
+        end = pair[1]
+    return tuple(ranges)
+
+
+def _overlap(first: IdRanges, second: IdRanges) -> tuple[int, int] | None:
+    """A range of ``first`` that shares an id with one of ``second`` (both sorted and disjoint), else ``None``."""
+    j = 0
+    for start, stop in first:
+        while j < len(second) and second[j][1] <= start:
+            j += 1
+        if j < len(second) and second[j][0] < stop:
+            return start, stop
+    return None
+
+
+def _removals(raw: dict, num_docs: int, path) -> dict:
+    """The version-3 fields: ``num_ids``, ``removed``, ``compacted``, checked against each other and the shards."""
+    num_ids = _count(raw, "num_ids", "", path)
+    removed = _id_ranges(raw, "removed", num_ids, path)
+    compacted = _id_ranges(raw, "compacted", num_ids, path)
+    if (both := _overlap(removed, compacted)) is not None:
+        raise ValueError(f"{path}: ids {list(both)} are both in field 'removed' and in field 'compacted'")
+    dropped = sum(b - a for a, b in compacted)
+    if num_ids != num_docs + dropped:
+        raise ValueError(f"{path}: field 'num_ids' ({num_ids}) must equal num_docs ({num_docs}) plus the ids in "
+                         f"'compacted' ({dropped})")
+    if raw.get("ids_sha256") != ids_digest(num_ids, removed, compacted):
+        raise ValueError(f"{path}: field 'ids_sha256' does not match num_ids / removed / compacted: the manifest is "
+                         "corrupt")
+    return {"num_ids": num_ids, "removed": removed, "compacted": compacted}
 
 
 def parse_manifest(text: bytes, path) -> Manifest:
@@ -194,6 +273,8 @@ def parse_manifest(text: bytes, path) -> Manifest:
         if _count(raw, key, "", path) != total:
             raise ValueError(f"{path}: num_docs / num_tokens do not equal the sums over the shard list "
                              f"(field {key!r} is {raw[key]}, the shards sum to {total})")
+    if version >= 3:
+        manifest = Manifest(d, DTYPES[dtype], infos, generation, **_removals(raw, manifest.num_docs, path))
     return manifest
 
 

@@ -57,13 +57,16 @@ def search_chunks(
     best_ids = torch.empty(n_queries, 0, dtype=torch.int64, device=device)
     if k == 0 or n_queries == 0:
         return best_scores, best_ids
-    # Every chunk's selected positions go to the device in one copy, not one per chunk.
+    # Every chunk's selected positions go to the device in one copy, not one per chunk. A chunk without positions
+    # scores all its documents; positions already on the device (the live documents of an index with removed
+    # ones, cached there) are used as they are: removed documents are never candidates, with no host sync.
     locals_ = [local for _, local in selection]
-    if locals_ and locals_[0] is not None:
-        on_device = torch.cat(locals_).to(device, non_blocking=True).split([t.numel() for t in locals_])
-    else:
-        on_device = locals_
-    for chunk, local in zip(source.chunks([n for n, _ in selection]), on_device):
+    to_move = [local is not None and local.device.type != device.type for local in locals_]
+    if any(to_move):
+        on_host = [local for local, move in zip(locals_, to_move) if move]
+        moved = iter(torch.cat(on_host).to(device, non_blocking=True).split([t.numel() for t in on_host]))
+        locals_ = [next(moved) if move else local for local, move in zip(locals_, to_move)]
+    for chunk, local in zip(source.chunks([n for n, _ in selection]), locals_):
         scores = maxsim_packed(
             Q, chunk.tokens, chunk.cu_seqlens, q_mask, max_seqlen_d=chunk.max_seqlen, d_scale=chunk.scale
         ).to(score_dtype)

@@ -316,9 +316,10 @@ class IndexWriter:
         self.infos.append(info)
         return info
 
-    def commit(self, d: int, dtype) -> Manifest:
-        """Publish the shards written so far as the index at ``destination``; returns its manifest."""
-        manifest = Manifest(d, dtype, tuple(self.infos), self.generation)
+    def commit(self, d: int, dtype, *, removed=(), compacted=()) -> Manifest:
+        """Publish the shards written so far as the index at ``destination``; returns its manifest.
+        ``removed`` / ``compacted``: the id ranges of removed documents (see :mod:`lik.index.manifest`)."""
+        manifest = Manifest(d, dtype, tuple(self.infos), self.generation, tuple(removed), tuple(compacted))
         fsync_directory(self.staging / self.generation)
         _write_new_file(self.staging / MANIFEST_NAME, manifest.to_json())
         fsync_directory(self.staging)
