@@ -132,7 +132,7 @@ def knn_points(
         >>> p2 = torch.tensor([[[4.0, 4.0], [1.0, 0.0], [1.0, 0.0]]])
         >>> out = lik.knn_points(p1, p2, K=2, return_nn=True)
         >>> out.dists, out.idx
-        (tensor([[[ 1., 25.], [ 2., 32.]]]), tensor([[[1, 2], [0, 1]]]))
+        (tensor([[[ 1.,  1.], [ 2., 41.]]]), tensor([[[1, 2], [0, 1]]]))
         >>> out.knn.shape
         torch.Size([1, 2, 2, 2])
     """

@@ -58,8 +58,8 @@ def knn_config(*, dim: int, k: int, norm: int, dtype: torch.dtype, device: torch
     if norm == 1 or dim <= KNN_POINT_MAX_DIM:
         return KnnConfig("direct", block_m=32, block_n=64 if k <= 8 else 32, num_warps=4)
     block_k = 64 if dtype != torch.float32 else 32
-    return KnnConfig("products", product_precision(dtype, device), block_m=64, block_n=64, block_k=block_k,
-                     num_warps=4, num_stages=2)
+    return KnnConfig("products", product_precision(dtype, device), block_m=64 if k <= 8 else 32, block_n=64,
+                     block_k=block_k, num_warps=4, num_stages=2)
 
 
 register("knn", KnnConfig)
