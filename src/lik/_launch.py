@@ -316,6 +316,10 @@ def cache_key(kernel, device: int, args: tuple, kwargs: dict):
     return device, keys, layout.ident, layout.values(kwargs)
 
 
+# Called with ``(kernel, grid, args, kwargs)`` before every launch while a replay is being recorded (lik._replay).
+WATCH = None
+
+
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` with Triton's per-call binding and cache lookup skipped after the first
     call with the same argument key.
@@ -329,6 +333,8 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     Example:
         >>> launch(add_kernel, (triton.cdiv(n, 1024),), x, y, out, n, BLOCK=1024, num_warps=4)
     """
+    if WATCH is not None:
+        WATCH(kernel, grid, args, kwargs)
     table = getattr(kernel, "_lik_launch_table", None)
     if table is None:
         table = kernel._lik_launch_table = _KernelTable(kernel)

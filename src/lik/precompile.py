@@ -2,7 +2,7 @@
 
 A variant is fixed by the query-length bucket, how many short queries are stacked in a tile, ``d``, the dtype,
 the masks, whether a gradient is needed, for one short query whether documents are long (at least
-``lik._config.LONG_DOCUMENT`` tokens: larger document tiles) and, for an 8-bit corpus scored by long queries,
+``lik.config.LONG_DOCUMENT`` tokens: larger document tiles) and, for an 8-bit corpus scored by long queries,
 whether its length is a multiple of the document tile; batch sizes and document lengths are otherwise runtime
 values. Warming up with one short and (where it differs) one long document, each at a ragged and a whole number
 of tiles where that makes a variant, therefore covers every corpus those queries will meet, and afterwards
@@ -18,10 +18,11 @@ from collections.abc import Iterable
 
 import torch
 
-from ._config import LONG_DOCUMENT, cdiv, maxsim_forward_config
+from ._device import cdiv
+from .config.maxsim import LONG_DOCUMENT, maxsim_forward_config
+from .core.forward_launch import last_tiles
 from .core.quantized import loader_of
 from .ops.maxsim import maxsim
-from .ops.maxsim.forward import last_tiles
 from .ops.quantization import quantize
 
 __all__ = ["warmup", "main"]
@@ -91,8 +92,8 @@ def _document_length_buckets(n_queries, q_len, dim, dtype, device) -> list[int]:
 def _document_lengths(n_queries, q_len, dim, dtype, device) -> list[tuple[int, bool]]:
     """The document lengths to warm up with, each with whether its masked variants are to be warmed too: one per
     :func:`_document_length_buckets` bucket and, where the forward reads an unmasked 8-bit corpus by whole tiles
-    (long queries: ``forward.last_tiles``), lengths of the same config for its other
-    variants (a whole number of tiles, one token past it, one token short of it), unmasked only."""
+    (long queries: ``lik.core.forward_launch.last_tiles``, which the launch asks too), lengths of the same config
+    for its other variants (a whole number of tiles, one token past it, one token short of it), unmasked only."""
     loader = loader_of(dtype)
     config = functools.partial(maxsim_forward_config, q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype,
                                per_query=False, device=device)

@@ -1,6 +1,9 @@
-"""Replays of recorded eager inference launches of ``lik.maxsim``: which arguments a recorded launch reads from
-which tensor, which calls are declined, what is remembered; on the GPU, that repeated calls take the replay and
-give the full path's scores bit for bit, and that every call a replay could get wrong keeps the full path."""
+"""Replays of ``lik.maxsim`` calls (eager inference, training forward and both backwards) and of ``lik.quantize``.
+
+On the CPU, every recorded launch gets a stand-in launcher that files what it is given, and the test checks that a
+replay with new tensors hands each kernel exactly what the full path hands it for those tensors (the same source
+at the same offset, a buffer of the call's own, the same values). On the GPU, that repeated calls replay and give
+the full path's bits, and that every call a replay could get wrong keeps the full path."""
 
 from __future__ import annotations
 
@@ -8,204 +11,266 @@ import pytest
 import torch
 
 import lik
-from lik import _launch
+from lik import _launch, _replay
+from lik.config import maxsim as maxsim_config
+from lik.ops.maxsim import function
 from lik.ops.maxsim import replay as replay_module
-from lik.ops.maxsim.replay import recorder, replay, replay_key
+from lik.ops.maxsim.backward import maxsim_backward_dd, maxsim_backward_dq
+from lik.ops.maxsim.forward import forward_problem
+from lik.ops.maxsim.replay import Inference, Training
+from lik.ops.maxsim.validation import MaxSimInputs
+from lik.ops.quantization import function as quantization
 
 from ...launch_hooks import recorded_launches
 
 
 @pytest.fixture
-def fresh_replays(monkeypatch):
-    table = {}
-    monkeypatch.setattr(replay_module, "REPLAYS", table)
-    # function.py imported the name: patch its reference too
-    monkeypatch.setattr(lik.ops.maxsim.function, "REPLAYS", table)
-    return table
+def stand_ins(monkeypatch):
+    """Replays on the CPU: keys for CPU tensors, and a stand-in launcher per recorded launch that files
+    ``(kernel, grid, arguments)`` in the list returned (the full path still runs the kernels, interpreted)."""
+    runs = []
+
+    class StandIn:
+        def __init__(self, kernel, grid):
+            self.grid, self.device, self.function, self.packed, self.tail = (*grid, 1, 1)[:3], 0, kernel, None, ()
+            self.run = lambda *a: runs.append((kernel, a[:3], a[9:]))
+
+    monkeypatch.setattr(_launch, "replay_of", lambda kernel, grid, *args, **kwargs: StandIn(kernel, grid))
+    monkeypatch.setattr(_launch, "replay_allowed", lambda: True)
+    monkeypatch.setattr(_launch, "_get_stream", lambda device: 0)
+    monkeypatch.setattr(replay_module, "current_device", lambda: 0)
+    monkeypatch.setattr(function, "call_key", replay_module.key_of)  # past the CUDA gate
+    monkeypatch.setattr(quantization, "_replay_key", lambda x, dtype: (0, _replay.tensor_key(x), dtype))
+    calls = {}  # function.py looks the table up under the name it imported
+    monkeypatch.setattr(replay_module, "CALLS", calls)
+    monkeypatch.setattr(function, "CALLS", calls)
+    monkeypatch.setattr(quantization, "QUANTIZATIONS", {})
+    return runs
 
 
-def _stand_in_replay(monkeypatch, calls):
-    launches = []
-
-    def replay_of(kernel, grid, *args, **options):
-        launches.append((grid, args, options))
-        return lambda *addresses: calls.append(addresses)
-
-    monkeypatch.setattr(replay_module, "replay_of", replay_of)
-    return launches
+def _full_launches(run) -> list[tuple]:
+    """The launches ``run()`` makes on the full path, as ``(kernel, grid, args)``."""
+    with _replay.recording() as recorded:
+        run()
+    return [(kernel, (*grid, 1, 1)[:3], args) for kernel, grid, args, _ in recorded.launches]
 
 
-def test_recorded_slots_name_the_callers_tensors_the_buffer_and_the_values(monkeypatch, fresh_replays):
-    calls = []
-    launches = _stand_in_replay(monkeypatch, calls)
-    Q, D = torch.randn(4, 8), torch.randn(3, 5, 8)
-    d_mask = torch.ones(3, 5, dtype=torch.bool)
-    tensors = (Q, D, None, d_mask, None, None)
-    partial = torch.empty(2, 1, 3)
-    args = (Q.unsqueeze(0), D.unsqueeze(0), Q, d_mask.view(torch.uint8), partial, partial, 7, 0)
-    recorder("key", tensors, True)((12,), args, {"DIM": 8}, partial)
-    assert launches == [((12,), args, {"DIM": 8})]
-    launch, slots, partial_shape, squeeze, query = fresh_replays["key"]
-    assert slots == (0, 1, 0, 3, -1, -1, (7,), (0,)) and partial_shape == (2, 1, 3) and squeeze and query is None
-    # A replay reads the new call's addresses in the recorded order, and a buffer of its own.
-    Q2, D2, m2 = torch.randn(4, 8), torch.randn(3, 5, 8), torch.ones(3, 5, dtype=torch.bool)
-    scores = replay("key", (Q2, D2, None, m2, None, None))
-    (addresses,) = calls
-    assert addresses[:4] == (Q2.data_ptr(), D2.data_ptr(), Q2.data_ptr(), m2.data_ptr())
-    assert addresses[4] == addresses[5] and addresses[4] not in (Q2.data_ptr(), D2.data_ptr())
-    assert addresses[6:] == (7, 0)
-    assert scores.shape == (3,) and scores.dtype == torch.float32  # squeezed [1, B] -> [B], summed over 2 chunks
+def _label(address: int, sources) -> tuple:
+    """Which source holds ``address`` and where; a source is a tensor or ``(address, bytes)``."""
+    for i, t in enumerate(sources):
+        if isinstance(t, torch.Tensor):
+            t = (t.data_ptr(), max(1, t.numel()) * t.itemsize)
+        if t is not None and t[0] <= address < t[0] + t[1]:
+            return ("source", i, address - t[0])
+    return ("made",)
 
 
-def test_a_launch_given_a_tensor_of_its_own_is_never_replayed(monkeypatch, fresh_replays):
-    launches = _stand_in_replay(monkeypatch, [])
-    Q, D = torch.randn(4, 8), torch.randn(3, 5, 8)
-    partial = torch.empty(1, 1, 3)
-    made = torch.randn(1, 4, 8)  # e.g. a copy of strided rows
-    recorder("key", (Q, D, None, None, None, None), False)((3,), (made, D, partial), {}, partial)
-    assert fresh_replays == {"key": None} and launches == []
-    assert replay("key", (Q, D, None, None, None, None)) is None
+def _assert_same_launches(replayed, full, sources, replayed_sources=None):
+    """Each replayed launch hands its kernel what the full path hands it for ``sources`` (``replayed_sources``: the
+    replay's, where one of them is a buffer of its own)."""
+    assert [(k, g) for k, g, _ in replayed] == [(k, g) for k, g, _ in full]
+    for (_, _, got), (_, _, want) in zip(replayed, full):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            if isinstance(b, torch.Tensor):
+                assert _label(a, replayed_sources or sources) == _label(b.data_ptr(), sources)
+            else:
+                assert a == b
 
 
-def _stand_in_quantization(monkeypatch, calls, recorded=True):
-    """quantize_rows_replay stand-in: what it was asked for, and a replay that files its addresses in ``calls``."""
-    asked = []
-
-    def quantize_rows_replay(rows, q, q_scale):
-        asked.append((rows, q, q_scale))
-        return (lambda *arguments: calls.append(("quantize", arguments)), (7, 8, 8, 8)) if recorded else None
-
-    monkeypatch.setattr(replay_module, "quantize_rows_replay", quantize_rows_replay)
-    return asked
+def _problem(rng, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=rng).to(dtype)
 
 
-def test_a_float_query_quantized_for_an_8bit_corpus_is_recorded_and_quantized_again_on_replay(
-        monkeypatch, fresh_replays):
-    calls = []
-    launches = _stand_in_replay(monkeypatch, calls)
-    asked = _stand_in_quantization(monkeypatch, calls)
-    Q = torch.randn(7, 8)  # float query of a 2-D call
-    D, d_scale = lik.quantize(torch.randn(3, 5, 8), torch.int8)
-    q, q_scale = lik.quantize(Q.unsqueeze(0), torch.int8)  # what MaxSimInputs.build made: [1, 7, 8], [1, 7]
-    tensors = (Q, D, None, None, None, d_scale)
-    partial = torch.empty(1, 1, 3)
-    args = (q, D, q_scale, d_scale.unsqueeze(0), partial, 7)
-    recorder("key", tensors, True, (q, q_scale))((3,), args, {}, partial)
-    assert len(launches) == 1
-    (rows, q_rows, scale_rows), = asked
-    assert rows.data_ptr() == Q.data_ptr() and rows.shape == (7, 8)  # the caller's rows, not a copy
-    assert q_rows.shape == (7, 8) and q_rows.data_ptr() == q.data_ptr() and scale_rows.shape == (7,)
-    _, slots, _, squeeze, (quantize, ints, shape, dtype) = fresh_replays["key"]
-    assert slots == (-2, 1, -3, 5, -1, (7,)) and squeeze
-    assert ints == (7, 8, 8, 8) and shape == (1, 7, 8) and dtype == torch.int8
-    # A replay quantizes the new query into buffers of its own, then scores with those buffers.
-    Q2 = torch.randn(7, 8)
-    D2, d_scale2 = lik.quantize(torch.randn(3, 5, 8), torch.int8)
-    scores = replay("key", (Q2, D2, None, None, None, d_scale2))
-    (kind, (x, q_new, scale_new, *rest)), scored = calls
-    assert kind == "quantize" and x == Q2.data_ptr() and tuple(rest) == (7, 8, 8, 8)
-    assert scored[0] == q_new and scored[2] == scale_new and q_new != scale_new
-    assert scored[1] == D2.data_ptr() and scored[3] == d_scale2.data_ptr() and scored[5] == 7
-    assert scored[4] not in (q_new, scale_new, Q2.data_ptr()) and scores.shape == (3,)
+def _inference_cases(rng):
+    """``(name, build)``: build() gives ``(args, kwargs)`` of a new call with the same key each time."""
+
+    def masked_2d():
+        return (_problem(rng, 5, 16), _problem(rng, 3, 7, 16), None, torch.rand(3, 7, generator=rng) > 0.3), {}
+
+    def stacked_zero_mode():
+        return (_problem(rng, 2, 5, 16), _problem(rng, 3, 7, 16), torch.rand(2, 5, generator=rng) > 0.2), \
+            {"mask_mode": "zero"}
+
+    def per_query_documents():
+        return (_problem(rng, 2, 5, 16), _problem(rng, 2, 3, 7, 16)), {}
+
+    def long_query_in_chunks():  # two row chunks of the interpreter's 32-row tile: their sums are added
+        return (_problem(rng, 40, 16), _problem(rng, 3, 7, 16)), {}
+
+    def int8_with_scales():
+        q, qs = lik.quantize(_problem(rng, 2, 5, 32), torch.int8)
+        d, ds = lik.quantize(_problem(rng, 3, 7, 32), torch.int8)
+        return (q, d), {"q_scale": qs, "d_scale": ds}
+
+    def float_query_int8_corpus():  # the query is quantized per call: two launches
+        d, ds = lik.quantize(_problem(rng, 3, 7, 32), torch.int8)
+        return (_problem(rng, 5, 32), d), {"d_scale": ds}
+
+    return [masked_2d, stacked_zero_mode, per_query_documents, long_query_in_chunks, int8_with_scales,
+            float_query_int8_corpus]
 
 
-def test_a_float_query_whose_rows_are_copied_or_whose_quantization_was_not_recorded_is_not_replayed(
-        monkeypatch, fresh_replays):
-    launches = _stand_in_replay(monkeypatch, [])
-    partial = torch.empty(1, 2, 3)
-    D, d_scale = lik.quantize(torch.randn(3, 5, 8), torch.int8)
-    # Two queries of 7 tokens cut from rows of 9: their 14 rows are no view of one matrix, so they are copied.
-    Q = torch.randn(2, 9, 8)[:, :7]
-    q, q_scale = lik.quantize(Q, torch.int8)
-    asked = _stand_in_quantization(monkeypatch, [])
-    args = (q, D, q_scale, d_scale.unsqueeze(0), partial)
-    recorder("copied", (Q, D, None, None, None, d_scale), False, (q, q_scale))((3,), args, {}, partial)
-    assert fresh_replays == {"copied": None} and asked == [] and launches == []
-    # A view, but the quantization's launch went through Triton's own path: nothing to replay it with.
-    Q = torch.randn(2, 7, 8)
-    q, q_scale = lik.quantize(Q, torch.int8)
-    asked = _stand_in_quantization(monkeypatch, [], recorded=False)
-    args = (q, D, q_scale, d_scale.unsqueeze(0), partial)
-    recorder("unrecorded", (Q, D, None, None, None, d_scale), False, (q, q_scale))((3,), args, {}, partial)
-    assert fresh_replays["unrecorded"] is None and len(asked) == 1
-    assert replay("unrecorded", (Q, D, None, None, None, d_scale)) is None
+@pytest.mark.parametrize("case", range(6))
+def test_an_inference_replay_hands_the_kernels_what_the_full_path_would(stand_ins, rng, case):
+    build = _inference_cases(rng)[case]
+    args, kwargs = build()
+    first = lik.maxsim(*args, **kwargs)
+    (recorded,) = replay_module.CALLS.values()
+    assert type(recorded) is Inference
+    args, kwargs = build()
+    stand_ins.clear()  # (building an 8-bit case replays lik.quantize)
+    sources = (*args, *[None] * (4 - len(args)), kwargs.get("q_scale"), kwargs.get("d_scale"))
+    got = lik.maxsim(*args, **kwargs)
+    assert got.shape == first.shape and got.dtype == torch.float32 and len(replay_module.CALLS) == 1
+    full = _full_launches(lambda: function._validated_inference(*sources[:4], kwargs.get("mask_mode", "exclude"),
+                                                                "auto", *sources[4:]))
+    _assert_same_launches(stand_ins, full, sources)
 
 
-def test_arguments_sharing_an_address_are_not_recorded(monkeypatch, fresh_replays):
-    launches = _stand_in_replay(monkeypatch, [])
-    D = torch.randn(3, 5, 8)
-    Q = D[0]  # a view of D's first document: one address, two arguments
-    partial = torch.empty(1, 1, 3)
-    recorder("key", (Q, D, None, None, None, None), False)((3,), (Q, D, partial), {}, partial)
-    assert fresh_replays == {} and launches == []
+@pytest.mark.parametrize("backward", ["fast", "deterministic"])
+def test_a_training_replay_hands_the_kernels_what_the_full_path_would(stand_ins, rng, backward, monkeypatch):
+    # Small workspaces (the heuristic's, not a forced config, which would turn replays off): the fast dD runs in
+    # chunks of two documents through its buffer, the deterministic one sorts the winners in passes of two.
+    small = maxsim_config.MaxSimBackwardConfig(block_rows=16, block_k=16, atomic_workspace_bytes=2 * 7 * 16 * 4,
+                                               sort_workspace_entries=2 * 2 * 5)
+    monkeypatch.setattr(maxsim_config, "_maxsim_backward_heuristic", lambda block_d, interpreted: small)
+
+    def build():
+        Q = _problem(rng, 2, 5, 16, dtype=torch.float16).requires_grad_()
+        D = _problem(rng, 5, 7, 16, dtype=torch.float16).requires_grad_()
+        return Q, D, torch.rand(5, 7, generator=rng) > 0.3
+
+    Q, D, d_mask = build()
+    lik.maxsim(Q, D, d_mask=d_mask, backward=backward).float().square().sum().backward()
+    (recorded,) = replay_module.CALLS.values()
+    assert type(recorded) is Training and set(recorded.backward) == {(True, True)}
+    Q, D, d_mask = build()
+    scores = lik.maxsim(Q, D, d_mask=d_mask, backward=backward)
+    assert type(scores.grad_fn).__name__ == "EagerMaxSimFunctionBackward" and scores.shape == (2, 5)
+    forward_runs = list(stand_ins)
+    stand_ins.clear()
+    grad = torch.randn(2, 5, generator=rng)
+    scores.backward(grad)
+    assert Q.grad.shape == Q.shape and D.grad.shape == D.shape and Q.grad.dtype == torch.float16
+    inputs = MaxSimInputs.build(Q, D, None, d_mask)
+    full = _full_launches(lambda: function.launch_forward(forward_problem(inputs), True))
+    _assert_same_launches(forward_runs, full, (Q, D, None, d_mask))
+    # The backward's sources: (grad, Q, D, winners), the winners being the replayed forward's own buffer.
+    argmax = torch.zeros((2, 5, 5), dtype=torch.int16)
+    replayed_argmax = (forward_runs[0][2][7], argmax.numel() * argmax.itemsize)
+    full = _full_launches(lambda: (
+        maxsim_backward_dq(grad, inputs.d, argmax, inputs.q.shape, Q.dtype),
+        maxsim_backward_dd(grad, inputs.q, argmax, inputs.d.shape, D.dtype, deterministic=backward != "fast",
+                           per_query=False)))
+    assert len(full) == (4 if backward == "fast" else 7)  # dQ, then dD in three chunks (two launches each sorted)
+    _assert_same_launches(stand_ins, full, (grad, Q, D, argmax), (grad, Q, D, replayed_argmax))
 
 
-def test_nothing_is_recorded_when_the_launch_went_through_triton(monkeypatch, fresh_replays):
-    monkeypatch.setattr(replay_module, "replay_of", lambda *a, **k: None)
-    Q, D = torch.randn(4, 8), torch.randn(3, 5, 8)
-    partial = torch.empty(1, 1, 3)
-    recorder("key", (Q, D, None, None, None, None), False)((3,), (Q, D, partial), {}, partial)
-    assert fresh_replays == {}
+def test_a_quantize_replay_hands_the_kernel_what_the_full_path_would(stand_ins, rng):
+    x = _problem(rng, 3, 7, 32)
+    x_q, scale = lik.quantize(x, torch.int8)
+    x2 = _problem(rng, 3, 7, 32)
+    got, got_scale = lik.quantize(x2, torch.int8)
+    assert (got.shape, got.dtype, got_scale.shape) == (x_q.shape, torch.int8, scale.shape)
+    full = _full_launches(lambda: quantization._quantize(x2, torch.int8))
+    _assert_same_launches(stand_ins, full, (x2,))
 
 
-def test_replays_are_bounded(monkeypatch, fresh_replays):
-    _stand_in_replay(monkeypatch, [])
-    Q, D = torch.randn(4, 8), torch.randn(3, 5, 8)
-    partial = torch.empty(1, 1, 3)
-    for i in range(_launch.REPLAY_LIMIT + 1):
-        recorder(i, (Q, D, None, None, None, None), False)((3,), (Q, D, partial), {}, partial)
-    assert len(fresh_replays) == 1 and _launch.REPLAY_LIMIT in fresh_replays
+def test_calls_that_copy_an_argument_are_never_replayed(stand_ins, rng):
+    Q, D = _problem(rng, 5, 16), _problem(rng, 3, 7, 16)
+    int_mask = (torch.rand(3, 7, generator=rng) > 0.5).to(torch.int64)  # turned bool by the checks, per call
+    for _ in range(2):
+        lik.maxsim(Q, D, d_mask=int_mask)
+    rows = _problem(rng, 2, 9, 32)[:, :7]  # rows no [14, 32] view holds: copied before they are quantized
+    for _ in range(2):
+        lik.quantize(rows, torch.int8)
+    assert list(replay_module.CALLS.values()) == [_replay.NEVER] and not stand_ins
+    assert list(quantization.QUANTIZATIONS.values()) == [_replay.NEVER]
+
+
+def test_bad_input_is_refused_and_not_recorded(stand_ins, rng):
+    Q, D = _problem(rng, 5, 16), _problem(rng, 3, 7, 16)
+    with pytest.raises(ValueError, match="d_mask"):
+        lik.maxsim(Q, D, d_mask=torch.ones(3, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask_mode"):
+        lik.maxsim(Q, D, mask_mode="max")
+    with pytest.raises(ValueError, match="backward"):
+        lik.maxsim(Q, D, backward="slow")
+    assert replay_module.CALLS == {} and _launch.WATCH is None
 
 
 def test_no_replay_key_off_the_gpu_or_for_what_is_not_a_tensor():
     Q, D = torch.randn(4, 8), torch.randn(3, 5, 8)
-    assert replay_key(Q, D, None, None, "exclude", "auto", None, None) is None
-    assert replay_key([[1.0]], D, None, None, "exclude", "auto", None, None) is None
+    assert replay_module.call_key(Q, D, None, None, "exclude", "auto", None, None) is None
+    assert replay_module.key_of(Q, [[1.0]], None, None, "exclude", "auto", None, None) is None
+    assert replay_module.key_of(Q, D, [True], None, "exclude", "auto", None, None) is None
 
 
-def test_cpu_calls_record_nothing(fresh_replays):
+def test_the_key_separates_what_changes_a_call(stand_ins):
     Q, D = torch.randn(4, 8), torch.randn(3, 5, 8)
-    want = lik.maxsim_reference(Q.double(), D.double())
-    torch.testing.assert_close(lik.maxsim(Q, D).double(), want, rtol=1e-5, atol=1e-5)
-    assert fresh_replays == {}
+    key = replay_module.key_of(Q, D, None, None, "exclude", "auto", None, None)
+    assert key != replay_module.key_of(Q, D, None, None, "zero", "auto", None, None)
+    assert key != replay_module.key_of(Q, D, None, None, "exclude", "fast", None, None)
+    assert key != replay_module.key_of(Q.requires_grad_(), D, None, None, "exclude", "auto", None, None)
+    with torch.no_grad():  # without grad the same tensor has an inference key: only requires_grad differs
+        assert replay_module.key_of(Q, D, None, None, "exclude", "auto", None, None)[3] is False
+    torch.use_deterministic_algorithms(True)
+    try:  # a training call's "auto" backward resolves to the flag, so the flag is in its key
+        assert replay_module.key_of(Q, D, None, None, "exclude", "auto", None, None) != \
+            replay_module.key_of(Q, D, None, None, "exclude", "deterministic", None, None)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_cpu_calls_record_nothing():
+    Q, D = torch.randn(4, 8), torch.randn(3, 5, 8)
+    before = dict(replay_module.CALLS)
+    torch.testing.assert_close(lik.maxsim(Q, D).double(), lik.maxsim_reference(Q.double(), D.double()),
+                               rtol=1e-5, atol=1e-5)
+    assert replay_module.CALLS == before
 
 
 # ---------------------------------------------------------------- GPU
 
 
-def _counting_forward(monkeypatch):
-    """Count the full path's forward launches (a replay does not go through maxsim_forward)."""
-    from lik.ops.maxsim import function
+@pytest.fixture
+def fresh_tables(monkeypatch):
+    table = {}
+    monkeypatch.setattr(replay_module, "CALLS", table)
+    monkeypatch.setattr(function, "CALLS", table)
+    monkeypatch.setattr(quantization, "QUANTIZATIONS", {})
+    return table
 
+
+def _counting_full_path(monkeypatch):
+    """Count the full path's forward launches (a replay does not go through launch_forward)."""
     calls = []
-    real = function.maxsim_forward
+    real = function.launch_forward
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(function, "maxsim_forward", counted)
+    monkeypatch.setattr(function, "launch_forward", counted)
     return calls
 
 
-def _full_path(*args, **kwargs):
-    """The same call through the full path (no replay key)."""
-    with torch.no_grad():
-        saved = _launch.ENABLED
-        _launch.ENABLED = False  # replay_allowed() is False: no key, Triton's own launch path
-        try:
-            return lik.maxsim(*args, **kwargs)
-        finally:
-            _launch.ENABLED = saved
+def _without_replays(run):
+    """``run()`` on the full path, launched through Triton's own ``kernel[grid](...)``."""
+    saved = _launch.ENABLED
+    _launch.ENABLED = False  # lik._replay.allowed() is False: no key
+    try:
+        return run()
+    finally:
+        _launch.ENABLED = saved
 
 
 def _unit(*shape, dtype=torch.float16):
     return torch.nn.functional.normalize(torch.randn(*shape, device="cuda"), dim=-1).to(dtype)
 
 
-def _cases():
-    """(name, build) pairs; build() returns (args, kwargs) of a fresh call with the same shapes each time."""
-
+def _gpu_cases():
     def fp16_2d():
         return (_unit(32, 128), _unit(50, 70, 128)), {}
 
@@ -233,7 +298,7 @@ def _cases():
     def strided_documents():
         return (_unit(32, 64), _unit(40, 50, 128)[..., :64]), {}
 
-    def float_query_int8_corpus():  # the query is quantized per call, in the replay too
+    def float_query_int8_corpus():
         d, ds = lik.quantize(_unit(30, 260, 128), torch.int8)
         return (_unit(32, 128), d), {"d_scale": ds}
 
@@ -247,88 +312,117 @@ def _cases():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", _cases(), ids=lambda f: f.__name__)
-def test_gpu_repeated_calls_replay_with_the_full_paths_scores(build, monkeypatch, fresh_replays):
+@pytest.mark.parametrize("build", _gpu_cases(), ids=lambda f: f.__name__)
+def test_gpu_repeated_inference_replays_with_the_full_paths_bits(build, monkeypatch, fresh_tables):
     if "fp8" in build.__name__ and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs compute capability >= 8.9")
-    full_launches = _counting_forward(monkeypatch)
+    full_launches = _counting_full_path(monkeypatch)
     args, kwargs = build()
     first = lik.maxsim(*args, **kwargs)
-    assert len(full_launches) == 1 and len(fresh_replays) == 1 and None not in fresh_replays.values()
+    assert len(full_launches) == 1 and len(fresh_tables) == 1 and _replay.NEVER not in fresh_tables.values()
     for _ in range(2):  # new tensors, same shapes: replayed
         args, kwargs = build()
         before = len(full_launches)
-        got = lik.maxsim(*args, **kwargs)
+        with torch.no_grad():
+            got = lik.maxsim(*args, **kwargs)
         assert len(full_launches) == before
-        want = _full_path(*args, **kwargs)
+        want = _without_replays(lambda: lik.maxsim(*args, **kwargs))
         assert got.shape == want.shape == first.shape and got.dtype == torch.float32
         assert torch.equal(got, want)
 
 
-@pytest.mark.gpu
-def test_gpu_calls_that_make_a_tensor_of_their_own_keep_the_full_path(monkeypatch, fresh_replays):
-    full_launches = _counting_forward(monkeypatch)
-    d, ds = lik.quantize(_unit(30, 100, 128), torch.int8)
-    Q = _unit(32, 128)
-    cut = _unit(2, 40, 128)[:, :32]  # two queries' rows that no [64, 128] view holds: copied before quantizing
-    int_mask = (torch.rand(30, 100, device="cuda") > 0.5).to(torch.int64)  # turned bool per call
-    D = _unit(30, 100, 128)
-    for args, kwargs in (((cut, d), {"d_scale": ds}), ((Q, D), {"d_mask": int_mask})):
-        for _ in range(2):
-            before = len(full_launches)
-            got = lik.maxsim(*args, **kwargs)
-            assert len(full_launches) == before + 1
-            assert torch.equal(got, _full_path(*args, **kwargs))
-    assert list(fresh_replays.values()) == [None, None]
+def _training_step(Q, D, d_mask, backward, grad):
+    Q, D = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    scores = lik.maxsim(Q, D, d_mask=d_mask, backward=backward)
+    scores.backward(grad)
+    return scores.detach(), Q.grad, D.grad
 
 
 @pytest.mark.gpu
-def test_gpu_a_misaligned_view_or_new_matmul_precision_is_a_new_key(monkeypatch, fresh_replays):
-    full_launches = _counting_forward(monkeypatch)
+@pytest.mark.parametrize("backward", ["fast", "deterministic"])
+@pytest.mark.parametrize("shape", ["colbert", "chunked"])
+def test_gpu_repeated_training_replays_forward_and_backward_with_the_full_paths_bits(backward, shape, monkeypatch,
+                                                                                     fresh_tables):
+    """The forward's scores, dQ and the deterministic dD are bitwise the full path's. The fast dD adds by atomics,
+    in an order that changes between runs: it is compared bitwise where each document row gets one contribution
+    (one-token queries against per-query documents), else to a tight tolerance."""
+    full_launches = _counting_full_path(monkeypatch)
+    if shape == "colbert":
+        dims = (16, 32, 128), (40, 64, 128)
+    else:  # the fast dD through its buffer in chunks; one-token queries: one contribution per document row
+        dims = (64, 1, 128), (64, 20, 32, 128)
+        monkeypatch.setattr(maxsim_config, "_maxsim_backward_heuristic", lambda block_d, interpreted: (
+            maxsim_config.MaxSimBackwardConfig(block_rows=32, block_k=128, atomic_workspace_bytes=1 << 20,
+                                               sort_workspace_entries=64 * 5)))
+    for step in range(3):
+        Q, D = _unit(*dims[0]), _unit(*dims[1])
+        grad = torch.randn(dims[0][0], dims[1][-3], device="cuda")
+        before = len(full_launches)
+        got = _training_step(Q, D, None, backward, grad)
+        assert len(full_launches) == before + (step == 0)  # a replay does not take the full path
+        want = _without_replays(lambda: _training_step(Q, D, None, backward, grad))
+        exact = backward == "deterministic" or shape == "chunked"
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            if exact or i < 2:  # scores and dQ (a gather) are always bitwise
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    (recorded,) = fresh_tables.values()
+    assert type(recorded) is Training and set(recorded.backward) == {(True, True)}
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_quantize_replays_with_the_full_paths_bits(fresh_tables):
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        if dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+            continue
+        for _ in range(3):
+            x = torch.randn(7, 33, 96, device="cuda", dtype=torch.bfloat16)
+            got = lik.quantize(x, dtype)
+            want = _without_replays(lambda: lik.quantize(x, dtype))
+            assert all(torch.equal(a.view(torch.uint8) if a.dtype == dtype else a,
+                                   b.view(torch.uint8) if b.dtype == dtype else b) for a, b in zip(got, want))
+    assert len(quantization.QUANTIZATIONS) == 2 and _replay.NEVER not in quantization.QUANTIZATIONS.values()
+
+
+@pytest.mark.gpu
+def test_gpu_a_misaligned_view_or_new_matmul_precision_is_a_new_key(monkeypatch, fresh_tables):
+    full_launches = _counting_full_path(monkeypatch)
     Q, D = _unit(32, 128, dtype=torch.float32), _unit(20, 64, 128, dtype=torch.float32)
     lik.maxsim(Q, D)
     flat = torch.cat([D.new_zeros(1), D.flatten()])
     misaligned = flat[1:].view(D.shape)  # same shape and strides, address off by 4 bytes
     before = len(full_launches)
     got = lik.maxsim(Q, misaligned)
-    assert len(full_launches) == before + 1 and torch.equal(got, _full_path(Q, misaligned))
+    assert len(full_launches) == before + 1 and torch.equal(got, _without_replays(lambda: lik.maxsim(Q, misaligned)))
     saved = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if saved == "highest" else "highest")
     try:
         before = len(full_launches)
         got = lik.maxsim(Q, D)
         assert len(full_launches) == before + 1
-        want = _full_path(Q, D)
+        want = _without_replays(lambda: lik.maxsim(Q, D))
     finally:
         torch.set_float32_matmul_precision(saved)
     assert torch.equal(got, want)
-    assert len(fresh_replays) == 3 and None not in fresh_replays.values()
+    assert len(fresh_tables) == 3 and _replay.NEVER not in fresh_tables.values()
 
 
 @pytest.mark.gpu
-def test_gpu_gradients_forced_configs_hooks_and_bad_input_skip_the_replay(monkeypatch, fresh_replays):
-    import lik._config as config
+def test_gpu_forced_configs_hooks_and_bad_input_skip_the_replay(monkeypatch, fresh_tables):
+    from lik import config
 
-    full_launches = _counting_forward(monkeypatch)
+    full_launches = _counting_full_path(monkeypatch)
     Q, D = _unit(32, 128), _unit(50, 70, 128)
     lik.maxsim(Q, D)
-    assert len(fresh_replays) == 1
-    # A gradient: the autograd path (its forward stores winners), never a replay, nothing recorded.
-    Qg = Q.clone().requires_grad_()
-    assert replay_key(Qg, D, None, None, "exclude", "auto", None, None) is None
-    with torch.no_grad():  # without grad the same tensor may replay: its key is an inference key
-        assert replay_key(Qg, D, None, None, "exclude", "auto", None, None) is not None
-    lik.maxsim(Qg, D).sum().backward()
-    assert Qg.grad is not None and Qg.grad.abs().sum() > 0 and len(fresh_replays) == 1
-    assert len(full_launches) == 2
-    # A forced config: the full path, nothing recorded.
+    assert len(fresh_tables) == 1
     forced = config.maxsim_forward_config(q_len=32, n_queries=1, dim=128, dtype=torch.float16, per_query=False,
                                           device=Q.device, doc_len=70)
     with config.override(maxsim_forward=forced):
-        torch.testing.assert_close(lik.maxsim(Q, D), _full_path(Q, D), rtol=0, atol=0)
-    assert len(full_launches) == 4 and len(fresh_replays) == 1
-    # Bad input with a recorded shape is still refused by name.
-    with pytest.raises(ValueError, match="d_mask"):
+        assert torch.equal(lik.maxsim(Q, D), _without_replays(lambda: lik.maxsim(Q, D)))
+    assert len(full_launches) == 3 and len(fresh_tables) == 1
+    with pytest.raises(ValueError, match="d_mask"):  # a recorded shape does not settle another argument's checks
         lik.maxsim(Q, D, d_mask=torch.ones(50, 71, dtype=torch.bool, device="cuda"))
     with pytest.raises(ValueError, match="mask_mode"):
         lik.maxsim(Q, D, mask_mode="max")

@@ -1,13 +1,14 @@
 """Nearest neighbour (k = 1) of every point of ``x`` among the points of ``y``, cloud by cloud, on chip.
 
-Three routes (:func:`lik._config.nearest_config` picks one; each can be forced for tests and benchmarks):
+Three routes (:func:`lik.config.nearest_config` picks one; each can be forced for tests and benchmarks):
 
 * ``direct`` (point clouds, ``D <= POINT_MAX_DIM``, and every ``norm=1``): ``sum_k (x_k - y_k)**2`` (or
   ``|x_k - y_k|``) from coordinate differences on the CUDA cores, exact wherever the points lie and however dense
   they are; both clouds read coordinate-major (``[N, D, P]``) so a tile's loads are contiguous.
-* ``core`` (``norm=2`` feature sets, ``D > POINT_MAX_DIM``): MaxSim's argmax forward, the library's one tile
-  loop. With ``x' = [x, 1]`` and ``y' = [2y, -|y|^2]``, ``x'.y' = |x|^2 - |x - y|^2``: each ``x`` point's
-  highest-similarity ``y`` token (lowest index on ties) is its nearest neighbour.
+* ``core`` (``norm=2`` feature sets, ``D > POINT_MAX_DIM``): the argmax forward of the library's one tile loop
+  (:mod:`lik.core.forward_launch`, as MaxSim runs it). With ``x' = [x, 1]`` and ``y' = [2y, -|y|^2]``,
+  ``x'.y' = |x|^2 - |x - y|^2``: each ``x`` point's highest-similarity ``y`` token (lowest index on ties) is its
+  nearest neighbour.
 * ``dot`` (forced only): a tensor-core tile loop of its own on ``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]``
   (the product *is* the distance; past ``AUGMENTED_MAX_DIM`` the norms are added after the product). Faster than
   ``direct`` on point clouds, but the expansion cancels the digits of dense clouds (BENCHMARKS.md).
@@ -39,8 +40,7 @@ import triton.language as tl
 
 from ..._device import cdiv
 from ...config.nearest import NEAREST_POINT_MAX_DIM, NearestConfig, nearest_config
-from ..maxsim.forward import maxsim_forward
-from ..maxsim.validation import MaxSimInputs
+from ...core.forward_launch import launch_forward, padded_problem
 from .validation import valid_points
 
 __all__ = [
@@ -250,12 +250,9 @@ def _core_nearest(x, y, x_lengths, y_lengths, split: bool) -> torch.Tensor:
     y_ok = valid_points(y_lengths, p2) & ~(torch.isinf(yc).any(-1) & ~torch.isnan(yc).any(-1))
     if split:
         xa, ya = tf32_parts(xa, ya)
-    inputs = MaxSimInputs(
-        q=xa.contiguous(), d=ya.contiguous()[:, None], q_mask=x_valid, d_mask=y_ok[:, None],
-        mask_mode="exclude", squeeze_query=False, per_query_documents=True,
-        dot_precision="tf32" if split else "ieee",
-    )
-    _, argmax = maxsim_forward(inputs, store_argmax=True)
+    problem = padded_problem(xa.contiguous(), ya.contiguous()[:, None], x_valid, y_ok[:, None], exclude=True,
+                             per_query=True, precision="tf32" if split else "ieee")
+    _, argmax = launch_forward(problem, store_argmax=True)
     idx = argmax[:, 0].to(torch.int32)
     stranded = (idx < 0) & x_valid & (y_lengths > 0)[:, None]
     return torch.where(stranded, 0, idx)

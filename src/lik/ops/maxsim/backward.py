@@ -31,9 +31,10 @@ from ..._device import cdiv, next_power_of_2
 from ...config.maxsim import maxsim_backward_config
 from ..._dispatch import BACKWARD_MODES
 from ..._launch import launch
+from ..._replay import made, note
+from ...core.forward_launch import set_strides
 from ...core.segments import PADDED, PAIRS, find_segment, search_steps
 from .backward_sorted import launch_dd_sorted
-from .forward import set_strides
 
 __all__ = [
     "maxsim_bwd_dq_kernel",
@@ -205,7 +206,7 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
     if n_q * l_q * dim == 0 or n_docs == 0:
         return torch.zeros((n_q, l_q, dim), dtype=dtype, device=grad.device)
     # Every element is stored by the kernel (rows with no winner as 0): no fill launch.
-    dq = torch.empty((n_q, l_q, dim), dtype=dtype, device=grad.device)
+    dq = made(torch.empty((n_q, l_q, dim), dtype=dtype, device=grad.device))
     cfg = maxsim_backward_config(dim=dim, dtype=dtype, device=grad.device)
     block_k, n_k_blocks = feature_blocks(dim, cfg.block_k)
     n_row_blocks = cdiv(l_q, cfg.block_rows)
@@ -234,8 +235,8 @@ def maxsim_backward_dd(
 ) -> torch.Tensor:
     """``dD [n_sets, B, Ld, dim]`` in the input dtype; ``deterministic`` selects the atomic-free kernel.
 
-    ``per_query``: documents were ``[Nq, B, Ld, d]`` (set ``n`` is scored by query ``n`` only).
-    """
+    ``per_query``: documents were ``[Nq, B, Ld, d]`` (set ``n`` is scored by query ``n`` only). A recorded call
+    notes its route as ``"dd"`` (:mod:`lik.ops.maxsim.replay` makes its buffers again by it)."""
     n_sets, n_docs, l_d, dim = d_shape
     n_q, l_q, _ = q.shape
     if dim == 0 or n_docs == 0 or l_d == 0 or n_q == 0 or l_q == 0:
@@ -249,7 +250,8 @@ def maxsim_backward_dd(
                          f"got {route!r}")
     if route == "atomic":
         return scatter_dd_atomic(grad, q, argmax, d_shape, dtype, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
-    dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
+    note("dd", ("sorted", 0))
+    dd = made(torch.empty(d_shape, dtype=dtype, device=grad.device))
     launch_dd_sorted(grad, q, argmax, dd, per_query=per_query, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
     return dd
 
@@ -259,15 +261,20 @@ def scatter_dd_atomic(grad, q, argmax, d_shape, dtype, *, cfg, block_k: int, n_k
     ``cfg.atomic_workspace_bytes`` (at least one document), each chunk cast into the input-dtype result.
 
     The buffer stays L2-sized whatever ``B`` (the atomics land in L2, and the step's peak memory does not grow
-    by ``4 B Ld d`` bytes); fp32 inputs accumulate straight into the result."""
+    by ``4 B Ld d`` bytes); fp32 inputs accumulate straight into the result, and a gradient that fits the buffer
+    whole is cast once."""
     n_sets, n_docs, l_d, dim = d_shape
-    if dtype == torch.float32:
-        dd = torch.zeros(d_shape, dtype=torch.float32, device=grad.device)
-        launch_dd_atomic(grad, q, argmax, dd, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
-        return dd
-    dd = torch.empty(d_shape, dtype=dtype, device=grad.device)
-    step = max(1, min(n_docs, cfg.atomic_workspace_bytes // (4 * n_sets * l_d * dim)))
-    buffer = torch.empty((n_sets, step, l_d, dim), dtype=torch.float32, device=grad.device)
+    step = n_docs
+    if dtype != torch.float32:
+        step = max(1, min(n_docs, cfg.atomic_workspace_bytes // (4 * n_sets * l_d * dim)))
+    if step == n_docs:
+        note("dd", ("atomic", step))
+        dd32 = made(torch.zeros(d_shape, dtype=torch.float32, device=grad.device))
+        launch_dd_atomic(grad, q, argmax, dd32, cfg=cfg, block_k=block_k, n_k_blocks=n_k_blocks)
+        return dd32 if dtype == torch.float32 else dd32.to(dtype)
+    note("dd", ("chunked", step))
+    dd = made(torch.empty(d_shape, dtype=dtype, device=grad.device))
+    buffer = made(torch.empty((n_sets, step, l_d, dim), dtype=torch.float32, device=grad.device))
     for first in range(0, n_docs, step):
         chunk = buffer[:, :min(step, n_docs - first)]
         chunk.zero_()

@@ -27,8 +27,9 @@ import triton.language as tl
 
 from ..._device import cdiv
 from ..._launch import launch
+from ..._replay import made
+from ...core.forward_launch import set_strides
 from ...core.segments import PACKED, PADDED, PAIRS, find_segment, search_steps
-from .forward import set_strides
 
 __all__ = [
     "maxsim_bwd_dd_sorted_kernel", "winner_keys_kernel", "sorted_winners", "launch_dd_sorted", "chunk_documents",
@@ -170,7 +171,7 @@ def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool, *, packe
     key_dtype = next(t for t in (torch.int16, torch.int32, torch.int64) if n_rows < torch.iinfo(t).max)
     device = argmax.device
     n_winners = argmax.numel()
-    keys = torch.empty(n_winners, dtype=key_dtype, device=device)
+    keys = made(torch.empty(n_winners, dtype=key_dtype, device=device))
     if n_winners:
         launch(
             winner_keys_kernel, (cdiv(n_winners, _KEYS_BLOCK),),
@@ -180,7 +181,7 @@ def sorted_winners(argmax: torch.Tensor, doc_len: int, per_query: bool, *, packe
     sorted_keys, order = torch.sort(keys, stable=True)
     del keys
     starts = torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=device, dtype=key_dtype))
-    return order, starts
+    return made(order), made(starts)
 
 
 def chunk_documents(

@@ -1,8 +1,12 @@
-"""``lik.maxsim``: the autograd Function over the fused kernels, and the public entry point.
+"""``lik.maxsim``: the public entry point, its autograd Functions and :func:`score_canonical`, the internal scoring
+entry that every caller holding validated inputs uses (``lik.search``, the integrations).
 
-Under ``torch.compile`` the kernels are reached through custom operators (``lik::maxsim_forward``,
-``lik::maxsim_backward_dq``, ``lik::maxsim_backward_dd``) with shape-only fake implementations; eager calls launch
-directly. :mod:`lik._dispatch` does that choice and the route of each call (see docs/design.md).
+The call path (docs/design.md, "The host path"): a call whose replay key was recorded replays its launches
+(:mod:`.replay`); otherwise its inputs are validated once into :class:`~.validation.MaxSimInputs` and routed
+(:mod:`lik._dispatch`): the reference, eager inference (the launch itself), eager training
+(:class:`EagerMaxSimFunction`, over the caller's tensors, replaying its launches from the second call), or, under
+``torch.compile``, the custom operators ``lik::maxsim_forward`` / ``lik::maxsim_backward_dq`` /
+``lik::maxsim_backward_dd`` (shape-only fake implementations) inside :class:`MaxSimFunction`.
 """
 
 from __future__ import annotations
@@ -10,19 +14,24 @@ from __future__ import annotations
 import torch
 
 from ..._dispatch import kernel_op, resolve_backward, router, uses_kernels
+from ...core.forward_launch import chunk_sums, launch_forward
+from ..._replay import NEVER, file, plan_of, recording
 from .backward import maxsim_backward_dd, maxsim_backward_dq
-from .forward import maxsim_forward
+from .forward import forward_problem, maxsim_forward
 from .reference import maxsim_reference_canonical
-from .replay import REPLAYS, recorder, replay, replay_key
-from .validation import MaxSimInputs
+from .replay import CALLS, Training, call_key, record_inference
+from .validation import QUANTIZED_DTYPES, MaxSimInputs
 
-__all__ = ["maxsim", "MaxSimFunction", "uses_kernels", "scorer_uses_kernels", "resolve_backward"]
+__all__ = [
+    "maxsim", "score_canonical", "MaxSimFunction", "EagerMaxSimFunction", "uses_kernels", "scorer_uses_kernels",
+    "resolve_backward",
+]
 
 
 def scorer_uses_kernels(Q, D) -> bool:
     """:func:`uses_kernels` before validation: 8-bit documents decide (a float query is quantized to their
     dtype); otherwise the query does."""
-    if isinstance(D, torch.Tensor) and D.dtype in (torch.int8, torch.float8_e4m3fn):
+    if isinstance(D, torch.Tensor) and D.dtype in QUANTIZED_DTYPES:
         return uses_kernels(D)
     return isinstance(Q, torch.Tensor) and uses_kernels(Q)
 
@@ -40,6 +49,7 @@ def _forward_fake(q, d, q_mask, d_mask, mask_mode, per_query, store_argmax, q_sc
 def _forward(q: torch.Tensor, d: torch.Tensor, q_mask: torch.Tensor | None, d_mask: torch.Tensor | None,
              mask_mode: str, per_query: bool, store_argmax: bool, q_scale: torch.Tensor | None = None,
              d_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # The operator's arguments are the canonical bundle's fields (a custom operator takes tensors and scalars).
     inputs = MaxSimInputs(q, d, q_mask, d_mask, mask_mode, False, per_query, q_scale, d_scale)
     scores, argmax = maxsim_forward(inputs, store_argmax)
     # A custom operator returns tensors only: a 0-element placeholder where no argmax was stored.
@@ -66,7 +76,8 @@ def _dd(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, argmax: torch.Tens
 
 
 class MaxSimFunction(torch.autograd.Function):
-    """Autograd over canonical inputs: ``q [Nq, Lq, d]``, ``d [n_sets, B, Ld, d]`` -> fp32 ``[Nq, B]``."""
+    """Autograd over canonical inputs: ``q [Nq, Lq, d]``, ``d [n_sets, B, Ld, d]`` -> fp32 ``[Nq, B]``, through the
+    custom operators (what ``torch.compile`` traces)."""
 
     @staticmethod
     def forward(ctx, q, d, q_mask, d_mask, mask_mode, per_query, deterministic):
@@ -87,7 +98,65 @@ class MaxSimFunction(torch.autograd.Function):
         return dq, dd, None, None, None, None, None
 
 
-# The four paths of a public call, each taking the validated inputs and the backward choice.
+class EagerMaxSimFunction(torch.autograd.Function):
+    """Eager training over the caller's ``Q`` and ``D`` as passed (gradients come back in their shapes, with no
+    autograd node for the canonical views): ``run`` is the call's :class:`~.replay.Training` (a recorded call:
+    its launches are replayed) or a :class:`_FullTraining` (the full path, recorded when the call has a key)."""
+
+    @staticmethod
+    def forward(ctx, Q, D, q_mask, d_mask, run):
+        scores, argmax = run.forward(Q, D, q_mask, d_mask)
+        ctx.save_for_backward(Q, D, argmax)
+        ctx.run = run
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        Q, D, argmax = ctx.saved_tensors
+        dq, dd = ctx.run.gradients(grad_scores, Q, D, argmax, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dq, dd, None, None, None
+
+
+class _FullTraining:
+    """The full path of one eager training call: the argmax forward on validated inputs (recorded under ``key``
+    into a :class:`~.replay.Training`, whose backward then records itself), and the full backward."""
+
+    __slots__ = ("inputs", "deterministic", "key", "training")
+
+    def __init__(self, inputs: MaxSimInputs, deterministic: bool, key):
+        self.inputs, self.deterministic, self.key = inputs, deterministic, key
+        self.training = Training(None, False, inputs.squeeze_query, inputs.per_query_documents, deterministic)
+
+    def forward(self, Q, D, q_mask, d_mask):
+        inputs = self.inputs
+        if self.key is None:
+            partial, argmax = launch_forward(forward_problem(inputs), True)
+            return inputs.finish(chunk_sums(partial)), argmax
+        with recording() as recorded:
+            partial, argmax = launch_forward(forward_problem(inputs), True)
+        scores = inputs.finish(chunk_sums(partial))
+        plan = plan_of(recorded, (Q, D, q_mask, d_mask))
+        if plan is NEVER:
+            file(CALLS, self.key, NEVER)
+        elif plan is not None:
+            self.training.chunked = partial.shape[0] > 1
+            if not self.training.chunked:
+                plan.reshape(-1, tuple(scores.shape))
+            self.training.forward_plan = plan
+            file(CALLS, self.key, self.training)
+        return scores, argmax
+
+    def gradients(self, grad, Q, D, argmax, need_dq, need_dd):
+        if self.training.forward_plan is not None:  # filed: the backward records itself there
+            return self.training.gradients(grad, Q, D, argmax, need_dq, need_dd)
+        from .replay import backward_plans
+
+        dq, dd, _ = backward_plans(grad.float().contiguous(), Q, D, argmax, need_dq, need_dd, self.training,
+                                   record=False)
+        return dq, dd
+
+
+# The four paths of a validated call, each taking the canonical inputs and the backward choice.
 def _reference(inputs: MaxSimInputs, deterministic: bool) -> torch.Tensor:
     return maxsim_reference_canonical(inputs)
 
@@ -108,6 +177,14 @@ def _inference(inputs: MaxSimInputs, deterministic: bool) -> torch.Tensor:
 
 
 _route = router(reference=_reference, autograd=_autograd, compiled=_compiled_inference, launch=_inference)
+
+
+def score_canonical(inputs: MaxSimInputs, *, needs_grad: bool = False, deterministic: bool = False) -> torch.Tensor:
+    """Scores ``[Nq, B]`` of inputs already validated into the canonical bundle (``MaxSimInputs.build``, or views of
+    a bundle's tensors: a chunk of its documents): the internal entry of callers that validated once (``lik.search``
+    per chunk, the integrations), with no check repeated. ``needs_grad``: the autograd path (the caller tests
+    ``torch.is_grad_enabled()`` and its tensors); ``deterministic``: the backward it takes."""
+    return _route(uses_kernels(inputs.q), needs_grad, inputs, deterministic)
 
 
 def maxsim(
@@ -160,19 +237,33 @@ def maxsim(
         >>> D_q, d_scale = lik.quantize(D, torch.int8)   # 8-bit corpus: half the memory of fp16
         >>> lik.maxsim(Q, D_q, d_scale=d_scale).shape    # Q is quantized per token to int8
     """
-    key = replay_key(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale)
-    tensors = (Q, D, q_mask, d_mask, q_scale, d_scale)
+    key = call_key(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale)
     if key is not None:
-        scores = replay(key, tensors)
-        if scores is not None:  # this key was launched before: its checks passed, its launch is replayed
-            return scores
+        recorded = CALLS.get(key)
+        if recorded is not None and recorded is not NEVER:  # its checks passed for this key: replay its launches
+            if type(recorded) is Training:
+                return EagerMaxSimFunction.apply(Q, D, q_mask, d_mask, recorded)
+            return recorded(Q, D, q_mask, d_mask, q_scale, d_scale)
+        if recorded is None and not key[3]:  # inference, not yet recorded: the full path, recorded
+            return record_inference(key, (Q, D, q_mask, d_mask, q_scale, d_scale), lambda: _validated_inference(
+                Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale))
+        if recorded is NEVER:
+            key = None
     deterministic = resolve_backward(backward)
     inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True, q_scale=q_scale, d_scale=d_scale)
     needs_grad = inputs.d_scale is None and torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
-    if key is not None and key not in REPLAYS and not needs_grad and uses_kernels(inputs.q):
-        # a float Q against 8-bit D: build made q and q_scale, quantized to D's dtype
-        quantized = (inputs.q, inputs.q_scale) if inputs.q.dtype != Q.dtype else None
-        scores, _ = maxsim_forward(inputs, store_argmax=False,
-                                   recorder=recorder(key, tensors, inputs.squeeze_query, quantized))
-        return inputs.finish(scores)
-    return inputs.finish(_route(uses_kernels(inputs.q), needs_grad, inputs, deterministic))
+    kernels = uses_kernels(inputs.q)
+    if needs_grad and kernels and not torch.compiler.is_compiling():
+        # (the caller's masks: a replay reads the caller's tensors, and a mask the checks copied is no view of them)
+        return EagerMaxSimFunction.apply(Q, D, q_mask, d_mask, _FullTraining(inputs, deterministic, key))
+    return inputs.finish(_route(kernels, needs_grad, inputs, deterministic))
+
+
+def _validated_inference(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale):
+    """The full path of an eager inference call on CUDA: validation (with, for a float query against an 8-bit
+    corpus, the query's quantization), then the launch; returns ``(inputs, partial sums)``."""
+    resolve_backward(backward)
+    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True, q_scale=q_scale, d_scale=d_scale)
+    if not uses_kernels(inputs.q):  # float64 on a GPU: the reference, nothing to record
+        return inputs, maxsim_reference_canonical(inputs)[None]
+    return inputs, launch_forward(forward_problem(inputs), False)[0]

@@ -12,11 +12,12 @@ import triton
 import triton.language as tl
 
 from ..._device import cdiv, next_power_of_2
-from ..._launch import Replay, launch, replay_of
+from ..._launch import launch
+from ..._replay import made
 from ...core.reductions import nan_max
 from .reference import QMAX
 
-__all__ = ["quantize_rows_kernel", "quantize_rows", "quantize_rows_replay", "quantize_tiles"]
+__all__ = ["quantize_rows_kernel", "quantize_rows", "quantize_tiles"]
 
 # Elements per program: small programs of two warps, many per SM, keep the most bytes in flight (sweeps at d = 128
 # on the H100 and H200: BENCHMARKS.md, "8-bit corpora on an H200, and lik.quantize's launch"); a row wider than
@@ -128,44 +129,21 @@ def quantize_rows_kernel(
             tl.store(q_rows + start + cols[None, :], values, mask=mask)
 
 
-def _launch_arguments(x2d: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor) -> tuple[tuple, tuple, dict]:
-    """``(grid, args, options)`` of the launch that quantizes ``x2d``'s rows into ``x_q`` and ``scale``."""
-    n_rows, dim = x2d.shape
-    block_d, block_rows = quantize_tiles(dim, n_rows)
-    tile = block_rows * block_d
-    options = dict(
-        QMAX_VALUE=QMAX[x_q.dtype], TO_INT8=x_q.dtype == torch.int8, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
-        SINGLE_CHUNK=dim <= block_d, num_warps=8 if tile >= 8192 else (4 if tile >= 2048 else 2),
-    )
-    args = (x2d, x_q, scale, n_rows, dim, x2d.stride(0), x_q.stride(0))
-    return (cdiv(n_rows, block_rows),), args, options
-
-
 def quantize_rows(x2d: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the rows of ``x2d [R, d]`` (unit stride along ``d``) -> ``(x_q [R, d] dtype, scale [R] float32)``."""
     n_rows, dim = x2d.shape
-    x_q = torch.empty((n_rows, dim), dtype=dtype, device=x2d.device)
-    scale = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device)
+    x_q = made(torch.empty((n_rows, dim), dtype=dtype, device=x2d.device))
+    scale = made(torch.empty((n_rows,), dtype=torch.float32, device=x2d.device))
     if n_rows == 0:
         return x_q, scale
-    grid, args, options = _launch_arguments(x2d, x_q, scale)
-    launch(quantize_rows_kernel, grid, *args, **options)
+    block_d, block_rows = quantize_tiles(dim, n_rows)
+    tile = block_rows * block_d
+    launch(
+        quantize_rows_kernel, (cdiv(n_rows, block_rows),), x2d, x_q, scale, n_rows, dim, x2d.stride(0), x_q.stride(0),
+        QMAX_VALUE=QMAX[dtype], TO_INT8=dtype == torch.int8, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
+        SINGLE_CHUNK=dim <= block_d, num_warps=8 if tile >= 8192 else (4 if tile >= 2048 else 2),
+    )
     return x_q, scale
-
-
-def quantize_rows_replay(x2d: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor) -> tuple[Replay, tuple] | None:
-    """The replay of the launch :func:`quantize_rows` made for ``x2d`` into ``x_q [R, d]`` and ``scale [R]``, with
-    its integer arguments: ``replay(x_address, x_q_address, scale_address, *ints)`` quantizes another ``x2d`` of the
-    same shape, strides, dtype and alignment into new buffers. None when that launch was not recorded.
-
-    Example:
-        >>> x_q, scale = quantize_rows(x2d, torch.int8)
-        >>> replay, ints = quantize_rows_replay(x2d, x_q, scale)
-        >>> replay(y2d.data_ptr(), y_q.data_ptr(), y_scale.data_ptr(), *ints)   # y2d like x2d
-    """
-    grid, args, options = _launch_arguments(x2d, x_q, scale)
-    replay = replay_of(quantize_rows_kernel, grid, *args, **options)
-    return None if replay is None else (replay, args[3:])
 
 
 def quantize_tiles(dim: int, n_rows: int) -> tuple[int, int]:
