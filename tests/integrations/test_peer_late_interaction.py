@@ -235,3 +235,21 @@ def test_patch_pylate_routes_pylate_through_lik(count_calls):
     finally:
         ours.unpatch_pylate()
     assert not lik_pylate.is_enabled() and len(calls) == 1
+
+
+def test_half_precision_is_normalised_in_float32_and_rounded_once(rng, monkeypatch):
+    Q = torch.randn(2, 6, 16, generator=rng).half()
+    D = torch.randn(5, 9, 16, generator=rng).half()
+
+    def once(x):
+        return torch.nn.functional.normalize(x.float(), dim=-1).half()
+
+    expected = lik.maxsim(once(Q), once(D))
+    monkeypatch.setattr("lik.integrations.late_interaction_kernels.scoring._NORMALIZE_CHUNK_ROWS", 7)
+    assert torch.equal(ours.maxsim(Q, D, normalize=True), expected)  # what torch.compile's fused normalisation gives
+    assert torch.equal(ours.retrieve(Q, D, 5)[0], expected.sort(dim=-1, descending=True).values)
+    Qg = Q.clone().requires_grad_()
+    scores = ours.maxsim(Qg, D, normalize=True)
+    assert torch.equal(scores, expected)
+    scores.sum().backward()
+    assert Qg.grad.dtype == torch.float16

@@ -22,8 +22,26 @@ def _backward(backward) -> str:
     return _BACKWARDS[backward]
 
 
+# Rows normalised per float32 chunk for inputs that need no gradient (a corpus in retrieve): bounded extra memory.
+_NORMALIZE_CHUNK_ROWS = 1 << 16
+
+
 def _normalized(x: torch.Tensor, normalize: bool) -> torch.Tensor:
-    return torch.nn.functional.normalize(x, p=2, dim=-1, eps=1e-12) if normalize else x
+    """``x`` L2-normalised per token. Half-precision rows are normalised in float32 and rounded once to their dtype,
+    as a fused (or ``torch.compile``-d) normalisation rounds them, so eager and compiled scores agree."""
+    if not normalize:
+        return x
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16) or x.dim() == 0:
+        return torch.nn.functional.normalize(x, p=2, dim=-1, eps=1e-12)
+    if x.requires_grad and torch.is_grad_enabled():
+        return torch.nn.functional.normalize(x.float(), p=2, dim=-1, eps=1e-12).to(x.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    for start in range(0, rows.shape[0], _NORMALIZE_CHUNK_ROWS):
+        chunk = rows[start:start + _NORMALIZE_CHUNK_ROWS]
+        out[start:start + _NORMALIZE_CHUNK_ROWS] = torch.nn.functional.normalize(chunk.float(), p=2, dim=-1,
+                                                                                  eps=1e-12)
+    return out.view(x.shape)
 
 
 def _check_pair(Q, D) -> None:
