@@ -32,9 +32,10 @@ Deliberate differences (its behaviour is not reproduced):
 * ``backward="lowmem"`` reduces ``grad_D`` with half-precision products there (fp32 inputs get fp16-precision
   gradients); here ``"lowmem"`` selects lik's deterministic backward, which keeps fp32 accumulation, and
   ``"unified"`` its fast one (:class:`MaxSimScorer` likewise);
-* ``normalize=True`` L2-normalises copies of ``Q`` and ``D`` before scoring (the peer does it inside its kernel):
-  pass normalised embeddings with ``normalize=False`` to avoid the copy; no warning is printed for unnormalised
-  inputs (its one-shot norm check and ``LIK_SUPPRESS_NORM_WARN`` do not exist);
+* ``normalize=True`` L2-normalises copies of ``Q`` and ``D`` before scoring (the peer does it inside its kernel;
+  half-precision rows are normalised in float32 and rounded once to their dtype): pass normalised embeddings with
+  ``normalize=False`` to avoid the copy; no warning is printed for unnormalised inputs (its one-shot norm check and
+  ``LIK_SUPPRESS_NORM_WARN`` do not exist);
 * ``max_seqlen_*`` of :func:`maxsim_varlen` / ``score_pairs_packed`` are hints here: a value below the true longest
   sequence costs speed, never tokens (the peer asserts on the device);
 * ``maxsim_padded`` scores the padded tensors with prefix masks in one call (no packing, nothing read on the host
