@@ -106,18 +106,18 @@ def test_late_interaction_varlen_is_a_cross_product(rng):
     torch.testing.assert_close(our_li.maxsim_varlen(q, d, cu_q, cu_d), expected)
 
 
-def test_late_interaction_retrieve_matches_the_peer_on_cpu(rng):
+def test_late_interaction_retrieve_matches_the_peer_on_cpu(rng, reference_path):
     import late_interaction_kernels
 
     Q = torch.randn(2, 5, 16, generator=rng)
-    D = torch.randn(40, 9, 16, generator=rng)
-    d_mask = torch.rand(40, 9, generator=rng) > 0.2
+    D = torch.randn(20, 9, 16, generator=rng)
+    d_mask = torch.rand(20, 9, generator=rng) > 0.2
     for largest in (True, False):
-        ours = our_li.retrieve(Q, D, 7, d_mask=d_mask, largest=largest, chunk=16)
-        theirs = late_interaction_kernels.retrieve(Q, D, 7, d_mask=d_mask, largest=largest, chunk=16)
+        ours = our_li.retrieve(Q, D, 7, d_mask=d_mask, largest=largest, chunk=8)
+        theirs = late_interaction_kernels.retrieve(Q, D, 7, d_mask=d_mask, largest=largest, chunk=8)
         torch.testing.assert_close(ours[0], theirs[0])
         assert torch.equal(ours[1], theirs[1])
-    assert our_li.retrieve(Q[0], D, 100)[1].shape == (40,)
+    assert our_li.retrieve(Q[0], D, 100)[1].shape == (20,)
     with pytest.raises(ValueError, match="top_k"):
         our_li.retrieve(Q, D, 0)
 
