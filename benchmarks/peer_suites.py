@@ -1,6 +1,11 @@
 """Run the peers' own test-suites against lik's compatibility modules in place of the peers.
 
-    python benchmarks/peer_suites.py --src .peer_src [--out DIR] [--suite NAME ...] [--timeout-s S]
+    python benchmarks/peer_suites.py --src .peer_src [--out DIR] [--suite NAME ...] [--workers N] [--baseline]
+                                     [--timeout-s S]
+
+On the GPU machine (the sdists carried in the ignored folder ``.peer_src/``)::
+
+    python3 benchmarks/peer_suites.py --src .peer_src --out $OUT --workers 8 --timeout-s 270
 
 ``--src`` holds the peers' unpacked source distributions (``flash_maxsim-0.3.0/``, ``late_interaction_kernels-0.4.5/``;
 ``.tar.gz`` files are unpacked into the work folder), fetched with
@@ -14,11 +19,12 @@ peers' own ground truth. Nothing of the peers is imported from site-packages.
 
 pytest runs every test file with test functions; flash-maxsim's script-style files (module-level code, no test
 functions) run as scripts, a pass being exit status 0 and no FAIL / BAD verdict printed (without CUDA they are not
-run). Each failure is either one of the deliberate differences listed below (the reason is printed) or UNEXPECTED;
-failures of a test that needs CUDA on a machine without it, and of a file that needs a package not installed, are
-counted apart; with ``--baseline`` the suite also runs against the peer itself (its package from the sdist), and a
-failure it shares is marked as such. The exit status is 1 when anything is UNEXPECTED. ``--out`` receives
-``summary.md`` and ``peer_suites_logs.tar.gz`` (the JUnit XML and every log).
+run). Each failure is either one of the deliberate differences listed below (the reason is printed), a test known
+to fail against the peer itself, or UNEXPECTED; failures of a test that needs CUDA on a machine without it, and of a
+file that needs a package not installed, are counted apart. With ``--baseline`` the suite also runs against the peer
+itself (its package from the sdist), and a failure it shares is marked as such. Files that test only the peer's own
+reference or internal helpers are not run (listed with the reason). The exit status is 1 when anything is
+UNEXPECTED. ``--out`` receives ``summary.md`` and ``peer_suites_logs.tar.gz`` (the JUnit XML and every log).
 """
 
 from __future__ import annotations
