@@ -1,0 +1,109 @@
+"""benchmarks/peer_suites.py: the shim puts lik in the peer's place (its API submodules lik's, its reference
+modules the sdist's), failures are sorted into listed differences, peer failures, missing CUDA or packages and
+UNEXPECTED, and a run reports per suite with an exit status that says whether anything is unexpected."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("peer_suites", REPO / "benchmarks" / "peer_suites.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def _fake_sdist(root: Path, suite: str, sdist: str, tests: dict[str, str], package: dict[str, str]) -> Path:
+    for name, text in package.items():
+        (root / sdist / suite).mkdir(parents=True, exist_ok=True)
+        (root / sdist / suite / name).write_text(text)
+    (root / sdist / "tests").mkdir(parents=True)
+    for name, text in tests.items():
+        (root / sdist / "tests" / name).write_text(text)
+    return root
+
+
+def test_classification(tool):
+    Outcome = tool.Outcome
+    suite = "late_interaction_kernels"
+
+    def status(test, detail, cuda=True, peer=frozenset()):
+        return tool._classify(suite, Outcome(test, "failed", detail), cuda, set(peer))
+
+    assert status("tests/test_plaid.py", "No module named 'late_interaction_kernels.plaid'").startswith("listed: ")
+    assert status("tests/test_x.py::test_y", "No module named 'late_interaction_kernels.autograd'") == "UNEXPECTED"
+    assert status("tests/test_x.py::test_y", "ModuleNotFoundError: No module named 'pylate.scores'") == "needs pylate"
+    assert status("tests/test_x.py::test_y", "Torch not compiled with CUDA enabled", cuda=False) == "needs CUDA"
+    assert status("tests/test_x.py::test_y", "Torch not compiled with CUDA enabled") == "UNEXPECTED"
+    assert status("tests/test_x.py::test_y", "assert 1 < 0", peer={"tests/test_x.py::test_y"}) == (
+        "fails with the peer too")
+    assert tool._classify("flash_maxsim", Outcome("tests/test_flash_maxsim.py::test_correctness", "failed",
+                                                  "RuntimeError: Half did not match Float"), True, set()).startswith(
+        "fails with the peer too: ")
+    assert tool._classify("flash_maxsim", Outcome("tests/test_flash_maxsim.py::test_correctness", "failed",
+                                                  "assert tensor(False)"), True, set()) == "UNEXPECTED"
+    assert tool._classify(suite, Outcome("tests/test_x.py::test_y", "passed"), True, set()) == "passed"
+
+
+def test_shim_maps_api_submodules_to_lik_and_references_to_the_sdist(tool, tmp_path):
+    suite = "late_interaction_kernels"
+    spec = tool.SUITES[suite]
+    peer_dir = tmp_path / "sdist" / suite
+    peer_dir.mkdir(parents=True)
+    (peer_dir / "reference.py").write_text("SOURCE = 'the sdist'\n")
+    shim = tmp_path / "shim" / suite
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text(tool._shim_source(suite, spec, peer_dir))
+    code = (
+        "import sys, importlib\n"
+        "import late_interaction_kernels as li, lik.integrations.late_interaction_kernels as ours\n"
+        "from late_interaction_kernels import autograd, reference\n"
+        "from late_interaction_kernels.fp8 import maxsim_inference_fp8\n"
+        "assert li.maxsim is ours.maxsim and li.retrieve is ours.retrieve and autograd is ours.scoring\n"
+        "assert maxsim_inference_fp8 is ours.fp8.maxsim_inference_fp8 and reference.SOURCE == 'the sdist'\n"
+        "importlib.import_module('late_interaction_kernels.pylate_compat')\n"
+        "sys.modules.pop('late_interaction_kernels.pylate_compat')  # a test re-importing it finds lik's again\n"
+        "assert importlib.import_module('late_interaction_kernels.pylate_compat') is ours.pylate_compat\n"
+        "try:\n    import late_interaction_kernels.plaid\nexcept ModuleNotFoundError:\n    print('no plaid')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "shim"), str(REPO / "src")]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "no plaid", run.stderr
+
+
+def test_a_run_reports_each_outcome_and_fails_on_the_unexpected(tool, tmp_path, capsys):
+    tests = {
+        "test_flash_maxsim.py": (
+            "import flash_maxsim, lik.integrations.flash_maxsim as ours\n"
+            "def test_shadowed():\n    assert flash_maxsim.flash_maxsim_batched is ours.flash_maxsim_batched\n"
+            "def test_reference_is_the_sdists():\n    assert flash_maxsim.maxsim_naive() == 'the sdist'\n"
+            "def test_chamfer_backward():\n    from flash_maxsim.flash_chamfer import flash_chamfer_train\n"
+            "def test_broken():\n    assert False, 'a real failure'\n"),
+    }
+    src = _fake_sdist(tmp_path / "src", "flash_maxsim", "flash_maxsim-0.3.0", tests,
+                      {"__init__.py": "", "naive.py": "def maxsim_naive():\n    return 'the sdist'\n"})
+    out = tmp_path / "out"
+    status = tool.main(["--src", str(src), "--out", str(out), "--suite", "flash_maxsim", "--timeout-s", "300"])
+    printed = capsys.readouterr().out
+    assert status == 1
+    assert printed.startswith("## flash_maxsim: 1 UNEXPECTED, 1 listed, 2 passed")
+    assert "- tests/test_flash_maxsim.py::test_broken: UNEXPECTED  (AssertionError: a real failure" in printed
+    assert "- tests/test_flash_maxsim.py::test_chamfer_backward: listed: flash_chamfer is not covered" in printed
+    assert (out / "summary.md").read_text().strip() == printed.strip()
+    assert (out / "peer_suites_logs.tar.gz").is_file()
+    with pytest.raises(SystemExit):
+        tool.main(["--src", str(tmp_path / "nowhere")])
