@@ -199,15 +199,16 @@ def test_validation_names_the_argument(rng, reference_path):
 
 
 def test_scores_chunk_by_chunk(rng, reference_path, monkeypatch):
-    """Each lik.maxsim call sees at most chunk_size documents; the default chunk follows the memory budget."""
+    """Each chunk scored holds at most chunk_size documents, views of the inputs validated once; the default chunk
+    follows the memory budget."""
     seen = []
-    real_maxsim = exact.maxsim
+    real_score = exact.score_canonical
 
-    def recording_maxsim(q, d, *args, **kwargs):
-        seen.append(d.shape[0])
-        return real_maxsim(q, d, *args, **kwargs)
+    def recording_score(inputs, **kwargs):
+        seen.append(inputs.d.shape[1])
+        return real_score(inputs, **kwargs)
 
-    monkeypatch.setattr(exact, "maxsim", recording_maxsim)
+    monkeypatch.setattr(exact, "score_canonical", recording_score)
     Q, D, _, _ = grid_problem(rng, 2, 3, 10, 4, 4, masks=False)
     lik.search(Q, D, 3, chunk_size=4)
     assert seen == [4, 4, 2]
@@ -239,3 +240,37 @@ def test_gpu_matches_float64_reference(dtype):
     torch.testing.assert_close(scores.cpu().double(), reference.gather(1, indices.cpu()), rtol=1e-3, atol=1e-3)
     expected_scores, _ = lik.search(Q.double(), D.double(), 10, d_mask=d_mask)
     torch.testing.assert_close(scores.cpu().double(), expected_scores, rtol=1e-3, atol=1e-3)
+
+
+def test_validated_once_scored_without_the_public_entry(rng, reference_path, monkeypatch):
+    """The arguments are checked once, then every chunk goes to the internal scoring entry: never to the public
+    lik.maxsim, which would validate them again per chunk."""
+    from lik.ops.maxsim import function, validation
+
+    builds = []
+    real_build = validation.MaxSimInputs.build.__func__
+    monkeypatch.setattr(validation.MaxSimInputs, "build",
+                        classmethod(lambda cls, *a, **kw: builds.append(1) or real_build(cls, *a, **kw)))
+    monkeypatch.setattr(function, "maxsim", lambda *a, **kw: pytest.fail("lik.maxsim called per chunk"))
+    Q, D, q_mask, d_mask = grid_problem(rng, 2, 3, 10, 4, 4)
+    scores, indices = lik.search(Q, D, 3, q_mask, d_mask, chunk_size=3)
+    assert builds == [1]
+    assert_same((scores, indices), brute_force(Q, D, 3, q_mask, d_mask))
+
+
+def _rank_by_sorting(scores, k):
+    """The order rank() must give, by two stable sorts (descending score with NaN as -inf, then NaN last)."""
+    is_nan = scores.isnan()
+    by_score = torch.where(is_nan, float("-inf"), scores).sort(dim=-1, descending=True, stable=True).indices
+    return by_score.gather(-1, is_nan.gather(-1, by_score).to(torch.uint8).sort(dim=-1, stable=True).indices)[:, :k]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rank_orders_by_score_then_position_with_nan_last(rng, dtype):
+    values = torch.tensor([0.0, -0.0, 1.5, -1.5, float("inf"), float("-inf"), float("nan"), 2.0**-140, -(2.0**-140),
+                           3.0e38, -3.0e38])
+    scores = values[torch.randint(0, values.numel(), (5, 300), generator=rng)].to(dtype)
+    for k in (0, 1, 7, 300):
+        assert torch.equal(exact.rank(scores, k), _rank_by_sorting(scores, k))
+    scores = torch.randn(3, 1000, generator=rng).to(dtype).round(decimals=1)  # frequent ties
+    assert torch.equal(exact.rank(scores, 50), _rank_by_sorting(scores, 50))

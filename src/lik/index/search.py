@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from ..core.precision import accumulation_dtype
-from ..ops.maxsim import maxsim_packed
-from ..retrieval.exact import merge_top_k
+from ..ops.maxsim.packed_function import packed_query, score_packed
+from ..retrieval.exact import merge_top_k, rank
 from .placement import ChunkPlan, ChunkSource
 
 __all__ = ["select_chunks", "search_chunks"]
@@ -47,7 +47,11 @@ def search_chunks(
     k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` of 3-D ``Q [Nq, Lq, d]`` over the selected chunks: ``(scores fp32 [Nq, k'], ids int64 [Nq, k'])``
-    on ``source.device``, with ``k' = min(k, selected documents)``."""
+    on ``source.device``, with ``k' = min(k, selected documents)``.
+
+    ``Q`` (float, in the index's dtype for a float index) and the bool ``q_mask`` were checked by the caller: the
+    query is quantized once for an 8-bit index, and each chunk goes to packed MaxSim's internal scoring entry, with
+    no check repeated and no host synchronisation."""
     device = source.device
     n_queries = Q.shape[0]
     Q = Q.to(device, non_blocking=True)
@@ -66,12 +70,20 @@ def search_chunks(
         on_host = [local for local, move in zip(locals_, to_move) if move]
         moved = iter(torch.cat(on_host).to(device, non_blocking=True).split([t.numel() for t in on_host]))
         locals_ = [next(moved) if move else local for local, move in zip(locals_, to_move)]
+    query = None
     for chunk, local in zip(source.chunks([n for n, _ in selection]), locals_):
-        scores = maxsim_packed(
-            Q, chunk.tokens, chunk.cu_seqlens, q_mask, max_seqlen_d=chunk.max_seqlen, d_scale=chunk.scale
-        ).to(score_dtype)
+        if query is None:
+            query = packed_query(Q, q_mask, chunk.tokens.dtype)
+        scores = score_packed(query, chunk.tokens, chunk.cu_seqlens, chunk.scale).to(score_dtype)
+        if local is not None:
+            scores = scores[:, local]
+        if best_scores.shape[1] == 0:  # the first chunk: its own top-k, no merge (a GPU-resident shard is one chunk)
+            keep = rank(scores, min(k, scores.shape[1]))
+            best_scores = scores.gather(1, keep)
+            best_ids = (keep if local is None else local[keep]) + chunk.first_id
+            continue
         ids = torch.arange(chunk.first_id, chunk.first_id + chunk.num_docs, device=device)
         if local is not None:
-            scores, ids = scores[:, local], ids[local]
+            ids = ids[local]
         best_scores, best_ids = merge_top_k(best_scores, best_ids, scores, ids.expand(n_queries, -1), k)
     return best_scores, best_ids

@@ -1,9 +1,10 @@
 """Exact top-k MaxSim search over a corpus resident on the queries' device.
 
-The corpus is scored in chunks of documents with :func:`lik.maxsim` (fused kernels on CUDA, the memory-bounded
-reference on CPU), and a running top-k is merged on the device after each chunk. Neither the similarities
-``[Nq, B, Lq, Ld]`` nor the full score matrix ``[Nq, B]`` is ever held: the working set is one chunk of scores
-plus the ``k`` best so far.
+The arguments are validated once, as :func:`lik.maxsim` validates them, into its canonical bundle; the corpus is then
+scored in chunks of documents, each chunk a view of that bundle handed to MaxSim's internal scoring entry
+(:func:`~lik.ops.maxsim.function.score_canonical`: fused kernels on CUDA, the memory-bounded reference on CPU), and
+a running top-k is merged on the device after each chunk. Neither the similarities ``[Nq, B, Lq, Ld]`` nor the full
+score matrix ``[Nq, B]`` is ever held: the working set is one chunk of scores plus the ``k`` best so far.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import operator
 import torch
 
 from ..core.precision import accumulation_dtype
-from ..ops.maxsim import maxsim
+from ..ops.maxsim.function import score_canonical
 from ..ops.maxsim.validation import MaxSimInputs
 
-__all__ = ["search", "merge_top_k", "DEFAULT_BUDGET_BYTES"]
+__all__ = ["search", "merge_top_k", "rank", "DEFAULT_BUDGET_BYTES"]
 
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 
@@ -51,17 +52,40 @@ def _check_chunk_size(chunk_size, n_queries: int) -> int:
     return chunk_size
 
 
-def _rank(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the ``k`` best entries of each row: descending score, NaN last, ties by lower position.
+def rank(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` best entries of each row of ``scores [Nq, n]`` (``k <= n``): descending score, NaN
+    last, ties (``-0.0`` and ``0.0`` included) by lower position.
 
-    ``torch.topk`` leaves the order of ties unspecified, so two stable sorts give the total order instead:
-    first by score with NaN mapped to -inf, then by "is NaN", which moves NaN behind every number
-    (-inf included) while keeping everything else in place.
-    """
-    is_nan = scores.isnan()
-    by_score = torch.where(is_nan, float("-inf"), scores).sort(dim=-1, descending=True, stable=True).indices
-    nan_last = is_nan.gather(-1, by_score).to(torch.uint8).sort(dim=-1, stable=True).indices
-    return by_score.gather(-1, nan_last)[:, :k]
+    One ``topk`` over keys that are all distinct, where each float32 score's bits are mapped to an integer of the
+    same order (NaN below every number, ``-inf`` included) and the position fills the low 32 bits; so the order is
+    total and needs no sort of the whole row (the chunk of a search is a whole corpus shard). float64 scores (the
+    reference path) take two stable sorts instead, by score with NaN as ``-inf``, then by "is NaN"."""
+    n = scores.shape[-1]
+    if scores.dtype != torch.float32 or n >= 2**32:
+        is_nan = scores.isnan()
+        by_score = torch.where(is_nan, float("-inf"), scores).sort(dim=-1, descending=True, stable=True).indices
+        nan_last = is_nan.gather(-1, by_score).to(torch.uint8).sort(dim=-1, stable=True).indices
+        return by_score.gather(-1, nan_last)[:, :k]
+    bits = (scores + 0.0).view(torch.int32)  # (+ 0.0: -0.0 becomes 0.0, so the two tie)
+    ordered = torch.where(scores.isnan(), _INT32_MIN, bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    keys = (ordered << 32) | _lower_first(n, scores.device)
+    return keys.topk(k, dim=-1, sorted=True).indices
+
+
+_INT32_MIN = -(2**31)
+_POSITIONS: dict = {}
+
+
+def _lower_first(n: int, device: torch.device) -> torch.Tensor:
+    """``2**32 - 1 - position`` for ``n`` positions (a larger key for a lower position), kept per device and
+    length (a search repeats its chunks' lengths)."""
+    key = (n, device)
+    positions = _POSITIONS.get(key)
+    if positions is None:
+        if len(_POSITIONS) >= 64:
+            _POSITIONS.clear()
+        positions = _POSITIONS[key] = (2**32 - 1) - torch.arange(n, dtype=torch.int64, device=device)
+    return positions
 
 
 def merge_top_k(
@@ -75,12 +99,12 @@ def merge_top_k(
 
     The running best must be in rank order already and every id in it must be lower than every id of the new
     candidates (true when a corpus is walked in id order, or per-rank results are concatenated in rank order):
-    then the stable :func:`_rank` of the concatenation breaks ties by lower id. Runs on the tensors' device,
+    then :func:`rank` of the concatenation breaks ties by lower id. Runs on the tensors' device,
     with no host synchronisation.
     """
     candidates = torch.cat([best_scores, new_scores], dim=1)
     candidate_ids = torch.cat([best_ids, new_ids], dim=1)
-    keep = _rank(candidates, k)
+    keep = rank(candidates, min(k, candidates.shape[1]))
     return candidates.gather(1, keep), candidate_ids.gather(1, keep)
 
 
@@ -106,8 +130,8 @@ def search(
         q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real query tokens.
         d_mask: optional bool ``[B, Ld]``, True for real document tokens (padding False).
         mask_mode: ``"exclude"`` (default) or ``"zero"``, as in :func:`lik.maxsim`.
-        chunk_size: documents scored per :func:`lik.maxsim` call; by default as many as keep the chunk's
-            scores and merge buffers within 256 MB.
+        chunk_size: documents scored at once; by default as many as keep the chunk's scores and merge buffers
+            within 256 MB.
         q_scale, d_scale: an 8-bit corpus, as in :func:`lik.maxsim`: ``D`` int8 / float8_e4m3fn from
             :func:`lik.quantize` with its fp32 ``d_scale [B, Ld]``; ``Q`` of the same dtype with ``q_scale``, or
             float (quantized per token once, before the first chunk).
@@ -135,32 +159,30 @@ def search(
             f"D must be a shared corpus [B, Ld, d] for search, got shape {list(D.shape)}; "
             "score per-query candidate sets with lik.maxsim"
         )
-    corpus = inputs.d[0]
-    corpus_mask = None if inputs.d_mask is None else inputs.d_mask[0]
-    corpus_scale = None if inputs.d_scale is None else inputs.d_scale[0]
-    n_queries, n_docs = inputs.q.shape[0], corpus.shape[0]
+    n_queries, n_docs, device = inputs.q.shape[0], inputs.d.shape[1], inputs.q.device
     k = _check_k(k, n_docs)
     chunk_size = _check_chunk_size(chunk_size, n_queries)
 
     score_dtype = accumulation_dtype(inputs.q.dtype)
     if k == 0 or n_queries == 0:
-        empty_scores = torch.empty(n_queries, k, dtype=score_dtype, device=corpus.device)
-        empty_indices = torch.empty(n_queries, k, dtype=torch.int64, device=corpus.device)
+        empty_scores = torch.empty(n_queries, k, dtype=score_dtype, device=device)
+        empty_indices = torch.empty(n_queries, k, dtype=torch.int64, device=device)
         return inputs.finish(empty_scores), inputs.finish(empty_indices)
 
-    best_scores = torch.empty(n_queries, 0, dtype=score_dtype, device=corpus.device)
-    best_indices = torch.empty(n_queries, 0, dtype=torch.int64, device=corpus.device)
+    best_scores = best_indices = None
     for start in range(0, n_docs, chunk_size):
         stop = min(n_docs, start + chunk_size)
-        chunk_scores = maxsim(
-            inputs.q,
-            corpus[start:stop],
-            inputs.q_mask,
-            None if corpus_mask is None else corpus_mask[start:stop],
-            mask_mode=mask_mode,
-            q_scale=inputs.q_scale,
-            d_scale=None if corpus_scale is None else corpus_scale[start:stop],
+        chunk = MaxSimInputs(
+            inputs.q, inputs.d[:, start:stop], inputs.q_mask,
+            None if inputs.d_mask is None else inputs.d_mask[:, start:stop], mask_mode, False, False, inputs.q_scale,
+            None if inputs.d_scale is None else inputs.d_scale[:, start:stop],
         )
-        chunk_indices = torch.arange(start, stop, device=corpus.device).expand(n_queries, -1)
+        chunk_scores = score_canonical(chunk)
+        if best_scores is None:  # the first chunk: its own top-k, no merge
+            best_indices = rank(chunk_scores, min(k, stop - start))
+            best_scores = chunk_scores.gather(1, best_indices)
+            best_indices += start
+            continue
+        chunk_indices = torch.arange(start, stop, device=device).expand(n_queries, -1)
         best_scores, best_indices = merge_top_k(best_scores, best_indices, chunk_scores, chunk_indices, k)
     return inputs.finish(best_scores), inputs.finish(best_indices)

@@ -1,4 +1,6 @@
-"""Autograd and ``torch.compile`` plumbing of packed MaxSim, through :mod:`lik._dispatch`.
+"""Autograd and ``torch.compile`` plumbing of packed MaxSim, through :mod:`lik._dispatch`, and the internal scoring
+entry of callers that checked a query once for many packed chunks (:func:`packed_query`, :func:`score_packed`:
+``lik.Index.search``).
 
 Under ``torch.compile`` (with the ``max_seqlen`` hints) the kernels are the custom operators
 ``lik::maxsim_packed_forward`` / ``lik::maxsim_packed_backward`` (shape-only fake implementations), as for
@@ -9,13 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from ..._dispatch import kernel_op, router
+from typing import NamedTuple
+
+from ..._dispatch import kernel_op, router, uses_kernels
 from .packed_backward import packed_backward
 from .packed_forward import packed_forward
 from .packing import PackedInputs
 from .reference_varlen import packed_reference
+from .validation import QUANTIZED_DTYPES, quantize_query
 
-__all__ = ["MaxSimPackedFunction", "packed_route"]
+__all__ = ["MaxSimPackedFunction", "packed_route", "PackedQuery", "packed_query", "score_packed"]
 
 
 def _packed_forward_fake(q, d, cu_q, cu_d, q_mask, max_seqlen_q, store_argmax, q_scale=None, d_scale=None):
@@ -94,3 +99,32 @@ packed_route = router(
     reference=lambda inputs, deterministic: packed_reference(inputs),
     autograd=_autograd, compiled=_compiled, launch=_launch,
 )
+
+
+class PackedQuery(NamedTuple):
+    """A checked query for every chunk of a packed corpus: ``q [Nq, Lq, d]``, bool ``q_mask [Nq, Lq]`` or None,
+    and, against an 8-bit corpus, ``q`` quantized per token with its fp32 ``q_scale [Nq, Lq]``."""
+
+    q: torch.Tensor
+    q_mask: torch.Tensor | None
+    q_scale: torch.Tensor | None
+
+
+def packed_query(Q: torch.Tensor, q_mask: torch.Tensor | None, d_dtype: torch.dtype) -> PackedQuery:
+    """``Q [Nq, Lq, d]`` (float, in the corpus's dtype for a float corpus) and ``q_mask``, checked by the caller, made
+    ready for :func:`score_packed`: quantized once to the dtype of an 8-bit corpus (as :func:`lik.maxsim_packed`
+    quantizes it per call)."""
+    if d_dtype in QUANTIZED_DTYPES:
+        q, q_scale = quantize_query(Q, d_dtype)
+        return PackedQuery(q, q_mask, q_scale)
+    return PackedQuery(Q, q_mask, None)
+
+
+def score_packed(query: PackedQuery, d: torch.Tensor, cu_d: torch.Tensor, d_scale: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Scores ``[Nq, B]`` of ``query`` against a packed corpus whose arguments are known good (``d [Td, d]`` of the
+    query's width, contiguous int32 ``cu_d [B + 1]`` from 0 on the same device, ``d_scale [Td]`` for 8-bit rows): a
+    stored index's chunk. No check is repeated and nothing is read back from the device; inference only."""
+    inputs = PackedInputs(query.q, d, None, cu_d, query.q_mask, query.q.shape[1], False, True, query.q_scale, d_scale)
+    kernels = uses_kernels(d) if d_scale is not None else uses_kernels(query.q)
+    return packed_route(kernels, False, inputs, False)
