@@ -1,11 +1,11 @@
 """Run the peers' own test-suites against lik's compatibility modules in place of the peers.
 
     python benchmarks/peer_suites.py --src .peer_src [--out DIR] [--suite NAME ...] [--workers N] [--baseline]
-                                     [--timeout-s S]
+                                     [--timeout-s S] [--deadline-s S]
 
 On the GPU machine (the sdists carried in the ignored folder ``.peer_src/``)::
 
-    python3 benchmarks/peer_suites.py --src .peer_src --out $OUT --workers 8 --timeout-s 270
+    python3 benchmarks/peer_suites.py --src .peer_src --out $OUT --workers 8 --deadline-s 540
 
 ``--src`` holds the peers' unpacked source distributions (``flash_maxsim-0.3.0/``, ``late_interaction_kernels-0.4.5/``;
 ``.tar.gz`` files are unpacked into the work folder), fetched with
@@ -34,10 +34,12 @@ import fnmatch
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,28 +250,56 @@ def _junit_outcomes(path: Path) -> list[Outcome]:
     return outcomes
 
 
-def _run_pytest(python, files, cwd, env, out, name, timeout_s, workers) -> list[Outcome]:
+class Clock:
+    """Each run's time limit: ``--timeout-s``, cut to what is left of ``--deadline-s`` (0: nothing left)."""
+
+    def __init__(self, timeout_s: int, deadline_s: int | None):
+        self.timeout_s = timeout_s
+        self.end = None if deadline_s is None else time.monotonic() + deadline_s
+
+    def limit(self) -> int:
+        return self.timeout_s if self.end is None else max(0, min(self.timeout_s, int(self.end - time.monotonic())))
+
+
+def _run(cmd: list[str], cwd: Path, env: dict, timeout_s: int) -> tuple[int | None, str]:
+    """``(exit status, output)``; at the time limit the command and its children (pytest-xdist's workers) are
+    killed and the status is None."""
+    process = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+        return process.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return None, f"stopped after {timeout_s} s\n{output}"
+
+
+def _run_pytest(python, files, cwd, env, out, name, clock: Clock, workers) -> list[Outcome]:
+    timeout_s = clock.limit()
+    if timeout_s <= 0:
+        return [Outcome(f, "not run", "--deadline-s reached") for f in files]
     junit = out / f"{name}.junit.xml"
     cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "--continue-on-collection-errors",
            f"--junitxml={junit}", *(["-n", str(workers)] if workers > 1 else []), *files]
-    try:
-        run = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        log = run.stdout + run.stderr
-    except subprocess.TimeoutExpired as stopped:
-        log = f"pytest stopped after {timeout_s} s\n{stopped.stdout or ''}"
+    code, log = _run(cmd, cwd, env, timeout_s)
     (out / f"{name}.pytest.log").write_text(log)
+    if code is None:
+        return [Outcome(f, "not run", f"pytest stopped at its {timeout_s} s limit (run this suite alone)")
+                for f in files]
     if not junit.is_file():
         return [Outcome(f, "failed", "pytest wrote no report (see the log)") for f in files]
     return _junit_outcomes(junit)
 
 
-def _run_script(python, path, cwd, env, out, name, timeout_s) -> Outcome:
-    try:
-        run = subprocess.run([python, path], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        log, code = run.stdout + run.stderr, run.returncode
-    except subprocess.TimeoutExpired as stopped:
-        log, code = f"stopped after {timeout_s} s\n{stopped.stdout or ''}", "timeout"
+def _run_script(python, path, cwd, env, out, name, clock: Clock) -> Outcome:
+    timeout_s = clock.limit()
+    if timeout_s <= 0:
+        return Outcome(path, "not run", "--deadline-s reached")
+    code, log = _run([python, path], cwd, env, timeout_s)
     (out / f"{name}.{Path(path).stem}.log").write_text(log)
+    if code is None:
+        return Outcome(path, "not run", f"stopped at its {timeout_s} s limit")
     verdicts = [line for line in log.splitlines() if _VERDICT.search(line)]
     if code == 0 and not verdicts:
         return Outcome(path, "passed")
@@ -299,21 +329,21 @@ def _classify(suite: str, outcome: Outcome, cuda: bool, failed_with_peer: set[st
 
 
 def _run_tests(root: Path, env: dict, out: Path, tag: str, python: str, cuda: bool, skipped: dict,
-               timeout_s: int, workers: int) -> list[Outcome]:
+               clock: Clock, workers: int) -> list[Outcome]:
     files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").glob("test_*.py"))
     outcomes = [Outcome(f, "not run", skipped[f]) for f in files if f in skipped]
     files = [f for f in files if f not in skipped]
     with_tests = [f for f in files if re.search(r"^\s*def test_", (root / f).read_text(), re.MULTILINE)]
-    outcomes += _run_pytest(python, with_tests, root, env, out, tag, timeout_s, workers)
+    outcomes += _run_pytest(python, with_tests, root, env, out, tag, clock, workers)
     for script in (f for f in files if f not in with_tests):
         if cuda:
-            outcomes.append(_run_script(python, script, root, env, out, tag, timeout_s))
+            outcomes.append(_run_script(python, script, root, env, out, tag, clock))
         else:
             outcomes.append(Outcome(script, "not run", "script-style file: needs CUDA"))
     return outcomes
 
 
-def run_suite(suite: str, src: Path, work: Path, out: Path, python: str, timeout_s: int, baseline: bool,
+def run_suite(suite: str, src: Path, work: Path, out: Path, python: str, clock: Clock, baseline: bool,
               workers: int = 0) -> SuiteReport:
     """The suite against lik (the shim), and with ``baseline`` against the peer itself (the sdist's package)."""
     spec = SUITES[suite]
@@ -329,10 +359,10 @@ def run_suite(suite: str, src: Path, work: Path, out: Path, python: str, timeout
     env = _env(shim)
     cuda = _has_cuda(python, env)
     skipped = NOT_RUN.get(suite, {})
-    report = SuiteReport(suite, _run_tests(root, env, out, suite, python, cuda, skipped, timeout_s, workers))
+    report = SuiteReport(suite, _run_tests(root, env, out, suite, python, cuda, skipped, clock, workers))
     failed_with_peer = set()
     if baseline:
-        report.peer = _run_tests(root, _env(sdist), out, f"{suite}.peer", python, cuda, skipped, timeout_s, workers)
+        report.peer = _run_tests(root, _env(sdist), out, f"{suite}.peer", python, cuda, skipped, clock, workers)
         failed_with_peer = {o.test for o in report.peer if o.status == "failed"}
     for outcome in report.outcomes:
         outcome.status = _classify(suite, outcome, cuda, failed_with_peer)
@@ -378,6 +408,8 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline", action="store_true",
                         help="also run each suite against the peer itself (from the sdist): a failure it shares is "
                              "marked 'fails with the peer too'")
+    parser.add_argument("--deadline-s", type=int,
+                        help="time for the whole run: what would start after it is reported as not run")
     parser.add_argument("--workers", type=int, default=0,
                         help="pytest-xdist workers for the pytest files (kernel compilation runs on the CPUs)")
     args = parser.parse_args(argv)
@@ -388,8 +420,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="peer_suites_") as tmp:
         logs = Path(tmp) / "logs"
         logs.mkdir()
-        reports = [run_suite(s, args.src.resolve(), Path(tmp), logs, args.python, args.timeout_s, args.baseline,
-                             args.workers) for s in (args.suite or sorted(SUITES))]
+        clock = Clock(args.timeout_s, args.deadline_s)
+        reports = [run_suite(s, args.src.resolve(), Path(tmp), logs, args.python, clock, args.baseline, args.workers)
+                   for s in (args.suite or sorted(SUITES))]
         text, unexpected = summarize(reports)
         if args.out is not None:  # two files: a device run returns few
             args.out.mkdir(parents=True, exist_ok=True)

@@ -107,3 +107,18 @@ def test_a_run_reports_each_outcome_and_fails_on_the_unexpected(tool, tmp_path, 
     assert (out / "peer_suites_logs.tar.gz").is_file()
     with pytest.raises(SystemExit):
         tool.main(["--src", str(tmp_path / "nowhere")])
+
+
+def test_time_limits(tool, tmp_path):
+    assert tool.Clock(100, None).limit() == 100 and tool.Clock(100, 3600).limit() == 100
+    spent = tool.Clock(100, 0)
+    assert spent.limit() == 0
+    assert [o.status for o in tool._run_pytest(sys.executable, ["tests/test_a.py"], tmp_path, {}, tmp_path, "x",
+                                                spent, 0)] == ["not run"]
+    code, output = tool._run([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+                             tmp_path, dict(os.environ), 2)
+    assert code is None and "stopped after 2 s" in output and "started" in output
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(60)\n")
+    outcome = tool._run_script(sys.executable, "slow.py", tmp_path, dict(os.environ), tmp_path, "x",
+                               tool.Clock(2, None))
+    assert outcome.status == "not run" and "2 s limit" in outcome.detail
