@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 CHAMFER = "tests/ops/chamfer/test_chamfer.py"
+QUANTIZED = "tests/ops/maxsim/test_quantized.py"
 
 # pattern -> why the default run does not need it (ids are `[launch-norm-dim]` and the like).
 SLOW = {
@@ -22,6 +23,15 @@ SLOW = {
     f"{CHAMFER}::test_nearest_matches_dense_float64[*-2]": "dimension 2 takes dimension 1's and 3's path",
     f"{CHAMFER}::test_nearest_matches_dense_float64[*-5]": "dimension 5 takes dimension 3's and 8's path",
     f"{CHAMFER}::test_nearest_matches_dense_float64[*-33]": "dimension 33 takes dimension 15's and 64's path",
+    # The heuristic's choice is checked on both sides of its bound (8, 9); past it the heuristic runs the core
+    # route, whose own cases follow. The core route (MaxSim's loop on D + 1 features) reads one feature block up
+    # to dimension 15: 3, 14 and 15 stay, with 64 past it.
+    f"{CHAMFER}::test_nearest_matches_dense_float64[heuristic-2-14]": "the core route: core-*-2-14",
+    f"{CHAMFER}::test_nearest_matches_dense_float64[heuristic-2-15]": "the core route: core-*-2-15",
+    f"{CHAMFER}::test_nearest_matches_dense_float64[heuristic-2-64]": "the core route: core-*-2-64",
+    f"{CHAMFER}::test_nearest_matches_dense_float64[core-*-1]": "one feature block: dimensions 3, 14 and 15",
+    f"{CHAMFER}::test_nearest_matches_dense_float64[core-*-8]": "one feature block: dimensions 3, 14 and 15",
+    f"{CHAMFER}::test_nearest_matches_dense_float64[core-*-9]": "one feature block: dimensions 3, 14 and 15",
     # MaxSim's kernel (the core routes) keeps MaxSim's tie rule, which tests/ops/maxsim checks; the direct and
     # dot routes keep their own ties here.
     f"{CHAMFER}::test_both_directions_ties_go_to_the_lowest_index[core-*]": "MaxSim's ties, tested there",
@@ -29,6 +39,17 @@ SLOW = {
     # pass over the same sizes; the small sizes of this test stay in the default run.
     f"{CHAMFER}::test_both_directions_match_dense_float64[core-*-137-70]": "one pass of each: nearest tests",
     f"{CHAMFER}::test_both_directions_match_dense_float64[core-*-7-193]": "one pass of each: nearest tests",
+    # 8-bit scoring: each width (16, 40, 128, 300) in the 2-D layout, each layout at width 128 and more.
+    f"{QUANTIZED}::test_scores_equal_maxsim_of_dequantized_operands[3d-300-*]": "width 300: the 2d case",
+    f"{QUANTIZED}::test_scores_equal_maxsim_of_dequantized_operands[per-query-300-*]": "width 300: the 2d case",
+    f"{QUANTIZED}::test_scores_equal_maxsim_of_dequantized_operands[3d-16-*]": "width 16: the 2d, per-query cases",
+    f"{QUANTIZED}::test_scores_equal_maxsim_of_dequantized_operands[3d-40-*]": "width 40: the 2d, per-query cases",
+    # One document length per tile variant stays: 64 (whole tiles), 96 (the most a narrow tail takes), 20 (a
+    # narrow tail alone), 100 and 40 (the clamped loop past and below a tile).
+    f"{QUANTIZED}::test_int8_corpus_of_whole_tiles_and_a_narrow_tail[128-*]": "whole tiles: length 64",
+    f"{QUANTIZED}::test_int8_corpus_of_whole_tiles_and_a_narrow_tail[70-*]": "a narrow tail: lengths 96 and 20",
+    f"{QUANTIZED}::test_one_token_queries_score_bit_for_bit_like_the_reference[*-200]": "widths 64 and 520",
+    f"{QUANTIZED}::test_one_token_queries_score_bit_for_bit_like_the_reference[*-300]": "widths 64 and 520",
 }
 
 
