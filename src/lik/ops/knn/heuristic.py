@@ -50,16 +50,20 @@ def product_precision(dtype: torch.dtype, device: torch.device) -> str:
 def knn_config(*, dim: int, k: int, norm: int, dtype: torch.dtype, device: torch.device) -> KnnConfig:
     """The launch for ``dim``-wide points, ``k`` neighbours, ``norm`` (1 or 2), ``dtype`` inputs on ``device``.
 
-    Not yet measured on a GPU (benchmarks/knn_bench.py times it): the tiles are the nearest-neighbour kernel's
-    shapes scaled for the running list, ``block_m x k`` int64 keys in registers beside the tile."""
+    Not yet timed on a GPU (``benchmarks/knn_bench.py`` does): the tiles are the largest whose sm_90 build keeps
+    every value in registers for 1 to 32 neighbours (``tests/ops/knn/test_knn_compile.py`` checks it), the
+    direct route's 32 x 64 tile in four warps, the products route's 64 x 64 in eight."""
     forced = FORCED.get("knn")
     if forced is not None:
         return forced
     if norm == 1 or dim <= KNN_POINT_MAX_DIM:
-        return KnnConfig("direct", block_m=32, block_n=64 if k <= 8 else 32, num_warps=4)
+        return KnnConfig("direct", block_m=32, block_n=64, num_warps=4)
     block_k = 64 if dtype != torch.float32 else 32
-    return KnnConfig("products", product_precision(dtype, device), block_m=64 if k <= 8 else 32, block_n=64,
-                     block_k=block_k, num_warps=4, num_stages=2)
+    precision = product_precision(dtype, device)
+    # True float32 products (no TF32: before Ampere, or in the interpreter) hold more per thread.
+    block_m = 32 if precision == "ieee" and dtype == torch.float32 else 64
+    return KnnConfig("products", precision, block_m=block_m, block_n=64, block_k=block_k, num_warps=8,
+                     num_stages=2)
 
 
 register("knn", KnnConfig)

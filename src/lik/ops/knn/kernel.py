@@ -6,7 +6,7 @@ the values do, and the column breaks ties towards the lower index (NaN is given 
 neighbours come last). Each row keeps its ``K`` best keys unsorted in registers (``KP``, ``K`` rounded up to a power
 of two, slots; the extra slots hold -1 and never move). A tile is folded in by repeated extraction: the tile's
 smallest key below the row's worst kept key replaces that worst key, as many times as some row of the block has
-such keys (at most ``K``). Most tiles of a large cloud hold no key below any row's worst, and cost one compare per
+such keys (at most ``K``); the tile itself stays int32 distance bits, its columns implied. Most tiles of a large cloud hold no key below any row's worst, and cost one compare per
 pair. At the end each row's keys are sorted by ``KP`` extractions and written as distances and indices.
 
 Two ways to make a tile's distances (:func:`lik.ops.knn.heuristic.knn_config` picks one):
@@ -17,7 +17,8 @@ Two ways to make a tile's distances (:func:`lik.ops.knn.heuristic.knn_config` pi
   the ``p1`` cloud (TF32 or TF32-split, as ``torch.get_float32_matmul_precision()`` says) or on the half-precision
   inputs themselves. It only picks the neighbours: their distances are recomputed exactly afterwards (and the list
   re-sorted). A tile that holds a point whose squared norm is not finite (an inf or NaN coordinate, or an overflow)
-  takes the exact differences instead, so non-finite points rank as the reference ranks them.
+  takes the exact differences instead, so non-finite points rank as the reference ranks them (a row block
+  holding such a point compares its whole row exactly: slow, but only there).
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def knn_kernel(
     PRODUCTS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     cloud = tl.program_id(1).to(tl.int64)
-    len1 = tl.load(len1_ptr + cloud)
-    len2 = tl.load(len2_ptr + cloud)
+    len1 = tl.load(len1_ptr + cloud).to(tl.int32)  # int32 rows and columns: int64 would double every index op
+    len2 = tl.load(len2_ptr + cloud).to(tl.int32)
     row_start = tl.program_id(0) * BLOCK_M
     rows = row_start + tl.arange(0, BLOCK_M)
     row_ok = rows < len1
@@ -120,36 +121,36 @@ def knn_kernel(
             a_base = a_ptr + cloud * stride_an
             b_base = b_ptr + cloud * stride_bn
             # Masked rows and columns read a norm of 0: finite.
-            rows_finite = xs < float("inf")
-            rows_nonfinite = tl.sum((~rows_finite).to(tl.int32), 0)
+            rows_nonfinite = tl.sum((xs < float("inf")).to(tl.int32) ^ 1, 0)
         for start in range(0, len2, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < len2
             if PRODUCTS:
                 ys = tl.load(ys_ptr + cloud * stride_tn + cols, mask=col_ok, other=0.0)
-                dist = product_tile(a_base, b_base, xs, ys, rows, cols, row_ok, col_ok, stride_ap, stride_bp,
-                                    WIDTH, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-                cols_finite = ys < float("inf")
-                nonfinite = rows_nonfinite + tl.sum((~cols_finite).to(tl.int32), 0)
+                nonfinite = rows_nonfinite + tl.sum((ys < float("inf")).to(tl.int32) ^ 1, 0)
                 if nonfinite > 0:
-                    exact = exact_tile(x_base, y_base, rows, cols, row_ok, col_ok, stride_xp, stride_xd, stride_yp,
-                                       stride_yd, DIM, NORM, BLOCK_M, BLOCK_N)
-                    dist = tl.where(rows_finite[:, None] & cols_finite[None, :], dist, exact)
+                    dist = exact_tile(x_base, y_base, rows, cols, row_ok, col_ok, stride_xp, stride_xd, stride_yp,
+                                      stride_yd, DIM, NORM, BLOCK_M, BLOCK_N)
+                else:
+                    dist = product_tile(a_base, b_base, xs, ys, rows, cols, row_ok, col_ok, stride_ap, stride_bp,
+                                        WIDTH, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
             else:
                 dist = exact_tile(x_base, y_base, rows, cols, row_ok, col_ok, stride_xp, stride_xd, stride_yp,
                                   stride_yd, DIM, NORM, BLOCK_M, BLOCK_N)
             bits = tl.where(dist == dist, dist.to(tl.int32, bitcast=True), _NAN_BITS)
-            bits = tl.where(col_ok[None, :], bits, _PAD_BITS)
             worst = tl.max(best, 1)
-            # A key of this tile equal in bits to a row's worst has a higher column: it is never better.
-            hit = bits < (worst >> 32).to(tl.int32)[:, None]
+            # A distance of this tile equal in bits to a row's worst has a higher column: it is never better.
+            hit = (bits < (worst >> 32).to(tl.int32)[:, None]) & col_ok[None, :]
             steps = tl.minimum(tl.max(tl.sum(hit.to(tl.int32), 1), 0), K)
-            keys = tl.where(hit, (bits.to(tl.int64) << 32) | cols[None, :].to(tl.int64), _MAX_KEY)
+            # The candidates as int32 bits, their columns implied (keys are formed per row, not per pair).
+            bits = tl.where(hit, bits, _PAD_BITS)
             for _ in range(0, steps):
-                low = tl.min(keys, 1)
-                take = low < worst
+                low_bits = tl.min(bits, 1)
+                low_col = tl.min(tl.where(bits == low_bits[:, None], cols[None, :], _PAD_BITS), 1)
+                low = (low_bits.to(tl.int64) << 32) | low_col.to(tl.int64)
+                take = (low_bits < _PAD_BITS) & (low < worst)
                 best = tl.where(take[:, None] & (best == worst[:, None]), low[:, None], best)
-                keys = tl.where(keys == low[:, None], _MAX_KEY, keys)
+                bits = tl.where(cols[None, :] == low_col[:, None], _PAD_BITS, bits)
                 worst = tl.max(best, 1)
     # Sort each row's keys ascending; the extra slots go last.
     best = tl.where(slots[None, :] < K, best, _MAX_KEY)
