@@ -282,7 +282,8 @@ def test_override_forces_each_heuristic_inside_the_block_only_and_nests():
     with _config.override(maxsim_forward=outer):
         assert _config.maxsim_forward_config(**args) is outer
         # per-query documents are never stacked: the forced tile is taken one group at a time
-        assert _config.maxsim_forward_config(**{**args, "per_query": True}) == _config.MaxSimForwardConfig(16, 1, 16, 64)
+        per_query = _config.maxsim_forward_config(**{**args, "per_query": True})
+        assert per_query == _config.MaxSimForwardConfig(16, 1, 16, 64)
         with _config.override(maxsim_forward=inner, maxsim_backward=backward):
             assert _config.maxsim_forward_config(**args) is inner
             assert _config.maxsim_backward_config(dim=64, dtype=torch.float16, device=cpu) is backward

@@ -38,12 +38,12 @@ def next_power_of_2(n: int) -> int:
 current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

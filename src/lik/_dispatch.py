@@ -57,7 +57,8 @@ Example (the packed MaxSim entry points; ``PackedInputs`` is their validated inp
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -40,14 +40,14 @@ import functools
 import inspect
 import os
 import warnings
-from operator import itemgetter, or_
+from operator import itemgetter
 
 import torch
 import triton
 from triton.runtime.jit import JITFunction
 
 __all__ = [
-    "launch", "Replay", "replay_of", "replay_allowed", "dense_addresses", "remember", "REPLAY_LIMIT", "argument_key",
+    "launch", "Replay", "replay_of", "replay_allowed", "WATCH", "argument_key",
     "argument_keyer", "argument_keys", "cache_key", "keyword_layout", "triton_version_tested", "TESTED_TRITON",
 ]
 
@@ -77,7 +77,7 @@ def argument_key(arg):
     return keyer((arg,))[0][0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def argument_keyer(kinds: tuple[type, ...]):
     """A function of the positional arguments returning ``(keys, launch_args)``, for calls whose arguments have
     exactly the types ``kinds`` (None when one of them is not keyed): ``keys`` holds every argument's
@@ -421,31 +421,3 @@ def replay_of(kernel, grid: tuple[int, ...], *args, **kwargs) -> Replay | None:
     except TypeError:  # an unhashable keyword value: never recorded
         return None
     return None if entry is None else Replay(entry, grid, device)
-
-
-def dense_addresses(tensors: tuple) -> tuple[int, ...] | None:
-    """The data addresses of ``tensors`` if every one is contiguous and 16-byte aligned (what a replayed launch of
-    kernels that compute their strides from shapes was recorded with), else None."""
-    if not all(map(torch.Tensor.is_contiguous, tensors)):
-        return None
-    addresses = tuple(map(torch.Tensor.data_ptr, tensors))
-    return None if functools.reduce(or_, addresses) & 15 else addresses
-
-
-# Replays a caller keeps in one table, at most (the table is cleared when full: shapes that stop repeating go).
-REPLAY_LIMIT = 256
-
-
-def remember(table: dict, key, kernel, grid: tuple[int, ...], tensors: tuple, ints: tuple, options: dict,
-             *extra) -> None:
-    """File under ``key`` the launch ``launch(kernel, grid, *tensors, *ints, **options)`` just made, as
-    ``(replay, ints, *extra)``, when every tensor it was given was dense and aligned and it was recorded; ``table``
-    is the caller's (cleared when it holds REPLAY_LIMIT entries)."""
-    if dense_addresses(tensors) is None:
-        return
-    replay = replay_of(kernel, grid, *tensors, *ints, **options)
-    if replay is None:
-        return
-    if len(table) >= REPLAY_LIMIT:
-        table.clear()
-    table[key] = (replay, ints, *extra)

@@ -32,8 +32,8 @@ from . import _launch
 from .config.forced import FORCED
 
 __all__ = [
-    "allowed", "tensor_key", "recording", "Recording", "made", "note", "plan_of", "Plan", "Step", "NEVER", "file",
-    "LIMIT",
+    "allowed", "tensor_key", "layout_key", "recording", "Recording", "made", "note", "plan_of", "Plan", "Step",
+    "NEVER", "file", "LIMIT",
 ]
 
 # A key whose calls make a tensor of their own that a replay could not make again: the full path, always.
@@ -55,6 +55,12 @@ def tensor_key(x: torch.Tensor) -> tuple:
     """What a tensor contributes to a call's key: shape, strides, dtype, device, whether it requires grad, and its
     address modulo 16 (which fixes the 16-byte alignment of every view at a fixed offset from it)."""
     return x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad, x.data_ptr() & 15
+
+
+def layout_key(x: torch.Tensor) -> tuple:
+    """:func:`tensor_key` without ``requires_grad``, for launchers that are the same whether a gradient is wanted
+    (deformable attention's forward serves inference and training alike)."""
+    return x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15
 
 
 def file(table: dict, key, value) -> None:

@@ -35,7 +35,7 @@ SHARED_MEMORY_BY_ARCH: dict[tuple[int, int], int] = {
 UNLIMITED_SHARED_MEMORY = 1 << 30  # the interpreter: no limit to budget against
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_shared_memory(index: int) -> int:
     """The driver's opt-in shared-memory limit per block of CUDA device ``index``, in bytes."""
     import triton

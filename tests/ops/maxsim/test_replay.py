@@ -256,12 +256,12 @@ def _counting_full_path(monkeypatch):
     return calls
 
 
-def _without_replays(run):
-    """``run()`` on the full path, launched through Triton's own ``kernel[grid](...)``."""
+def _without_replays(run, *args, **kwargs):
+    """``run(*args, **kwargs)`` on the full path, launched through Triton's own ``kernel[grid](...)``."""
     saved = _launch.ENABLED
     _launch.ENABLED = False  # lik._replay.allowed() is False: no key
     try:
-        return run()
+        return run(*args, **kwargs)
     finally:
         _launch.ENABLED = saved
 
@@ -326,7 +326,7 @@ def test_gpu_repeated_inference_replays_with_the_full_paths_bits(build, monkeypa
         with torch.no_grad():
             got = lik.maxsim(*args, **kwargs)
         assert len(full_launches) == before
-        want = _without_replays(lambda: lik.maxsim(*args, **kwargs))
+        want = _without_replays(lik.maxsim, *args, **kwargs)
         assert got.shape == want.shape == first.shape and got.dtype == torch.float32
         assert torch.equal(got, want)
 
@@ -360,7 +360,7 @@ def test_gpu_repeated_training_replays_forward_and_backward_with_the_full_paths_
         before = len(full_launches)
         got = _training_step(Q, D, None, backward, grad)
         assert len(full_launches) == before + (step == 0)  # a replay does not take the full path
-        want = _without_replays(lambda: _training_step(Q, D, None, backward, grad))
+        want = _without_replays(_training_step, Q, D, None, backward, grad)
         exact = backward == "deterministic" or shape == "chunked"
         for i, (a, b) in enumerate(zip(got, want)):
             assert a.shape == b.shape and a.dtype == b.dtype
@@ -380,7 +380,7 @@ def test_gpu_repeated_quantize_replays_with_the_full_paths_bits(fresh_tables):
         for _ in range(3):
             x = torch.randn(7, 33, 96, device="cuda", dtype=torch.bfloat16)
             got = lik.quantize(x, dtype)
-            want = _without_replays(lambda: lik.quantize(x, dtype))
+            want = _without_replays(lik.quantize, x, dtype)
             assert all(torch.equal(a.view(torch.uint8) if a.dtype == dtype else a,
                                    b.view(torch.uint8) if b.dtype == dtype else b) for a, b in zip(got, want))
     assert len(quantization.QUANTIZATIONS) == 2 and _replay.NEVER not in quantization.QUANTIZATIONS.values()
@@ -395,14 +395,14 @@ def test_gpu_a_misaligned_view_or_new_matmul_precision_is_a_new_key(monkeypatch,
     misaligned = flat[1:].view(D.shape)  # same shape and strides, address off by 4 bytes
     before = len(full_launches)
     got = lik.maxsim(Q, misaligned)
-    assert len(full_launches) == before + 1 and torch.equal(got, _without_replays(lambda: lik.maxsim(Q, misaligned)))
+    assert len(full_launches) == before + 1 and torch.equal(got, _without_replays(lik.maxsim, Q, misaligned))
     saved = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if saved == "highest" else "highest")
     try:
         before = len(full_launches)
         got = lik.maxsim(Q, D)
         assert len(full_launches) == before + 1
-        want = _without_replays(lambda: lik.maxsim(Q, D))
+        want = _without_replays(lik.maxsim, Q, D)
     finally:
         torch.set_float32_matmul_precision(saved)
     assert torch.equal(got, want)
@@ -420,7 +420,7 @@ def test_gpu_forced_configs_hooks_and_bad_input_skip_the_replay(monkeypatch, fre
     forced = config.maxsim_forward_config(q_len=32, n_queries=1, dim=128, dtype=torch.float16, per_query=False,
                                           device=Q.device, doc_len=70)
     with config.override(maxsim_forward=forced):
-        assert torch.equal(lik.maxsim(Q, D), _without_replays(lambda: lik.maxsim(Q, D)))
+        assert torch.equal(lik.maxsim(Q, D), _without_replays(lik.maxsim, Q, D))
     assert len(full_launches) == 3 and len(fresh_tables) == 1
     with pytest.raises(ValueError, match="d_mask"):  # a recorded shape does not settle another argument's checks
         lik.maxsim(Q, D, d_mask=torch.ones(50, 71, dtype=torch.bool, device="cuda"))

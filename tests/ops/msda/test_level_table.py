@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lik._config import cdiv, msda_backward_config
+from lik import _launch
 from lik._launch import launch
 from lik.ops.msda import MSDeformAttnFunction, ms_deform_attn, ms_deform_attn_reference
 from lik.ops.msda import forward as forward_module
@@ -117,10 +118,12 @@ def test_replayed_call_checks_the_table(rng, monkeypatch):
     monkeypatch.setattr(forward_module, "_FORWARD_REPLAYS", {})
     monkeypatch.setattr(forward_module, "replay_key", lambda *args: ("fixed",))
 
-    def remember(table, key, kernel, grid, tensors, ints, options, out_shape):
-        table[key] = (lambda *addresses: replays.append(addresses), ints, out_shape)
+    class StandIn:  # the recorded launch's launcher: files what a replay hands it
+        grid, device, function, packed, tail = (1, 1, 1), 0, None, None, ()
+        run = staticmethod(lambda *arguments: replays.append(arguments))
 
-    monkeypatch.setattr(forward_module, "remember", remember)
+    monkeypatch.setattr(_launch, "replay_of", lambda *args, **kwargs: StandIn())
+    monkeypatch.setattr(_launch, "_get_stream", lambda device: 0)
     ms_deform_attn(value, shapes, starts, loc, weights)  # recorded
     ms_deform_attn(value, shapes, starts, loc, weights)  # replayed
     assert len(replays) == 1

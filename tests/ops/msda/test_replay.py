@@ -1,18 +1,17 @@
-"""Replays of recorded deformable-attention launches: which addresses the backward passes, which inputs are
-declined, what is remembered; on the GPU, that repeated forwards and backwards take them and give the general
-path's numbers."""
+"""Replays of recorded deformable-attention launches (lik._replay): on the CPU, with a stand-in launcher, that a
+replay hands the kernels what the full path hands them for the new call's tensors, and which calls are never
+replayed; on the GPU, that repeated forwards and backwards take them and give the full path's numbers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lik import _launch
-from lik._launch import dense_addresses, remember
+from lik import _launch, _replay
 from lik.ops.msda import backward as msda_backward_module
 from lik.ops.msda import forward as msda_forward_module
 from lik.ops.msda import ms_deform_attn
-from lik.ops.msda.backward import _replay_atomic, msda_backward
+from lik.ops.msda.backward import msda_backward
 from lik.ops.msda.forward import msda_forward
 
 from ...launch_hooks import recorded_launches
@@ -27,28 +26,69 @@ def _inputs(rng, dtype=torch.float32):
     return value, shapes, starts, loc, weights, grad
 
 
-def test_backward_replay_passes_every_address_in_the_kernels_order(rng):
-    calls = []
-    value, shapes, starts, loc, attn, grad = _inputs(rng)
-    addresses = dense_addresses((value, shapes, starts, loc, attn, grad))
-    gvalue, gloc, gattn = _replay_atomic((lambda *a: calls.append(a), (1, 2, 3)), addresses, value, loc, attn)
-    assert calls == [(
-        value.data_ptr(), shapes.data_ptr(), starts.data_ptr(), starts.data_ptr(), loc.data_ptr(), attn.data_ptr(),
-        grad.data_ptr(), gvalue.data_ptr(), gloc.data_ptr(), gattn.data_ptr(), gvalue.data_ptr(), 1, 2, 3,
-    )]
-    # The stand-in wrote nothing: the value gradient is the zeroed fp32 buffer the atomics add into.
-    assert gvalue.dtype == torch.float32 and gvalue.shape == value.shape and not gvalue.any()
-    assert (gloc.shape, gloc.dtype, gattn.shape, gattn.dtype) == (loc.shape, loc.dtype, attn.shape, attn.dtype)
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """Replays on the CPU: keys for CPU tensors, and a stand-in launcher per recorded launch that files
+    ``(kernel, grid, arguments)`` (the full path still runs the kernels, interpreted)."""
+    runs = []
+
+    class StandIn:
+        def __init__(self, kernel, grid):
+            self.grid, self.device, self.function, self.packed, self.tail = (*grid, 1, 1)[:3], 0, kernel, None, ()
+            self.run = lambda *a: runs.append((kernel, a[:3], a[9:]))
+
+    def replay_key(value, shapes, starts, loc, attn, *more):
+        return tuple(_replay.layout_key(t) for t in (value, shapes, starts, loc, attn)) + more
+
+    monkeypatch.setattr(_launch, "replay_of", lambda kernel, grid, *args, **kwargs: StandIn(kernel, grid))
+    monkeypatch.setattr(_launch, "_get_stream", lambda device: 0)
+    monkeypatch.setattr(msda_forward_module, "replay_key", replay_key)
+    monkeypatch.setattr(msda_backward_module, "replay_key", replay_key)
+    monkeypatch.setattr(msda_forward_module, "_FORWARD_REPLAYS", {})
+    monkeypatch.setattr(msda_backward_module, "_REPLAYS", {})
+    return runs
 
 
-def test_backward_replay_returns_the_value_gradient_in_values_dtype(rng):
-    calls = []
-    value, shapes, starts, loc, attn, grad = _inputs(rng, torch.float16)
-    addresses = dense_addresses((value, shapes, starts, loc, attn, grad))
-    gvalue, _, _ = _replay_atomic((lambda *a: calls.append(a), ()), addresses, value, loc, attn)
-    assert gvalue.dtype == torch.float16
-    # The kernel was given the fp32 buffer (also as the unused bucket pointer), not the returned copy.
-    assert calls[0][7] != gvalue.data_ptr() and calls[0][7] == calls[0][10]
+def _full_launches(run) -> list[tuple]:
+    with _replay.recording() as recorded:
+        run()
+    return [(kernel, (*grid, 1, 1)[:3], args) for kernel, grid, args, _ in recorded.launches]
+
+
+def _assert_same_launches(replayed, full, sources):
+    """Each replayed launch hands its kernel what the full path hands it for ``sources``: the same source at the same
+    offset, a buffer of the call's own, the same values."""
+
+    def label(address):
+        for i, t in enumerate(sources):
+            if t.data_ptr() <= address < t.data_ptr() + t.numel() * t.itemsize:
+                return ("source", i, address - t.data_ptr())
+        return ("made",)
+
+    assert [(k, g) for k, g, _ in replayed] == [(k, g) for k, g, _ in full]
+    for (_, _, got), (_, _, want) in zip(replayed, full):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert (label(a) == label(b.data_ptr())) if isinstance(b, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_replays_hand_the_kernels_what_the_full_path_would(rng, stand_ins, dtype):
+    value, shapes, starts, loc, attn, grad = _inputs(rng, dtype)
+    out = msda_forward(value, shapes, starts, loc, attn)
+    grads = msda_backward(grad, value, shapes, starts, loc, attn, deterministic=False)
+    assert len(msda_forward_module._FORWARD_REPLAYS) == len(msda_backward_module._REPLAYS) == 1 and not stand_ins
+    value, shapes, starts, loc, attn, grad = _inputs(rng, dtype)  # new tensors, same key
+    got = msda_forward(value, shapes, starts, loc, attn)
+    assert got.shape == out.shape and got.dtype == out.dtype
+    full = _full_launches(lambda: msda_forward_module._forward(value, shapes, starts, loc, attn))
+    _assert_same_launches(stand_ins, full, (value, shapes, starts, loc, attn))
+    stand_ins.clear()
+    got = msda_backward(grad, value, shapes, starts, loc, attn, deterministic=False)
+    # The stand-in wrote nothing: the value gradient is the zeroed fp32 buffer the atomics add into, in value's dtype.
+    assert not got[0].any() and [(g.shape, g.dtype) for g in got] == [(g.shape, g.dtype) for g in grads]
+    full = _full_launches(lambda: msda_backward_module._backward(grad, value, shapes, starts, loc, attn, False))
+    _assert_same_launches(stand_ins, full, (value, shapes, starts, loc, attn, grad))
 
 
 def _strided(t):
@@ -61,45 +101,36 @@ def _misaligned(t):
     return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
 
 
-@pytest.mark.parametrize("which", range(6))
-@pytest.mark.parametrize("how", [_strided, _misaligned], ids=["strided", "misaligned"])
-def test_dense_addresses_decline_what_a_recorded_launch_did_not_have(rng, which, how):
-    """A recorded launch read dense, 16-byte aligned tensors (Triton specialises on the alignment): any other input
-    goes the general way, which copies or recompiles as needed."""
+@pytest.mark.parametrize("which", [0, 3, 4, 5])
+def test_a_strided_input_is_copied_and_never_replayed(rng, stand_ins, which):
+    """The kernels read dense tensors: a strided input is copied per call, whose address no replay can know."""
     inputs = list(_inputs(rng))
-    assert dense_addresses(tuple(inputs)) == tuple(t.data_ptr() for t in inputs)
-    inputs[which] = how(inputs[which])
-    assert not inputs[which].is_contiguous() or inputs[which].data_ptr() % 16
-    assert dense_addresses(tuple(inputs)) is None
+    inputs[which] = _strided(inputs[which])
+    value, shapes, starts, loc, attn, grad = inputs
+    for _ in range(2):
+        msda_backward(grad, value, shapes, starts, loc, attn, deterministic=False)
+        msda_forward(value, shapes, starts, loc, attn)
+    assert list(msda_backward_module._REPLAYS.values()) == [_replay.NEVER]
+    (forward,) = msda_forward_module._FORWARD_REPLAYS.values()
+    if which == 5:  # the output gradient is the backward's alone: the forward replays
+        assert forward is not _replay.NEVER and [run[0] for run in stand_ins] == [msda_forward_module.msda_fwd_kernel]
+    else:
+        assert forward is _replay.NEVER and not stand_ins
 
 
-def test_remember_keeps_only_launches_of_dense_aligned_tensors(rng, monkeypatch):
-    asked = []
-    monkeypatch.setattr(_launch, "replay_of",
-                        lambda kernel, grid, *args, **options: asked.append((kernel, grid, args, options)) or "replay")
+def test_a_misaligned_input_is_a_call_of_its_own(rng, stand_ins):
+    """Triton specialises on 16-byte alignment: a misaligned view is another key, recorded as such."""
+    value, shapes, starts, loc, attn, _ = _inputs(rng)
+    msda_forward(value, shapes, starts, loc, attn)
+    msda_forward(_misaligned(value), shapes, starts, loc, attn)
+    assert len(msda_forward_module._FORWARD_REPLAYS) == 2 and not stand_ins
+
+
+def test_the_deterministic_backward_is_never_replayed(rng, stand_ins):
     value, shapes, starts, loc, attn, grad = _inputs(rng)
-    tensors = (value, shapes, starts, loc, attn, grad)
-    table = {}
-    remember(table, "key", "kernel", (3, 1), tensors, (5, 6), {"DIM": 8}, "extra")
-    assert asked == [("kernel", (3, 1), (*tensors, 5, 6), {"DIM": 8})]
-    assert table == {"key": ("replay", (5, 6), "extra")}
-    remember(table, "other", "kernel", (3, 1), (_misaligned(value), *tensors[1:]), (5, 6), {"DIM": 8})
-    remember(table, "third", "kernel", (3, 1), (_strided(value), *tensors[1:]), (5, 6), {"DIM": 8})
-    assert list(table) == ["key"] and len(asked) == 1
-    # Nothing recorded (Triton's own path): nothing remembered.
-    monkeypatch.setattr(_launch, "replay_of", lambda *args, **options: None)
-    remember(table, "fourth", "kernel", (3, 1), tensors, (5, 6), {"DIM": 8})
-    assert list(table) == ["key"]
-
-
-def test_remembered_replays_are_bounded(rng, monkeypatch):
-    monkeypatch.setattr(_launch, "REPLAY_LIMIT", 3)
-    monkeypatch.setattr(_launch, "replay_of", lambda *args, **options: "replay")
-    tensors = _inputs(rng)
-    table = {}
-    for key in range(5):
-        remember(table, key, "kernel", (1, 1), tensors, (), {})
-        assert len(table) <= 3 and key in table
+    for _ in range(2):
+        msda_backward(grad, value, shapes, starts, loc, attn, deterministic=True)
+    assert msda_backward_module._REPLAYS == {} and not stand_ins
 
 
 def test_no_replay_off_the_gpu(rng):

@@ -329,6 +329,7 @@ def nearest_indices(
         xa.stride(0), xa.stride(1), ya.stride(0), ya.stride(1), x_sq.stride(0), y_sq.stride(0),
         idx.stride(0), idx.stride(1),
         DIM=width, AUGMENTED=augmented, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        COL_BITS=col_bits, DOT_PRECISION="tf32" if split else "ieee", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        COL_BITS=col_bits, DOT_PRECISION="tf32" if split else "ieee", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return idx

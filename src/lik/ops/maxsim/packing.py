@@ -202,7 +202,7 @@ class PackedInputs:
 
     @classmethod
     def build_pairs(cls, q, d, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, *, read_values: bool,
-                    allow_float64: bool, q_scale=None, d_scale=None) -> "PackedInputs":
+                    allow_float64: bool, q_scale=None, d_scale=None) -> PackedInputs:
         """Validate :func:`lik.maxsim_varlen`'s arguments.
 
         The ``cu_seqlens`` values are read and checked (one synchronisation for both) unless both hints are
@@ -236,7 +236,7 @@ class PackedInputs:
 
     @classmethod
     def build_corpus(cls, Q, d, cu_seqlens_d, q_mask, max_seqlen_d, *, read_values: bool,
-                     allow_float64: bool, q_scale=None, d_scale=None) -> "PackedInputs":
+                     allow_float64: bool, q_scale=None, d_scale=None) -> PackedInputs:
         """Validate :func:`lik.maxsim_packed`'s arguments; ``cu_seqlens_d``'s values are read and checked (one
         synchronisation) unless ``max_seqlen_d`` is given and ``read_values`` is False."""
         quantized = _is_quantized(Q, d, q_scale, d_scale)

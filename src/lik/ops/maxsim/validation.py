@@ -188,7 +188,7 @@ class MaxSimInputs:
         allow_float64: bool = False,
         q_scale=None,
         d_scale=None,
-    ) -> "MaxSimInputs":
+    ) -> MaxSimInputs:
         Q = _check_tensor("Q", Q)
         D = _check_tensor("D", D)
         # One test on the float path's host time; the 8-bit checks live in check_quantized.

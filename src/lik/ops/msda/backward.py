@@ -1,6 +1,7 @@
 """Deformable-attention backward: sample-side gradients without atomics, value gradient two ways.
 
-``msda_bwd_kernel`` walks the same row blocks (consecutive queries of one head) and levels as the forward. Per point it re-gathers the four corners and reduces each against the output gradient over channels
+``msda_bwd_kernel`` walks the same row blocks (consecutive queries of one head) and levels as the forward. Per
+point it re-gathers the four corners and reduces each against the output gradient over channels
 (``s_c = sum_d grad_d * corner_c,d``); the location and attention-weight gradients are bilinear combinations of
 those four sums and are written directly (each point belongs to exactly one program per channel block: no
 atomics; heads wider than one channel block add fp32 partials afterwards). For ``grad_value`` it either
@@ -20,8 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import cdiv, msda_backward_config
-from ..._launch import dense_addresses, launch, remember
+from ..._device import cdiv
+from ..._launch import launch
+from ..._replay import NEVER, file, layout_key, made, note, plan_of, recording
+from ...config.msda import msda_backward_config
 from .forward import (RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, kernel_value,
                       replay_key)
 from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, level_shape, level_spills, load_samples,
@@ -182,23 +185,21 @@ def msda_bwd_value_kernel(
     tl.store(out[:, None] + (chan * stride_gvd)[None, :], acc, mask=row_ok[:, None] & chan_ok[None, :])
 
 
-# Replays of the atomic backward by problem shape (:func:`lik.ops.msda.forward.replay_key`, with the gradient's dtype).
-_REPLAYS: dict[tuple, tuple] = {}
+# Replays of the atomic backward (lik._replay), keyed as the forward's with the gradient's: those of one channel
+# block in value's own layout, whose buffers a replay makes as the full path does (zeroed fp32 value gradient, the
+# point gradients in their dtype).
+_REPLAYS: dict[tuple, object] = {}
 
 
-def _replay_atomic(recorded: tuple, addresses: tuple[int, ...], value, loc, attn):
-    """The atomic backward replayed: ``recorded`` is ``(replay, ints)``, ``addresses`` those of value, shapes,
-    starts, loc, attn and grad_out (dense and aligned). Fresh allocations are aligned, as when it was recorded."""
-    replay, ints = recorded
-    p_value, p_shapes, p_starts, p_loc, p_attn, p_grad = addresses
-    gvalue = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
-    gloc, gattn = torch.empty_like(loc), torch.empty_like(attn)
-    p_gvalue = gvalue.data_ptr()
-    # The kernel's order: value, shapes, starts, cells (starts here), loc, attn, grad_out, the three gradients, buckets
-    # (unused here: the value gradient's address).
-    replay(p_value, p_shapes, p_starts, p_starts, p_loc, p_attn, p_grad, p_gvalue, gloc.data_ptr(), gattn.data_ptr(),
-           p_gvalue, *ints)
-    return _in_value_dtype(gvalue, value), gloc, gattn
+def _replay_atomic(plan, sources: tuple, value: torch.Tensor):
+    """The atomic backward replayed from ``plan`` with ``sources = (value, shapes, starts, loc, attn, grad_out)``."""
+    (gvalue_shape, _), (gloc_shape, gloc_dtype), (gattn_shape, gattn_dtype) = plan.buffers
+    device = plan.device
+    buffers = (torch.zeros(gvalue_shape, dtype=torch.float32, device=device),
+               torch.empty(gloc_shape, dtype=gloc_dtype, device=device),
+               torch.empty(gattn_shape, dtype=gattn_dtype, device=device))
+    plan(sources, buffers)
+    return _in_value_dtype(buffers[0], value), buffers[1], buffers[2]
 
 
 def _in_value_dtype(gvalue: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -221,12 +222,23 @@ def msda_backward(
     """Gradients ``(grad_value, grad_sampling_locations, grad_attention_weights)``, each in its input's dtype (any
     strides: non-contiguous inputs are copied once). An atomic backward whose shapes were launched before replays
     that launch."""
-    key = None if deterministic else replay_key(value, shapes, starts, loc, attn, grad_out.dtype)
-    recorded = None if key is None else _REPLAYS.get(key)
-    if recorded is not None:
-        addresses = dense_addresses((value, shapes, starts, loc, attn, grad_out))
-        if addresses is not None:
-            return _replay_atomic(recorded, addresses, value, loc, attn)
+    key = None if deterministic else replay_key(value, shapes, starts, loc, attn, layout_key(grad_out))
+    plan = None if key is None else _REPLAYS.get(key)
+    sources = (value, shapes, starts, loc, attn, grad_out)
+    if plan is not None and plan is not NEVER:
+        return _replay_atomic(plan, sources, value)
+    if key is None or plan is NEVER:
+        return _backward(grad_out, value, shapes, starts, loc, attn, deterministic)
+    with recording() as recorded:
+        grads = _backward(grad_out, value, shapes, starts, loc, attn, deterministic)
+    plan = plan_of(recorded, sources)
+    if plan is not None:  # several channel blocks or a head-major value: buffers a replay does not make
+        file(_REPLAYS, key, plan if recorded.notes.get("simple") else NEVER)
+    return grads
+
+
+def _backward(grad_out, value, shapes, starts, loc, attn, deterministic: bool):
+    """The full path of :func:`msda_backward`."""
     check_pixel_count(value)
     n, n_pixels, heads, dim = value.shape
     _, n_queries, _, n_levels, n_points, _ = loc.shape
@@ -259,7 +271,8 @@ def msda_backward(
         no_bucket = n * heads * n_cells
         buckets = torch.empty(n_samples, dtype=torch.int64, device=device)
     else:
-        gvalue = torch.zeros(value.shape, dtype=torch.float32, device=device)
+        gvalue = made(torch.zeros(value.shape, dtype=torch.float32, device=device))
+        made(gloc), made(gattn)
         cells, n_cells, no_bucket, buckets = starts, 0, 0, gvalue
 
     grid = (-(-n_rows // cfg.block_rows), n_chunks)
@@ -273,8 +286,8 @@ def msda_backward(
         gloc = gloc.sum(0).to(loc.dtype)
         gattn = gattn.sum(0).to(attn.dtype)
     if not deterministic:
-        if key is not None and n_chunks == 1 and not head_major:
-            remember(_REPLAYS, key, msda_bwd_kernel, grid, tensors, ints, options)
+        # A replay makes these buffers again and returns them as they are: one channel block, value's own layout.
+        note("simple", n_chunks == 1 and not head_major)
         if head_major:
             gvalue = gvalue.transpose(1, 2)  # back to [N, S, M, D] (head-major storage)
         return _in_value_dtype(gvalue, value), gloc, gattn

@@ -15,8 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._config import _OVERRIDES, cdiv, msda_forward_config
-from ..._launch import _current_device, dense_addresses, launch, remember, replay_allowed
+from ..._device import cdiv, current_device
+from ..._launch import launch
+from ..._replay import NEVER, allowed, file, layout_key, made, plan_of, recording
+from ...config.msda import msda_forward_config
 from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, level_shape, level_spills, load_samples,
                        query_rows)
 from .validation import check_level_table
@@ -148,20 +150,20 @@ def check_pixel_count(value: torch.Tensor) -> None:
         )
 
 
-# Replays of recorded launches by problem shape. A decoder layer repeats its shapes every step and is host bound:
-# the tile choice, layout checks and launch key of such a call are fixed by its shapes and dtypes, so a call whose
-# shapes were launched before reads only its addresses and replays the launch (docs/design.md, "The launch cache").
-_FORWARD_REPLAYS: dict[tuple, tuple] = {}
+# Replays of recorded launches (lik._replay). A decoder layer repeats its shapes every step and is host bound: the
+# tile choice and the launch key of such a call are fixed by its tensors' shapes, layouts, dtypes and alignment, so
+# a call with a recorded key makes its output and relaunches (docs/design.md, "The host path").
+_FORWARD_REPLAYS: dict[tuple, object] = {}
 
 
 def replay_key(value, shapes, starts, loc, attn, *more) -> tuple | None:
-    """What fixes a launch besides addresses and alignment (the current device, where Triton launches; ``value``'s
-    device; the value and location shapes, which give the tile, the grid and every integer argument; every dtype;
-    ``more``), or None when no launch may be replayed now (CPU tensors, a forced config, a launch hook)."""
-    if not value.is_cuda or _OVERRIDES or not replay_allowed():
+    """What fixes a launch besides the addresses: the current device (where Triton launches) and per tensor
+    :func:`lik._replay.layout_key`, with ``more``; None when no launch may be replayed now (CPU tensors, replays
+    off: :func:`lik._replay.allowed`)."""
+    if not value.is_cuda or not allowed():
         return None
-    return (_current_device(), value.device, value.shape, loc.shape, value.dtype, loc.dtype, attn.dtype, shapes.dtype,
-            starts.dtype, *more)
+    return (current_device(), layout_key(value), layout_key(shapes), layout_key(starts), layout_key(loc),
+            layout_key(attn), *more)
 
 
 def msda_forward(
@@ -179,18 +181,30 @@ def msda_forward(
     function (the backward runs on the table its forward checked)."""
     check_level_table(shapes, starts, value.shape[1])
     key = replay_key(value, shapes, starts, loc, attn)
-    recorded = None if key is None else _FORWARD_REPLAYS.get(key)
-    if recorded is not None:
-        addresses = dense_addresses((value, shapes, starts, loc, attn))
-        if addresses is not None:
-            replay, ints, out_shape = recorded
-            out = torch.empty(out_shape, dtype=value.dtype, device=value.device)  # fresh: aligned, as recorded
-            replay(*addresses, out.data_ptr(), *ints)
-            return out
+    if key is None:
+        return _forward(value, shapes, starts, loc, attn)
+    plan = _FORWARD_REPLAYS.get(key)
+    sources = (value, shapes, starts, loc, attn)
+    if plan is not None and plan is not NEVER:
+        (out,) = buffers = plan.allocate()
+        plan(sources, buffers)
+        return out
+    if plan is NEVER:
+        return _forward(value, shapes, starts, loc, attn)
+    with recording() as recorded:
+        out = _forward(value, shapes, starts, loc, attn)
+    plan = plan_of(recorded, sources)
+    if plan is not None:
+        file(_FORWARD_REPLAYS, key, plan)
+    return out
+
+
+def _forward(value, shapes, starts, loc, attn) -> torch.Tensor:
+    """The full path of :func:`msda_forward` past the level table's check."""
     check_pixel_count(value)
     n, n_pixels, heads, dim = value.shape
     _, n_queries, _, n_levels, n_points, _ = loc.shape
-    out = torch.empty((n, n_queries, heads * dim), dtype=value.dtype, device=value.device)
+    out = made(torch.empty((n, n_queries, heads * dim), dtype=value.dtype, device=value.device))
     n_rows = n * n_queries * heads
     if n_rows == 0 or dim == 0:
         return out.zero_()
@@ -198,11 +212,8 @@ def msda_forward(
     check_point_tile(cfg.block_points, n_points)
     value, head_major = kernel_value(value, cfg.transpose)
     grid = (cdiv(n_rows, cfg.block_rows), cdiv(dim, cfg.block_d))
-    tensors = (value, dense(shapes), dense(starts), dense(loc), dense(attn), out)
-    ints = (n_rows, n_pixels, n_queries, heads, n_levels, n_points)
-    options = dict(DIM=dim, BLOCK_R=cfg.block_rows, BLOCK_P=cfg.block_points, BLOCK_D=cfg.block_d,
-                   HEAD_MAJOR=head_major, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launch(msda_fwd_kernel, grid, *tensors, *ints, **options)
-    if key is not None and not head_major:
-        remember(_FORWARD_REPLAYS, key, msda_fwd_kernel, grid, tensors, ints, options, out.shape)
+    launch(msda_fwd_kernel, grid, value, dense(shapes), dense(starts), dense(loc), dense(attn), out,
+           n_rows, n_pixels, n_queries, heads, n_levels, n_points,
+           DIM=dim, BLOCK_R=cfg.block_rows, BLOCK_P=cfg.block_points, BLOCK_D=cfg.block_d, HEAD_MAJOR=head_major,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

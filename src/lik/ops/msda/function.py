@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._config import interpreting
+from ..._device import interpreting
 from ..._dispatch import kernel_op, router
 from .backward import msda_backward
 from .forward import msda_forward
