@@ -12,6 +12,7 @@ slot k: a swapped near-tie counts only its distance difference). Cells run cheap
     PYTHONPATH=src python3 benchmarks/knn_bench.py --out $OUT            # knn_bench.json and knn_bench.md in $OUT
     PYTHONPATH=src python3 benchmarks/knn_bench.py --quick --out $OUT    # P = 10K only
     PYTHONPATH=src python3 benchmarks/knn_bench.py --N 1 --P 100000 --D 128 --K 8 --out $OUT    # some cells
+    PYTHONPATH=src python3 benchmarks/knn_bench.py --tiles --out $OUT    # candidate tiles against the heuristic's
 """
 
 from __future__ import annotations
@@ -162,6 +163,61 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+# Candidate tiles for --tiles: (block_m, block_n, num_warps). The heuristic's build without spills at every K; some
+# others spill at K = 32 (one warp, 64-row direct tiles, 4-warp fp16 products): the sweep shows what that costs.
+DIRECT_TILES = [(32, 64, 4), (64, 64, 4), (128, 64, 8), (32, 32, 1), (32, 64, 1), (64, 32, 2)]
+PRODUCT_TILES = [(64, 64, 8), (64, 32, 4), (32, 32, 4), (64, 128, 8)]
+
+
+def sweep_tiles(n, p, rounds, device):
+    """lik's forward under each candidate tile against the heuristic's, at N x P points: the data behind
+    ``knn_config`` (``lik.ops.knn.heuristic``). Returns rows of (D, K, dtype, tile, median ms)."""
+    from lik.config import override
+    from lik.ops.knn import KnnConfig, knn_config
+
+    rows = []
+    for dim, dtype, K in itertools.product((3, 128), (torch.float32, torch.float16), (1, 8, 32)):
+        gen = torch.Generator(device=device).manual_seed(1)
+        p1 = torch.rand(n, p, dim, device=device, generator=gen).to(dtype)
+        p2 = torch.rand(n, p, dim, device=device, generator=gen).to(dtype)
+        chosen = knn_config(dim=dim, k=K, norm=2, dtype=dtype, device=device)
+        tiles = DIRECT_TILES if chosen.route == "direct" else PRODUCT_TILES
+        configs = {"heuristic": None}
+        for bm, bn, warps in tiles:
+            configs[f"{bm}x{bn}/{warps}w"] = KnnConfig(chosen.route, chosen.precision, block_m=bm, block_n=bn,
+                                                      block_k=chosen.block_k, num_warps=warps)
+        times = {name: [] for name in configs}
+        for r in range(rounds):
+            for name in (list(configs) if r % 2 == 0 else list(reversed(configs))):
+                cfg = configs[name]
+                try:
+                    with override(**({} if cfg is None else {"knn": cfg})):
+                        lik.knn_points(p1, p2, K=K)
+                        times[name].append(triton.testing.do_bench(lambda: lik.knn_points(p1, p2, K=K), warmup=10,
+                                                                   rep=40, return_mode="median"))
+                except Exception as exc:  # noqa: BLE001 (a tile that fails is reported, the sweep goes on)
+                    times[name] = f"{type(exc).__name__}: {exc}"[:120]
+        for name, t in times.items():
+            ms = sorted(t)[len(t) // 2] if isinstance(t, list) and t else None
+            rows.append(dict(N=n, P=p, D=dim, K=K, dtype=str(dtype).split(".")[1], tile=name,
+                             chosen=f"{chosen.block_m}x{chosen.block_n}/{chosen.num_warps}w", ms=ms,
+                             failed=t if isinstance(t, str) else None))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def tiles_markdown(rows):
+    lines = ["| N | P | D | K | dtype | heuristic (tile) ms | best tile | best ms |", "|---" * 8 + "|"]
+    for key, group in itertools.groupby(rows, key=lambda r: (r["N"], r["P"], r["D"], r["K"], r["dtype"])):
+        group = list(group)
+        timed = [r for r in group if r["ms"] is not None]
+        heuristic = next((r for r in group if r["tile"] == "heuristic"), None)
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        lines.append(f"| {' | '.join(str(v) for v in key)} | {fmt(heuristic and heuristic['ms'])} "
+                     f"({heuristic and heuristic['chosen']}) | {best and best['tile']} | {fmt(best and best['ms'])} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -175,7 +231,19 @@ def main():
     parser.add_argument("--D", type=ints, default=(3, 128), help="dimensions, comma-separated")
     parser.add_argument("--K", type=ints, default=(1, 8, 32), help="neighbours, comma-separated")
     parser.add_argument("--dtype", type=lambda text: tuple(text.split(",")), default=("fp32", "fp16"))
+    parser.add_argument("--tiles", action="store_true",
+                        help="instead: time candidate tiles of lik's kernel at N = 1, P = 100K (--P's largest)")
     args = parser.parse_args()
+    if args.tiles:
+        rows = sweep_tiles(1, max(args.P), args.rounds, torch.device("cuda"))
+        table = tiles_markdown(rows)
+        print(table)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "knn_tiles.json"), "w") as fh:
+            json.dump(rows, fh, indent=1)
+        with open(os.path.join(args.out, "knn_tiles.md"), "w") as fh:
+            fh.write(table + "\n")
+        return
     start = time.monotonic()
     device = torch.device("cuda")
     pytorch3d_knn, pytorch3d_missing = load_pytorch3d()
