@@ -177,6 +177,36 @@ def test_a_quantize_replay_hands_the_kernel_what_the_full_path_would(stand_ins, 
     _assert_same_launches(stand_ins, full, (x2,))
 
 
+@pytest.mark.parametrize("eight_bit", [False, True])
+def test_a_packed_chunk_replay_hands_the_kernel_what_the_full_path_would(stand_ins, rng, monkeypatch, eight_bit):
+    """lik.Index.search scores each chunk through score_packed: a chunk of a recorded shape is replayed."""
+    from lik.ops.maxsim import packed_function
+
+    monkeypatch.setattr(packed_function, "_replayable", lambda d: True)
+    monkeypatch.setattr(packed_function, "current_device", lambda: 0)
+    monkeypatch.setattr(packed_function, "PACKED_CALLS", {})
+
+    def build():
+        d, cu_d, _ = lik.pack([_problem(rng, n, 32) for n in (7, 0, 12)])
+        d_scale = None
+        if eight_bit:
+            d, d_scale = lik.quantize(d, torch.int8)
+        query = packed_function.packed_query(_problem(rng, 2, 5, 32), torch.rand(2, 5, generator=rng) > 0.2,
+                                             d.dtype)
+        return query, d, cu_d, d_scale
+
+    first = packed_function.score_packed(*build())
+    assert len(packed_function.PACKED_CALLS) == 1
+    query, d, cu_d, d_scale = build()
+    stand_ins.clear()
+    got = packed_function.score_packed(query, d, cu_d, d_scale)
+    assert got.shape == first.shape == (2, 3) and len(packed_function.PACKED_CALLS) == 1
+    full = _full_launches(lambda: packed_function.launch_forward(packed_function.packed_forward_problem(
+        packed_function.PackedInputs(query.q, d, None, cu_d, query.q_mask, 5, False, True, query.q_scale, d_scale)),
+        False))
+    _assert_same_launches(stand_ins, full, (query.q, query.q_mask, query.q_scale, d, cu_d, d_scale))
+
+
 def test_calls_that_copy_an_argument_are_never_replayed(stand_ins, rng):
     Q, D = _problem(rng, 5, 16), _problem(rng, 3, 7, 16)
     int_mask = (torch.rand(3, 7, generator=rng) > 0.5).to(torch.int64)  # turned bool by the checks, per call
@@ -431,3 +461,21 @@ def test_gpu_forced_configs_hooks_and_bad_input_skip_the_replay(monkeypatch, fre
             return  # Triton without HookChain launch hooks
         lik.maxsim(Q, D)
     assert len(seen) == 1  # a profiler's hook sees the launch: the full path took it
+
+
+@pytest.mark.gpu
+def test_gpu_packed_chunks_replay_with_the_full_paths_bits(monkeypatch):
+    from lik.ops.maxsim import packed_function
+
+    monkeypatch.setattr(packed_function, "PACKED_CALLS", {})
+    for eight_bit in (False, True):
+        for _ in range(3):
+            d, cu_d, _ = lik.pack([_unit(n, 128) for n in (300, 57, 512, 0, 130)])
+            d_scale = None
+            if eight_bit:
+                d, d_scale = lik.quantize(d, torch.int8)
+            query = packed_function.packed_query(_unit(2, 32, 128), torch.rand(2, 32, device="cuda") > 0.1, d.dtype)
+            got = packed_function.score_packed(query, d, cu_d.cuda(), d_scale)
+            want = _without_replays(packed_function.score_packed, query, d, cu_d.cuda(), d_scale)
+            assert got.shape == want.shape == (2, 5) and torch.equal(got, want)
+    assert len(packed_function.PACKED_CALLS) == 2 and _replay.NEVER not in packed_function.PACKED_CALLS.values()

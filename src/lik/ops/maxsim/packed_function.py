@@ -13,14 +13,17 @@ import torch
 
 from typing import NamedTuple
 
+from ..._device import current_device
 from ..._dispatch import kernel_op, router, uses_kernels
+from ..._replay import NEVER, allowed, file, plan_of, recording, tensor_key
+from ...core.forward_launch import chunk_sums, launch_forward
 from .packed_backward import packed_backward
-from .packed_forward import packed_forward
+from .packed_forward import packed_forward, packed_forward_problem
 from .packing import PackedInputs
 from .reference_varlen import packed_reference
 from .validation import QUANTIZED_DTYPES, quantize_query
 
-__all__ = ["MaxSimPackedFunction", "packed_route", "PackedQuery", "packed_query", "score_packed"]
+__all__ = ["MaxSimPackedFunction", "packed_route", "PackedQuery", "packed_query", "score_packed", "PACKED_CALLS"]
 
 
 def _packed_forward_fake(q, d, cu_q, cu_d, q_mask, max_seqlen_q, store_argmax, q_scale=None, d_scale=None):
@@ -126,5 +129,35 @@ def score_packed(query: PackedQuery, d: torch.Tensor, cu_d: torch.Tensor, d_scal
     query's width, contiguous int32 ``cu_d [B + 1]`` from 0 on the same device, ``d_scale [Td]`` for 8-bit rows): a
     stored index's chunk. No check is repeated and nothing is read back from the device; inference only."""
     inputs = PackedInputs(query.q, d, None, cu_d, query.q_mask, query.q.shape[1], False, True, query.q_scale, d_scale)
-    kernels = uses_kernels(d) if d_scale is not None else uses_kernels(query.q)
-    return packed_route(kernels, False, inputs, False)
+    if not _replayable(d):
+        kernels = uses_kernels(d) if d_scale is not None else uses_kernels(query.q)
+        return packed_route(kernels, False, inputs, False)
+    # A search repeats its chunks' shapes: the launch of a chunk seen before is replayed (lik._replay).
+    sources = (query.q, query.q_mask, query.q_scale, d, cu_d, d_scale)
+    key = (current_device(), *(None if t is None else tensor_key(t) for t in sources))
+    plan = PACKED_CALLS.get(key)
+    if plan is not None and plan is not NEVER:
+        buffers = plan.allocate()
+        plan(sources, buffers)
+        return buffers[-1] if plan.notes["one chunk"] else chunk_sums(buffers[-1])
+    if plan is NEVER or not uses_kernels(inputs.q):
+        return packed_route(uses_kernels(inputs.q), False, inputs, False)
+    with recording() as recorded:
+        partial, _ = launch_forward(packed_forward_problem(inputs), False)
+    scores = chunk_sums(partial)
+    plan = plan_of(recorded, sources)
+    if plan is not None and plan is not NEVER:
+        plan.notes["one chunk"] = partial.shape[0] == 1
+        if partial.shape[0] == 1:
+            plan.reshape(-1, tuple(scores.shape))
+    if plan is not None:
+        file(PACKED_CALLS, key, plan)
+    return scores
+
+
+def _replayable(d: torch.Tensor) -> bool:
+    return d.is_cuda and allowed()
+
+
+# score_packed's replays: key -> lik._replay.Plan (its last buffer: the sums) or NEVER
+PACKED_CALLS: dict[tuple, object] = {}
