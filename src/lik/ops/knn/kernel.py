@@ -41,10 +41,11 @@ _NAN_BITS = tl.constexpr(0x7FC00000)  # the one NaN every NaN distance becomes (
 _MAX_KEY = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 UNROLLED_MAX_DIM = tl.constexpr(16)
 
-# Strides that follow the cloud sizes are not specialised on: a new P must not compile a new variant.
+# Sizes and the strides that follow them are not specialised on: a new P or K must not compile a new variant. The
+# point strides of the products' operands (their width) stay specialised: their alignment lets the loads vectorise.
 _RUNTIME_INTS = [
-    "K", "stride_xn", "stride_xp", "stride_xd", "stride_yn", "stride_yp", "stride_yd", "stride_an", "stride_ap",
-    "stride_bn", "stride_bp", "stride_sn", "stride_tn", "stride_on", "stride_op",
+    "P1", "K", "stride_xn", "stride_xd", "stride_yn", "stride_yd", "stride_an", "stride_bn", "stride_sn", "stride_tn",
+    "stride_on", "stride_op",
 ]
 
 
