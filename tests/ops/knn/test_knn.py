@@ -354,3 +354,18 @@ def test_heuristic_follows_dimension_norm_and_matmul_precision(monkeypatch):
         torch.set_float32_matmul_precision(saved)
     monkeypatch.setattr(lik._device, "arch", lambda device: (7, 5))
     assert knn_config(dim=128, k=8, norm=2, dtype=torch.float32, device=cuda).precision == "ieee"
+
+
+def test_products_route_resorts_by_exact_distance():
+    """The products route's list is re-sorted after the exact distances are recomputed: by distance, the lower
+    index among equals, NaN after every number, empty slots last."""
+    from lik.ops.knn.gather import sort_neighbours
+
+    nan = float("nan")
+    dists = torch.tensor([[[3.0, 1.0, nan, 1.0, 0.0, 0.0], [2.0, 2.0, 0.0, 0.0, 0.0, 0.0]]])
+    idx = torch.tensor([[[7, 9, 2, 4, 0, 0], [5, 3, 0, 0, 0, 0]]])
+    valid = torch.tensor([[[True] * 4 + [False] * 2, [True] * 2 + [False] * 4]])
+    got_d, got_i = sort_neighbours(dists, idx, valid)
+    assert torch.equal(got_i, torch.tensor([[[4, 9, 7, 2, 0, 0], [3, 5, 0, 0, 0, 0]]]))
+    torch.testing.assert_close(got_d, torch.tensor([[[1.0, 1.0, 3.0, nan, 0.0, 0.0], [2.0, 2.0, 0, 0, 0, 0]]]),
+                               equal_nan=True)
