@@ -187,6 +187,39 @@ def test_maxsim_paths_agree(maxsim_problem):
     torch.testing.assert_close(dg.grad.double(), dr.grad, **FP32)
 
 
+def test_maxsim_eager_training_takes_the_callers_tensors_as_they_are(rng):
+    """Eager training is one autograd node over the caller's ``Q`` and ``D`` (no node for the canonical views) and
+    gives each gradient in its tensor's shape and dtype, a 2-D query included."""
+    Q = torch.randn(5, 16, generator=rng).requires_grad_()
+    D = torch.randn(3, 7, 16, generator=rng).requires_grad_()
+    scores = lik.maxsim(Q, D)
+    assert type(scores.grad_fn).__name__ == "EagerMaxSimFunctionBackward" and scores.shape == (3,)
+    assert [f[0].variable is t for f, t in zip(scores.grad_fn.next_functions[:2], (Q, D))] == [True, True]
+    gq, gd = torch.autograd.grad(scores.sum(), (Q, D))
+    reference = lik.maxsim(Q.double(), D.double())
+    rq, rd = torch.autograd.grad(reference.sum(), (Q, D))
+    assert gq.shape == Q.shape and gd.shape == D.shape
+    torch.testing.assert_close(gq, rq.float(), **FP32)
+    torch.testing.assert_close(gd, rd.float(), **FP32)
+
+
+def test_score_canonical_routes_validated_inputs_without_checking_them_again(monkeypatch, maxsim_problem):
+    """The internal entry of callers that validated once: the same route and scores as lik.maxsim, no check."""
+    from lik.ops.maxsim.validation import MaxSimInputs
+
+    q, d, d_mask = maxsim_problem
+    inputs = MaxSimInputs.build(q, d, None, d_mask)
+    monkeypatch.setattr(MaxSimInputs, "build", classmethod(lambda *a, **k: pytest.fail("validated again")))
+    got = maxsim_function.score_canonical(inputs)
+    monkeypatch.undo()
+    assert got.shape == (2, 3) and got.grad_fn is None
+    torch.testing.assert_close(got, lik.maxsim(q, d, d_mask=d_mask))
+    qg = q.clone().requires_grad_()
+    trained = maxsim_function.score_canonical(MaxSimInputs.build(qg, d, None, d_mask), needs_grad=True)
+    assert "MaxSimFunction" in type(trained.grad_fn).__name__
+    torch.testing.assert_close(trained, got)
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_maxsim_compiled_fullgraph(maxsim_problem, grad):
     q, d, d_mask = maxsim_problem
