@@ -128,10 +128,12 @@ def install_fake_cuda(monkeypatch) -> None:
 
 # ------------------------------------------------------------------ which index a directory holds
 def contents(index) -> tuple:
-    """What a loaded index holds: its size, every document's length and every token value."""
-    segments = index.segments
-    lengths = torch.cat([s.cu_seqlens.diff() for s in segments]).tolist()
-    return len(index), lengths, torch.cat([s.tokens.float() for s in segments]).flatten().tolist()
+    """What a loaded index holds: its size, every live document's length and every token value (removed documents,
+    compacted or not, are not there)."""
+    documents = index.get(index.live_ids())
+    if not documents:
+        return len(index), [], []
+    return len(index), [d.shape[0] for d in documents], torch.cat([d.float() for d in documents]).flatten().tolist()
 
 
 def expected(docs) -> tuple:

@@ -77,11 +77,11 @@ def assert_refused_or_sound(path, files, original, verify: bool):
     return contents(index)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
-def test_byte_flips_and_truncations_of_every_file(tmp_path, corpora, dtype):
+@pytest.mark.parametrize("dtype, removed", [(torch.float16, []), (torch.int8, []), (torch.float16, [0, 4, 5])])
+def test_byte_flips_and_truncations_of_every_file(tmp_path, corpora, dtype, removed):
     rng = random.Random(SEED)
     path = tmp_path / "ix"
-    lik.Index.build(corpora["old"], dtype=dtype, out=path, shard_tokens=12, progress=False)
+    lik.Index.build(corpora["old"], dtype=dtype, shard_tokens=12, progress=False).remove(removed).save(path)
     files = index_files(path)
     assert len(files) >= 3
     original = contents(lik.Index.load(path))
@@ -172,16 +172,18 @@ def test_replace_of_a_version_1_index_killed_at_every_step(tmp_path, corpora):
 
 
 @needs_fork
-def test_add_then_save_killed_at_every_step(tmp_path, corpora):
-    """An index loaded from the destination, grown by ``add``, saved back over it: old or grown, never less."""
-    grown = {"old": corpora["old"], "new": corpora["new"], "grown": corpora["old"] + corpora["new"][:3]}
+@pytest.mark.parametrize("added, removed, compact", [(3, [], False), (0, [0, 3, 4], False), (2, [0, 3, 11], True)])
+def test_a_change_then_save_killed_at_every_step(tmp_path, corpora, added, removed, compact):
+    """An index loaded from the destination, changed (documents added, removed, compacted), saved back over it:
+    the old index or the whole change, never less; removed documents stay removed through the save."""
+    docs = corpora["old"] + corpora["new"][:added]
+    changed = [doc for number, doc in enumerate(docs) if number not in removed]
 
     def operation(path):
-        index = lik.Index.load(path, placement="disk")
-        index.add(corpora["new"][:3])
-        index.save(path, overwrite=True, progress=False)
+        index = lik.Index.load(path, placement="disk").add(corpora["new"][:added]).remove(removed)
+        (index.compact() if compact else index).save(path, overwrite=True, progress=False)
 
-    check_every_kill_point(tmp_path, grown, saved_old(corpora), operation, "old", "grown")
+    check_every_kill_point(tmp_path, {**corpora, "changed": changed}, saved_old(corpora), operation, "old", "changed")
 
 
 @needs_fork

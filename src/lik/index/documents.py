@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .format import Shard
@@ -99,6 +100,12 @@ class IdSpace:
     def num_live(self) -> int:
         return self.num_stored - self.removed.numel()
 
+    def live_ids(self) -> torch.Tensor:
+        keep = torch.ones(self.num_ids, dtype=torch.bool)
+        keep[self.removed] = False
+        keep[self.dropped] = False
+        return torch.nonzero(keep).flatten()
+
     # ------------------------------------------------------------------ positions <-> ids
     def ids_of(self, positions: torch.Tensor) -> torch.Tensor:
         """Ids of stored positions (any shape, on any device; no host synchronisation)."""
@@ -173,8 +180,10 @@ def _token_index(segment: Shard, docs: torch.Tensor) -> tuple[torch.Tensor, torc
     """The token rows of documents ``docs`` (segment-local, CPU int64) and their lengths."""
     starts = segment.cu_seqlens[docs]
     lengths = segment.cu_seqlens[docs + 1] - starts
-    offsets = torch.repeat_interleave(starts - torch.cumsum(lengths, 0) + lengths, lengths)
-    return offsets + torch.arange(int(lengths.sum())), lengths
+    # numpy, not torch.repeat_interleave: that one starts torch's thread pool even for a few rows, which hangs a
+    # process forked after the pool ran (a write killed in a test, a worker of a forking server).
+    offsets = np.repeat((starts - torch.cumsum(lengths, 0) + lengths).numpy(), lengths.numpy())
+    return torch.from_numpy(offsets + np.arange(offsets.size, dtype=np.int64)), lengths
 
 
 def _take(segment: Shard, docs: torch.Tensor) -> Shard:

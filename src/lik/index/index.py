@@ -202,16 +202,19 @@ class Index:
         """Ids given so far: the next added document gets this id (``len(self)`` plus the removed documents)."""
         return self._state.ids.num_ids
 
+    def live_ids(self) -> torch.Tensor:
+        """The ids of the live documents (not removed), ascending: CPU int64 ``[len(self)]``."""
+        return self._state.ids.live_ids()
+
     def get(self, ids) -> list[torch.Tensor]:
         """The tokens of live documents ``ids`` (a 1-D integer sequence, in that order; repeats allowed) as CPU
         tensors ``[L_i, d]``: the stored values (dtype of a float index; fp32 token times scale for an 8-bit one).
 
-        Example:
-            >>> index.get([0, 3])[1].shape     # torch.Size([L_3, d])
+        Example: ``index.get([0, 3])[1].shape`` is ``[L_3, d]``.
         """
         state = self._state
-        return read_documents(state.segments, self.first_id, state.ids, check_ids(ids, state.ids.num_ids, "ids",
-                                                                                  keep_order=True))
+        ids = check_ids(ids, state.ids.num_ids, "ids", keep_order=True)
+        return read_documents(state.segments, self.first_id, state.ids, ids)
 
     def save(self, path, *, overwrite: bool = False, progress: bool | None = None) -> None:
         """Write the index to directory ``path``.

@@ -71,6 +71,7 @@ DTYPES = {
 EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 _GENERATION = re.compile(r"gen-[0-9a-f]{32}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_ID_FIELDS = ("num_ids", "removed", "compacted", "ids_sha256")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -275,6 +276,9 @@ def parse_manifest(text: bytes, path) -> Manifest:
                              f"(field {key!r} is {raw[key]}, the shards sum to {total})")
     if version >= 3:
         manifest = Manifest(d, DTYPES[dtype], infos, generation, **_removals(raw, manifest.num_docs, path))
+    elif present := [key for key in _ID_FIELDS if key in raw]:
+        # Only version 3 has them: a version digit damaged from 3 must not bring removed documents back.
+        raise ValueError(f"{path}: field {present[0]!r} belongs to format version 3, the manifest says {version}")
     return manifest
 
 
