@@ -35,12 +35,16 @@ Example:
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..ops.maxsim import maxsim, maxsim_varlen, pack
 from . import _patching
+
+if TYPE_CHECKING:  # at run time, __getattr__ imports it (and PyLate) on first use
+    from .pylate_index import Index
 
 __all__ = [
     "colbert_scores",
@@ -51,7 +55,19 @@ __all__ = [
     "disable",
     "enabled",
     "is_enabled",
+    "Index",
 ]
+
+
+def __getattr__(name: str):
+    # ``Index`` (lik's exact index as a PyLate index, in pylate_index.py) subclasses PyLate's own base class: PyLate
+    # is imported when it is first used, never by importing this module.
+    if name == "Index":
+        from .pylate_index import Index
+
+        return Index
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _BACKENDS = ("auto", "torch", "flash", "lik")
 
