@@ -73,9 +73,12 @@ test-all: $(VENV)/.lik-test
 fuzz: $(VENV)/.lik-test
 	LIK_FUZZ_PROFILE=long TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) tests/fuzz $(PYTEST_ARGS)
 
-# A few minutes: each op's main test file through the interpreter, the index, the CLI and the docs' examples.
-QUICK_TESTS ?= tests/docs tests/ops/maxsim/test_maxsim.py tests/ops/msda/test_msda.py tests/ops/chamfer \
-	tests/ops/quantization tests/retrieval tests/index/test_index.py tests/test_cli.py
+# A few minutes: each op's kernels on a few shapes through the interpreter (MaxSim padded and packed, deformable
+# attention, Chamfer, 8-bit quantization), empty and masked sides, search, the index format, the CLI, the docs.
+QUICK_TESTS ?= tests/docs tests/test_packaging.py tests/ops/maxsim/test_maxsim.py::test_shared_documents \
+	tests/ops/maxsim/test_varlen.py::test_corpus_matches_reference tests/ops/maxsim/test_varlen.py::test_pairs_match_reference \
+	tests/ops/maxsim/test_empty_sides.py tests/ops/msda/test_msda.py tests/ops/chamfer/test_chamfer.py::test_chamfer_matches_dense_model \
+	tests/ops/quantization tests/retrieval tests/index/test_format.py tests/test_cli.py
 quick: $(VENV)/.lik-test
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) $(QUICK_TESTS) $(PYTEST_ARGS); status=$$?; \
 	$(DESELECTED_NOTE); echo "lik: this was a subset: \`make test\` runs the whole CPU suite"; exit $$status

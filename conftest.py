@@ -16,6 +16,8 @@ import pytest
 
 CHAMFER = "tests/ops/chamfer/test_chamfer.py"
 QUANTIZED = "tests/ops/maxsim/test_quantized.py"
+WIDTHS = "tests/ops/maxsim/test_widths.py"
+BACKWARD = "tests/ops/maxsim/test_backward_paths.py"
 
 # pattern -> why the default run does not need it (ids are `[launch-norm-dim]` and the like).
 SLOW = {
@@ -50,6 +52,16 @@ SLOW = {
     f"{QUANTIZED}::test_int8_corpus_of_whole_tiles_and_a_narrow_tail[70-*]": "a narrow tail: lengths 96 and 20",
     f"{QUANTIZED}::test_one_token_queries_score_bit_for_bit_like_the_reference[*-200]": "widths 64 and 520",
     f"{QUANTIZED}::test_one_token_queries_score_bit_for_bit_like_the_reference[*-300]": "widths 64 and 520",
+    # Widths past one feature chunk: 1000, 1024, 2048 and 8192 stay.
+    f"{WIDTHS}::test_padded_kernels_match_float64_at_every_width[4096]": "widths 2048 and 8192",
+    # Backward routes: every route at every shape with mask_mode="exclude", and with "zero" at shapes 0 and 2.
+    f"{BACKWARD}::test_dd_routes[zero-*-shape1]": "every route at shape 1: exclude; zero: shapes 0 and 2",
+    f"{BACKWARD}::test_dd_routes[zero-*-shape3]": "every route at shape 3: exclude; zero: shapes 0 and 2",
+    # Tiles (entries x documents per dQ program): all four pairs at shapes 0 and 2, the two extremes at 1 and 3.
+    f"{BACKWARD}::test_tiles[1-3-shape1]": "1 entry, 3 documents: shapes 0 and 2",
+    f"{BACKWARD}::test_tiles[1-3-shape3]": "1 entry, 3 documents: shapes 0 and 2",
+    f"{BACKWARD}::test_tiles[4-1-shape1]": "4 entries, 1 document: shapes 0 and 2",
+    f"{BACKWARD}::test_tiles[4-1-shape3]": "4 entries, 1 document: shapes 0 and 2",
 }
 
 

@@ -51,8 +51,10 @@ def test_make_targets_exist_and_ci_runs_lint_and_test():
     for target in ("lint", "quick", "test", "test-all", "test-gpu", "demo"):
         assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"Makefile has no {target} target"
     quick = re.search(r"^QUICK_TESTS \?= (.*?)(?<!\\)\n", makefile, re.M | re.S).group(1)
-    for path in quick.replace("\\\n", " ").split():
+    for test in quick.replace("\\\n", " ").split():
+        path, _, name = test.partition("::")
         assert (ROOT / path).exists(), f"QUICK_TESTS names {path}, which does not exist"
+        assert not name or re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"no test {test}"
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make lint" in ci and "make test" in ci
 
