@@ -32,6 +32,9 @@ installed (profilers such as proton install one), when ``LIK_TRITON_LAUNCH=jit``
 ``lik._launch.ENABLED`` is False), and for a kernel called in a form this module does not cache (a constexpr
 passed by position, an argument of another type, an unknown keyword, or a Triton whose compiled kernels lack the
 launcher attributes used here).
+
+:mod:`lik._replay` builds on this table: while it records a call, :data:`WATCH` sees every launch, and
+:func:`replay_of` hands it the compiled launcher of a launch, bound to its grid (a :class:`Replay`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from operator import itemgetter
 import torch
 import triton
 from triton.runtime.jit import JITFunction
+
+from ._device import current_device as _current_device
 
 __all__ = [
     "launch", "Replay", "replay_of", "replay_allowed", "WATCH", "argument_key",
@@ -264,9 +269,6 @@ class _KernelTable:
 
 
 _get_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
-# The current device without torch.cuda.current_device()'s lazy-initialisation check and Python wrapper: a launch
-# has CUDA tensors in hand, so CUDA is initialised.
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def _record(kernel, compiled, args: tuple, kwargs: dict, options: tuple[str, ...] = ()):

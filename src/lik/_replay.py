@@ -165,10 +165,11 @@ class Plan:
     recorded call made it (contiguous), for :meth:`allocate`; ``notes`` what the full path noted; ``device`` the
     device of its first source."""
 
-    __slots__ = ("steps", "buffers", "notes", "device")
+    __slots__ = ("steps", "buffers", "notes", "device", "_runs")
 
     def __init__(self, steps: tuple[Step, ...], buffers: tuple, notes: dict, device: torch.device):
         self.steps, self.buffers, self.notes, self.device = steps, buffers, notes, device
+        self._runs = tuple(step._run for step in steps)  # (one Python call less per step and replay)
 
     def allocate(self) -> list[torch.Tensor]:
         """Fresh uninitialised buffers like the recorded call's."""
@@ -183,8 +184,8 @@ class Plan:
         self.buffers = tuple(buffers)
 
     def __call__(self, sources, buffers) -> None:
-        for step in self.steps:
-            step(sources, buffers)
+        for run in self._runs:
+            run(sources, buffers)
 
 
 def _extent(x: torch.Tensor) -> int:

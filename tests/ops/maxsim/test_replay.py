@@ -237,6 +237,27 @@ def test_no_replay_key_off_the_gpu_or_for_what_is_not_a_tensor():
     assert replay_module.key_of(Q, D, [True], None, "exclude", "auto", None, None) is None
 
 
+def test_the_key_gate_follows_what_the_launch_cache_replays(monkeypatch):
+    """A CUDA call has a key only where the launch cache replays Triton's launcher: a Triton outside
+    ``TESTED_TRITON`` (as CI installs), a launch hook or a forced config give every call the full path."""
+    from lik.config import MaxSimBackwardConfig, override
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # no GPU needed to ask the gate
+    monkeypatch.setattr(replay_module, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_get_stream", lambda device: 0)
+    monkeypatch.setattr(_launch, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    args = (torch.randn(4, 8), torch.randn(3, 5, 8), None, None, "exclude", "auto", None, None)
+    assert replay_module.call_key(*args) == replay_module.key_of(*args) is not None
+    with override(maxsim_backward=MaxSimBackwardConfig(block_rows=16, block_k=32)):
+        assert replay_module.call_key(*args) is None
+    monkeypatch.setattr(_launch, "_hooks_installed", lambda: True)
+    assert replay_module.call_key(*args) is None
+    monkeypatch.setattr(_launch, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(_launch, "ENABLED", _launch.triton_version_tested("3.7.0"))  # an untested release
+    assert replay_module.call_key(*args) is None
+
+
 def test_the_key_separates_what_changes_a_call(stand_ins):
     Q, D = torch.randn(4, 8), torch.randn(3, 5, 8)
     key = replay_module.key_of(Q, D, None, None, "exclude", "auto", None, None)

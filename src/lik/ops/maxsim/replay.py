@@ -150,7 +150,7 @@ def backward_plans(grad, Q, D, argmax, need_dq, need_dd, training: Training, rec
     """The full backward: ``(dQ, dD, plans)``, plans being ``(dq_plan, dd_plan)`` when ``record`` and both were
     recorded, :data:`NEVER` when one cannot be replayed, else None."""
     q, d = training.canonical(Q, D)
-    grad2d = grad.view(q.shape[0], -1)
+    grad2d = grad.view(q.shape[0], d.shape[1])
     sources = (grad, Q, D, argmax)
     plans, dq, dd = [None, None], None, None
     if need_dq:
