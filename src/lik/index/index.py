@@ -316,9 +316,9 @@ class Index:
         Args:
             Q: ``[Lq, d]`` or ``[Nq, Lq, d]`` float queries (cast to a float index's dtype; quantized per token
                 for an 8-bit index).
-            k: results per query, ``0 <= k <= len(self)`` (or the number of ``doc_ids``).
+            k: results per query, ``0 <= k <= len(self)`` (or the number of live ``doc_ids``).
             q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real query tokens.
-            doc_ids: optional ids to restrict the search to (any order, duplicates ignored).
+            doc_ids: optional ids to restrict the search to (any order, duplicates and removed ids ignored).
 
         Returns:
             ``(scores, ids)``: fp32 and int64, ``[k]`` for 2-D ``Q``, ``[Nq, k]`` for 3-D, on ``Q``'s device;
