@@ -82,11 +82,13 @@ def _stored_values(x, scale, usable, all_fast, QMAX_VALUE: tl.constexpr, TO_INT8
 
 @triton.jit
 def _to_8bit(values, QMAX_VALUE: tl.constexpr, TO_INT8: tl.constexpr, out_dtype: tl.constexpr):
-    """Quotients (``|v| <= QMAX`` up to rounding, so no clamp changes a result) to the stored 8-bit values."""
+    """Quotients to the stored 8-bit values, clamped to ``[-QMAX, QMAX]``: a subnormal scale is rounded coarsely,
+    so a row's largest quotient can pass QMAX (-136 for a row whose largest magnitude is 5.7e-43)."""
+    values = tl.minimum(tl.maximum(values, -QMAX_VALUE), QMAX_VALUE)
     if TO_INT8:
         # Round half to even without a float-to-int conversion: the integer sits in the low bits of v + 1.5 * 2**23.
         return (values + _ROUNDING_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
-    return tl.minimum(tl.maximum(values, -QMAX_VALUE), QMAX_VALUE).to(out_dtype)
+    return values.to(out_dtype)
 
 
 # n_rows stays unspecialized (no recompile per corpus size); dim and the row strides keep Triton's 16-divisibility
