@@ -130,7 +130,7 @@ def test_int8_accumulation_is_exact_for_the_whole_int8_range(rng, dim):
 @pytest.fixture
 def tile_variants(monkeypatch):
     """``(WHOLE_TILES, TAIL_N)`` of every padded forward launch, so a test can assert which loop it covered."""
-    from lik.ops.maxsim import forward
+    from lik.core import forward_launch as forward
 
     variants = []
     real = forward.launch

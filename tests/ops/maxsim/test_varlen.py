@@ -150,11 +150,11 @@ def test_persistent_corpus_walks_documents_of_every_length(rng, monkeypatch, for
     """Stacked query rows in inference walk a packed corpus in a persistent launch: empty documents (first, inner,
     last), documents shorter than a tile, one token, several tiles, a NaN in one; scores equal the reference and the
     training launch (a program per document), and only the inference launch is persistent."""
-    from lik.ops.maxsim import packed_forward
+    from lik.core import forward_launch
 
     persistent = []
-    launch = packed_forward.launch
-    monkeypatch.setattr(packed_forward, "launch", lambda *a, **k: persistent.append(k["PERSISTENT"]) or launch(*a, **k))
+    launch = forward_launch.launch
+    monkeypatch.setattr(forward_launch, "launch", lambda *a, **k: persistent.append(k["PERSISTENT"]) or launch(*a, **k))
     lengths = [0, 9, 1, 40, 0, 17, 33, 5, 0]
     with _config.override(maxsim_varlen=forced):
         _check_corpus(rng, 5, 3, lengths, 24)
