@@ -14,7 +14,8 @@ import torch
 
 from ..core.precision import accumulation_dtype
 from ..ops.maxsim.packed_function import packed_query, score_packed
-from ..retrieval.exact import merge_top_k, rank
+from ..retrieval.exact import merge_top_k
+from ..retrieval.keys import MAX_ID, candidate_keys, decode_keys, top_keys
 from .placement import ChunkPlan, ChunkSource
 
 __all__ = ["select_chunks", "search_chunks"]
@@ -70,20 +71,26 @@ def search_chunks(
         on_host = [local for local, move in zip(locals_, to_move) if move]
         moved = iter(torch.cat(on_host).to(device, non_blocking=True).split([t.numel() for t in on_host]))
         locals_ = [next(moved) if move else local for local, move in zip(locals_, to_move)]
-    query = None
+    # The running top-k as one int64 key per candidate (lik.retrieval.keys): a chunk is merged by one topk. Ids past
+    # 2**32 do not fit a key's low half: those searches merge scores and ids.
+    plans = [source.plans[n] for n, _ in selection]
+    keyed = score_dtype == torch.float32 and all(p.first_id + p.num_docs < MAX_ID for p in plans)
+    query, best = None, None
     for chunk, local in zip(source.chunks([n for n, _ in selection]), locals_):
         if query is None:
             query = packed_query(Q, q_mask, chunk.tokens.dtype)
         scores = score_packed(query, chunk.tokens, chunk.cu_seqlens, chunk.scale).to(score_dtype)
         if local is not None:
             scores = scores[:, local]
-        if best_scores.shape[1] == 0:  # the first chunk: its own top-k, no merge (a GPU-resident shard is one chunk)
-            keep = rank(scores, min(k, scores.shape[1]))
-            best_scores = scores.gather(1, keep)
-            best_ids = (keep if local is None else local[keep]) + chunk.first_id
+        if keyed:
+            keys = candidate_keys(scores, chunk.first_id, local)
+            keys = keys if best is None else torch.cat([best, keys], dim=1)
+            best = top_keys(keys, min(k, keys.shape[1]))
             continue
         ids = torch.arange(chunk.first_id, chunk.first_id + chunk.num_docs, device=device)
         if local is not None:
             ids = ids[local]
         best_scores, best_ids = merge_top_k(best_scores, best_ids, scores, ids.expand(n_queries, -1), k)
+    if keyed and best is not None:
+        return decode_keys(best)
     return best_scores, best_ids

@@ -16,6 +16,7 @@ import torch
 from ..core.precision import accumulation_dtype
 from ..ops.maxsim.function import score_canonical
 from ..ops.maxsim.validation import MaxSimInputs
+from .keys import MAX_ID, candidate_keys, decode_keys, top_keys
 
 __all__ = ["search", "merge_top_k", "rank", "DEFAULT_BUDGET_BYTES"]
 
@@ -56,36 +57,14 @@ def rank(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Positions of the ``k`` best entries of each row of ``scores [Nq, n]`` (``k <= n``): descending score, NaN
     last, ties (``-0.0`` and ``0.0`` included) by lower position.
 
-    One ``topk`` over keys that are all distinct, where each float32 score's bits are mapped to an integer of the
-    same order (NaN below every number, ``-inf`` included) and the position fills the low 32 bits; so the order is
-    total and needs no sort of the whole row (the chunk of a search is a whole corpus shard). float64 scores (the
-    reference path) take two stable sorts instead, by score with NaN as ``-inf``, then by "is NaN"."""
-    n = scores.shape[-1]
-    if scores.dtype != torch.float32 or n >= 2**32:
-        is_nan = scores.isnan()
-        by_score = torch.where(is_nan, float("-inf"), scores).sort(dim=-1, descending=True, stable=True).indices
-        nan_last = is_nan.gather(-1, by_score).to(torch.uint8).sort(dim=-1, stable=True).indices
-        return by_score.gather(-1, nan_last)[:, :k]
-    bits = (scores + 0.0).view(torch.int32)  # (+ 0.0: -0.0 becomes 0.0, so the two tie)
-    ordered = torch.where(scores.isnan(), _INT32_MIN, bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
-    keys = (ordered << 32) | _lower_first(n, scores.device)
-    return keys.topk(k, dim=-1, sorted=True).indices
-
-
-_INT32_MIN = -(2**31)
-_POSITIONS: dict = {}
-
-
-def _lower_first(n: int, device: torch.device) -> torch.Tensor:
-    """``2**32 - 1 - position`` for ``n`` positions (a larger key for a lower position), kept per device and
-    length (a search repeats its chunks' lengths)."""
-    key = (n, device)
-    positions = _POSITIONS.get(key)
-    if positions is None:
-        if len(_POSITIONS) >= 64:
-            _POSITIONS.clear()
-        positions = _POSITIONS[key] = (2**32 - 1) - torch.arange(n, dtype=torch.int64, device=device)
-    return positions
+    float32 scores: one ``topk`` over distinct int64 keys (:mod:`lik.retrieval.keys`), no sort of the whole row.
+    float64 scores (the reference path) take two stable sorts, by score with NaN as ``-inf``, then by "is NaN"."""
+    if scores.dtype == torch.float32 and scores.shape[-1] < MAX_ID:
+        return MAX_ID - (top_keys(candidate_keys(scores, 0), k) & MAX_ID)
+    is_nan = scores.isnan()
+    by_score = torch.where(is_nan, float("-inf"), scores).sort(dim=-1, descending=True, stable=True).indices
+    nan_last = is_nan.gather(-1, by_score).to(torch.uint8).sort(dim=-1, stable=True).indices
+    return by_score.gather(-1, nan_last)[:, :k]
 
 
 def merge_top_k(
@@ -169,7 +148,10 @@ def search(
         empty_indices = torch.empty(n_queries, k, dtype=torch.int64, device=device)
         return inputs.finish(empty_scores), inputs.finish(empty_indices)
 
-    best_scores = best_indices = None
+    # float32 scores: the running top-k as one int64 key per candidate, merged by one topk per chunk
+    # (lik.retrieval.keys); float64 (the reference) merges scores and indices.
+    keyed = score_dtype == torch.float32 and n_docs < MAX_ID
+    best = best_scores = best_indices = None
     for start in range(0, n_docs, chunk_size):
         stop = min(n_docs, start + chunk_size)
         chunk = MaxSimInputs(
@@ -178,11 +160,15 @@ def search(
             None if inputs.d_scale is None else inputs.d_scale[:, start:stop],
         )
         chunk_scores = score_canonical(chunk)
-        if best_scores is None:  # the first chunk: its own top-k, no merge
-            best_indices = rank(chunk_scores, min(k, stop - start))
-            best_scores = chunk_scores.gather(1, best_indices)
-            best_indices += start
+        if keyed:
+            keys = candidate_keys(chunk_scores, start)
+            keys = keys if best is None else torch.cat([best, keys], dim=1)
+            best = top_keys(keys, min(k, keys.shape[1]))
             continue
         chunk_indices = torch.arange(start, stop, device=device).expand(n_queries, -1)
+        if best_scores is None:
+            best_scores, best_indices = chunk_scores[:, :0], chunk_indices[:, :0]
         best_scores, best_indices = merge_top_k(best_scores, best_indices, chunk_scores, chunk_indices, k)
+    if keyed:
+        best_scores, best_indices = decode_keys(best)
     return inputs.finish(best_scores), inputs.finish(best_indices)
