@@ -50,3 +50,18 @@ def test_keys_of_strided_scores_and_empty_rows(rng):
     assert torch.equal(K.candidate_keys(wide[:, ::2], 0), K.candidate_keys(scores, 0))
     assert K.candidate_keys(torch.zeros(0, 5), 0).shape == (0, 5)
     assert K.candidate_keys(torch.zeros(3, 0), 0).shape == (3, 0)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_keys_equal_the_pytorch_arithmetic(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.cat([_scores(generator, 4, 5000), torch.randn(4, 3000, generator=generator)], dim=1).cuda()
+    ids = torch.randperm(20_000, generator=generator)[:8000].cuda()
+    for positions in (None, ids):
+        got = K.candidate_keys(scores, 2**31 + 5, positions)
+        from lik import _dispatch
+
+        monkeypatch.setattr(K, "uses_kernels", lambda x: False)
+        want = K.candidate_keys(scores, 2**31 + 5, positions)
+        monkeypatch.setattr(K, "uses_kernels", _dispatch.uses_kernels)
+        assert torch.equal(got, want)
