@@ -290,7 +290,7 @@ def write_document(
     LOADER: tl.constexpr,
 ):
     """Write document ``doc``'s group sums (placed by ``sum_offsets`` and ``sums_in_range``, from
-    :func:`~lik.ops.maxsim.tile.group_offsets`) and winners (NaN rows not yet settled); 8-bit row maxima are scaled
+    :func:`~lik.core.tile.group_offsets`) and winners (NaN rows not yet settled); 8-bit row maxima are scaled
     by their query rows' ``q_scale`` here. Returns 1 for the rows whose max is NaN."""
     row_counts = counted_rows(row_valid, n_valid, EXCLUDE)
     store_group_sums(
