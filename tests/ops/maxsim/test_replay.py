@@ -128,11 +128,15 @@ def test_an_inference_replay_hands_the_kernels_what_the_full_path_would(stand_in
     _assert_same_launches(stand_ins, full, sources)
 
 
-@pytest.mark.parametrize("backward", ["fast", "deterministic"])
-def test_a_training_replay_hands_the_kernels_what_the_full_path_would(stand_ins, rng, backward, monkeypatch):
-    # Small workspaces (the heuristic's, not a forced config, which would turn replays off): the fast dD runs in
-    # chunks of two documents through its buffer, the deterministic one sorts the winners in passes of two.
-    small = maxsim_config.MaxSimBackwardConfig(block_rows=16, block_k=16, atomic_workspace_bytes=2 * 7 * 16 * 4,
+@pytest.mark.parametrize("backward, workspace, launches", [
+    ("fast", 1 << 20, 2),  # dD through one fp32 buffer of the whole gradient, cast once
+    ("fast", 2 * 7 * 16 * 4, 4),  # dD in chunks of two documents through the buffer
+    ("deterministic", 1 << 20, 7),  # the winners sorted in passes of two documents (two launches each)
+])
+def test_a_training_replay_hands_the_kernels_what_the_full_path_would(stand_ins, rng, backward, workspace, launches,
+                                                                      monkeypatch):
+    # Small workspaces are the heuristic's here (a forced config would turn replays off).
+    small = maxsim_config.MaxSimBackwardConfig(block_rows=16, block_k=16, atomic_workspace_bytes=workspace,
                                                sort_workspace_entries=2 * 2 * 5)
     monkeypatch.setattr(maxsim_config, "_maxsim_backward_heuristic", lambda block_d, interpreted: small)
 
@@ -163,7 +167,7 @@ def test_a_training_replay_hands_the_kernels_what_the_full_path_would(stand_ins,
         maxsim_backward_dq(grad, inputs.d, argmax, inputs.q.shape, Q.dtype),
         maxsim_backward_dd(grad, inputs.q, argmax, inputs.d.shape, D.dtype, deterministic=backward != "fast",
                            per_query=False)))
-    assert len(full) == (4 if backward == "fast" else 7)  # dQ, then dD in three chunks (two launches each sorted)
+    assert len(full) == launches  # dQ, then dD's
     _assert_same_launches(stand_ins, full, (grad, Q, D, argmax), (grad, Q, D, replayed_argmax))
 
 
