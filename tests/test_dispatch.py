@@ -164,9 +164,9 @@ def _spy(monkeypatch, module, name, seen):
 def test_maxsim_eager_inference_launches_without_autograd(monkeypatch, maxsim_problem):
     q, d, d_mask = maxsim_problem
     seen: list[str] = []
-    _spy(monkeypatch, maxsim_function, "maxsim_forward", seen)
+    _spy(monkeypatch, maxsim_function, "launch_forward", seen)
     got = lik.maxsim(q, d, d_mask=d_mask)
-    assert seen == ["maxsim_forward"] and got.grad_fn is None
+    assert seen == ["launch_forward"] and got.grad_fn is None
     torch.testing.assert_close(got.double(), maxsim_reference(q.double(), d.double(), d_mask=d_mask), **FP32)
 
 
