@@ -312,3 +312,20 @@ def test_gpu_inference_and_autograd_paths_give_the_same_forward(maxsim_problem, 
     inference = lik.ms_deform_attn(value, shapes, starts, loc, weights)
     trained = lik.ms_deform_attn(value.clone().requires_grad_(), shapes, starts, loc, weights)
     assert inference.grad_fn is None and torch.equal(inference, trained.detach())
+
+
+def test_one_query_and_mask_check_for_padded_and_packed_scorers(rng):
+    """lik.maxsim and lik.maxsim_packed check a query's mask the same way (one function), with the same message."""
+    from lik.ops.maxsim.validation import canonical_query
+
+    Q = torch.randn(2, 5, 16, generator=rng)
+    d, cu_d, _ = lik.pack([torch.randn(n, 16, generator=rng) for n in (3, 7)])
+    bad = torch.ones(2, 6, dtype=torch.bool)
+    messages = []
+    for call in (lambda: lik.maxsim(Q, torch.randn(2, 7, 16), bad), lambda: lik.maxsim_packed(Q, d, cu_d, bad)):
+        with pytest.raises(ValueError, match="q_mask must have shape") as error:
+            call()
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+    q, q_mask, squeeze = canonical_query(Q[0], torch.tensor([1, 0, 1, 1, 0]))  # integer 0/1 masks are accepted
+    assert q.shape == (1, 5, 16) and q_mask.dtype == torch.bool and q_mask.shape == (1, 5) and squeeze

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .validation import (
-    KERNEL_DTYPES, QUANTIZED_DTYPES, check_mask, check_matches, check_quantized, check_width, quantize_query,
+    KERNEL_DTYPES, QUANTIZED_DTYPES, canonical_query, check_matches, check_quantized, check_width, quantize_query,
 )
 
 __all__ = [
@@ -248,11 +248,7 @@ class PackedInputs:
         _check_matching(d, "d", Q, "Q", quantize_q)
         cu_d = check_cu_seqlens("cu_seqlens_d", cu_seqlens_d, Q.device)
         check_values = _check_hint("max_seqlen_d", max_seqlen_d) is None or read_values
-        q_mask = check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), Q.device)
-        squeeze = Q.dim() == 2
-        q = Q.unsqueeze(0) if squeeze else Q
-        if q_mask is not None and squeeze:
-            q_mask = q_mask.unsqueeze(0)
+        q, q_mask, squeeze = canonical_query(Q, q_mask)
         if check_values:
             check_cu_seqlens_values("cu_seqlens_d", cu_seqlens_stats(cu_seqlens_d).tolist(), d.shape[0])
         if quantize_q:  # last: every check has passed

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "MaxSimInputs", "KERNEL_DTYPES", "QUANTIZED_DTYPES", "MASK_MODES", "MAX_DIM", "check_mask", "check_matches",
+    "MaxSimInputs", "KERNEL_DTYPES", "QUANTIZED_DTYPES", "MASK_MODES", "MAX_DIM", "check_mask", "canonical_query",
+    "check_matches",
     "check_real", "check_width", "check_quantized",
 ]
 
@@ -54,6 +55,17 @@ def check_mask(name: str, mask, expected_shape: tuple[int, ...], device: torch.d
     if mask.device != device:
         raise ValueError(f"{name} is on {mask.device} but the embeddings are on {device}")
     return mask
+
+
+def canonical_query(Q: torch.Tensor, q_mask) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """The one check of a query's mask, and the query's canonical layout, for every scorer taking dense queries
+    (``lik.maxsim``, ``lik.maxsim_packed``, ``lik.search``): ``(q [Nq, Lq, d], q_mask bool [Nq, Lq] or None,
+    squeeze)``, ``squeeze`` True for a 2-D ``Q`` (views; the mask is checked by :func:`check_mask` against
+    ``Q.shape[:-1]``). ``Q`` is a tensor of 2 or 3 dimensions, checked by the caller."""
+    q_mask = check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), Q.device)
+    if Q.dim() == 3:
+        return Q, q_mask, False
+    return Q.unsqueeze(0), (None if q_mask is None else q_mask.unsqueeze(0)), True
 
 
 def check_matches(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
@@ -216,23 +228,18 @@ class MaxSimInputs:
             check_matches("D", D, "Q", Q)
         check_width("Q", Q)
 
-        squeeze = Q.dim() == 2
-        q = Q.unsqueeze(0) if squeeze else Q
-        n_q, l_q, _ = q.shape
         per_query = D.dim() == 4
         if per_query:
-            if squeeze:
+            if Q.dim() == 2:
                 raise ValueError("D of shape [Nq, B, Ld, d] needs 3-D Q [Nq, Lq, d]; got 2-D Q")
-            if D.shape[0] != n_q:
-                raise ValueError(f"D is [Nq, B, Ld, d] with Nq={D.shape[0]} but Q has Nq={n_q}")
+            if D.shape[0] != Q.shape[0]:
+                raise ValueError(f"D is [Nq, B, Ld, d] with Nq={D.shape[0]} but Q has Nq={Q.shape[0]}")
             d = D
         else:
             d = D.unsqueeze(0)
 
-        q_mask = check_mask("q_mask", q_mask, tuple(Q.shape[:-1]), Q.device)
+        q, q_mask, squeeze = canonical_query(Q, q_mask)
         d_mask = check_mask("d_mask", d_mask, tuple(D.shape[:-1]), Q.device)
-        if q_mask is not None and squeeze:
-            q_mask = q_mask.unsqueeze(0)
         if d_mask is not None and not per_query:
             d_mask = d_mask.unsqueeze(0)
         if not eight_bit:
