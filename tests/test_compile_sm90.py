@@ -17,7 +17,6 @@ import sys
 
 import pytest
 import torch
-import triton
 
 import lik
 from lik import _config
@@ -35,7 +34,6 @@ _OPTIONS = ("num_warps", "num_stages")
 
 def _record_launches(monkeypatch, workload):
     launches = []
-    real_run = triton_interpreter.InterpretedFunction.run
 
     def record(self, *args, grid, **kwargs):
         launches.append((self.fn, args, dict(kwargs)))

@@ -19,7 +19,8 @@ Public functions (see README.md for shapes and semantics):
 * :mod:`lik.integrations` -- lik inside PyLate, colpali-engine, sentence-transformers and transformers (one-line
   ``enable()`` switches) and the peer libraries' APIs; host libraries are imported only when used.
 
-Subpackages are named after what they hold (``lik.ops.maxsim``, ``lik.ops.msda``, ``lik.retrieval``, ``lik.index``), never
+Subpackages are named after what they hold (``lik.ops.maxsim``, ``lik.ops.msda``, ``lik.retrieval``, ``lik.index``),
+never
 after a public function, so ``lik.search`` is always the function.
 """
 

@@ -65,7 +65,8 @@ def _dense_chamfer(x, y, xl, yl, xn, yn, weights, batch_reduction, point_reducti
         t = None
         if an is not None:
             if b.shape[1]:
-                bn_near = torch.where(paired[..., None], torch.gather(bn, 1, idx.clamp(min=0)[..., None].expand(-1, -1, bn.shape[2])), 0)
+                gathered = torch.gather(bn, 1, idx.clamp(min=0)[..., None].expand(-1, -1, bn.shape[2]))
+                bn_near = torch.where(paired[..., None], gathered, 0)
             else:
                 bn_near = an * 0
             cos = F.cosine_similarity(torch.where(valid[..., None], an, 0), bn_near, dim=2, eps=1e-6)
@@ -435,7 +436,8 @@ def test_gpu_million_points_memory_is_linear():
     assert extra < 200 * 1_000_000  # O(P): a few hundred bytes per point, never P^2
     sub = torch.randint(0, 1_000_000, (2000,), device="cuda")
     dist, idx = lik.nearest_neighbors(x[:, sub].detach(), y)
-    ref, _ = nearest_neighbors_reference(x[:, sub].detach().cpu(), y.cpu(), torch.tensor([2000]), torch.tensor([1_000_000]))
+    ref, _ = nearest_neighbors_reference(x[:, sub].detach().cpu(), y.cpu(), torch.tensor([2000]),
+                                         torch.tensor([1_000_000]))
     torch.testing.assert_close(dist.cpu(), ref, rtol=2e-5, atol=1e-9)
 
 

@@ -86,5 +86,6 @@ def test_every_knn_launch_compiles_for_sm90_without_spilling(monkeypatch):
     assert done.returncode == 0, done.stderr[-4000:]
     built = [json.loads(line) for line in done.stdout.splitlines()]
     assert len(built) == len(jobs)
-    spilled = [(b["constants"]["KP"], b["constants"]["WIDTH"], b["constants"]["DOT_PRECISION"], b["constants"]["NORM"], b["stack"]) for b in built if b["stack"]]
+    spilled = [(b["constants"]["KP"], b["constants"]["WIDTH"], b["constants"]["DOT_PRECISION"], b["constants"]["NORM"],
+                b["stack"]) for b in built if b["stack"]]
     assert not spilled, spilled

@@ -376,8 +376,8 @@ def test_persistent_flat_loop_over_unmasked_documents(rng, doc_len, programs_per
 def test_persistent_last_tile_overlapping_the_tile_before(rng, doc_len, programs_per_sm):
     """A persistent program reads a ragged document's last tile as its last 16 tokens, overlapping the tile
     before it: a max inside the overlap counts once, a tie between an overlap token and a later token goes to the
-    first, a tie between the first tile and the overlap too, and an inf or NaN in the overlap or at the end reaches the scores as in the
-    reference."""
+    first, a tie between the first tile and the overlap too, and an inf or NaN in the overlap or at the end reaches
+    the scores as in the reference."""
     Q, D, _, _ = rand_problem(rng, 3, 19, 5, doc_len, 24, masks=False)
     overlap = doc_len - 16  # the first token both tiles read (interpreter tiles are 16 wide)
     D[0, overlap + 1] = D[0, doc_len - 1] = Q[0, 0] * 10  # query token 0's max, in the overlap and at the end

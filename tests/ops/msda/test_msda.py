@@ -198,7 +198,7 @@ def test_bfloat16_on_cpu_runs_the_reference(rng):
 
 def test_non_contiguous_inputs(rng):
     value, shapes, starts, loc, weights, grad = rand_problem(rng, 2, 5, 3, 6, [(3, 5), (2, 2)], 3)
-    n, lq, m, d = 2, 5, 3, 6
+    n, m, d = 2, 3, 6
     value_nc = value.transpose(1, 2).contiguous().transpose(1, 2)  # [N, S, M, D] with head-major storage
     loc_nc = loc.permute(5, 0, 1, 2, 3, 4).contiguous().permute(1, 2, 3, 4, 5, 0)
     weights_nc = torch.stack([weights, weights * 0], -1)[..., 0]
@@ -506,8 +506,8 @@ def test_torch_compile_traces_without_graph_break(rng, deterministic):
         for name, call in calls.items():
             torch._dynamo.reset()
             compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
-            got = with_grads(lambda v, s, st, lc, w: compiled(v, lc, w), *problem)
-            want = with_grads(lambda v, s, st, lc, w: call(v, lc, w), *problem)
+            got = with_grads(lambda v, s, st, lc, w, compiled=compiled: compiled(v, lc, w), *problem)
+            want = with_grads(lambda v, s, st, lc, w, call=call: call(v, lc, w), *problem)
             for g, w in zip(got, want):
                 assert torch.equal(g, w), name
             with torch.no_grad():

@@ -181,7 +181,8 @@ def _check_normals(name: str, normals, points: torch.Tensor):
     if not isinstance(normals, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(normals).__name__}")
     if normals.dim() != 3 or tuple(normals.shape[:2]) != tuple(points.shape[:2]):
-        raise ValueError(f"{name} must have shape ({points.shape[0]}, {points.shape[1]}, C), got {tuple(normals.shape)}")
+        raise ValueError(f"{name} must have shape ({points.shape[0]}, {points.shape[1]}, C), "
+                         f"got {tuple(normals.shape)}")
     if not normals.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating tensor, got {normals.dtype}")
     if normals.device != points.device:

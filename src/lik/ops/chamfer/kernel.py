@@ -185,10 +185,12 @@ def nearest_direct_kernel(
             dist = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             if DIM <= UNROLLED_MAX_DIM:
                 for k in tl.static_range(DIM):
-                    dist = add_coordinate(dist, x_base, y_base, k, rows, cols, row_ok, col_ok, stride_xk, stride_yk, NORM)
+                    dist = add_coordinate(dist, x_base, y_base, k, rows, cols, row_ok, col_ok, stride_xk, stride_yk,
+                                          NORM)
             else:  # wide feature sets under norm=1: a runtime loop, not thousands of unrolled steps
                 for k in range(0, DIM):
-                    dist = add_coordinate(dist, x_base, y_base, k, rows, cols, row_ok, col_ok, stride_xk, stride_yk, NORM)
+                    dist = add_coordinate(dist, x_base, y_base, k, rows, cols, row_ok, col_ok, stride_xk, stride_yk,
+                                          NORM)
             best_key, best_col = fold_key_tile(dist, start, best_key, best_col, BLOCK_N, COL_BITS)
             if BOTH_WAYS:
                 fold_reverse_tile(dist, row_start, cols, col_ok, y_key_ptr + cloud.to(tl.int64) * stride_kn, ROW_BITS)

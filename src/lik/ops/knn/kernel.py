@@ -6,7 +6,8 @@ the values do, and the column breaks ties towards the lower index (NaN is given 
 neighbours come last). Each row keeps its ``K`` best keys unsorted in registers (``KP``, ``K`` rounded up to a power
 of two, slots; the extra slots hold -1 and never move). A tile is folded in by repeated extraction: the tile's
 smallest key below the row's worst kept key replaces that worst key, as many times as some row of the block has
-such keys (at most ``K``); the tile itself stays int32 distance bits, its columns implied. Most tiles of a large cloud hold no key below any row's worst, and cost one compare per
+such keys (at most ``K``); the tile itself stays int32 distance bits, its columns implied. Most tiles of a large
+cloud hold no key below any row's worst, and cost one compare per
 pair. At the end each row's keys are sorted by ``KP`` extractions and written as distances and indices.
 
 Two ways to make a tile's distances (:func:`lik.ops.knn.heuristic.knn_config` picks one):
