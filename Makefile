@@ -69,9 +69,10 @@ test-all: $(VENV)/.lik-test
 
 # The fuzz campaign (tests/fuzz) in its long profile: every property on many fresh random examples against its
 # float64 brute force (`make test` runs the same properties on a few fixed ones). A failure prints the blob that
-# reproduces it; LIK_FUZZ_EXAMPLES sets the examples per property.
+# reproduces it; LIK_FUZZ_EXAMPLES sets the examples per property. It also runs the index durability
+# module (tests/index/test_durability.py) at its long profile: every byte flipped, hundreds of kills and races.
 fuzz: $(VENV)/.lik-test
-	LIK_FUZZ_PROFILE=long TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) tests/fuzz $(PYTEST_ARGS)
+	LIK_FUZZ_PROFILE=long TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) tests/fuzz tests/index/test_durability.py $(PYTEST_ARGS)
 
 # A few minutes: each op's kernels on a few shapes through the interpreter (MaxSim padded and packed, deformable
 # attention, Chamfer, 8-bit quantization), empty and masked sides, search, the index format, the CLI, the docs.

@@ -2,9 +2,9 @@
 
 Triton's ``JITFunction.run`` binds the arguments, computes their specialisation, formats a cache key from the
 options and looks the compiled kernel up on every call. On the lent H200's host that costs 18-41 us per launch of
-lik's kernels, against 6-11 us for the compiled kernel's own launcher (``benchmarks/launch_profile.py``). For
-small calls (a Deformable-DETR decoder layer, a short-document rerank, a ColBERT training step) the difference is
-most of the call.
+lik's kernels, against 6-11 us for the compiled kernel's own launcher (``benchmarks/host_path.py`` measures the
+host path today). For small calls (a Deformable-DETR decoder layer, a short-document rerank, a ColBERT training
+step) the difference is most of the call.
 
 :func:`launch` keeps, per kernel, a table from a cheap key of the arguments to the kernel Triton compiled for
 them. The key is at least as fine as Triton's own specialisation: a tensor's dtype, whether its address is

@@ -1,4 +1,4 @@
-"""benchmarks/peer_suites.py: the shim puts lik in the peer's place (its API submodules lik's, its reference
+"""tools/peer_suites.py: the shim puts lik in the peer's place (its API submodules lik's, its reference
 modules the sdist's), failures are sorted into listed differences, peer failures, missing CUDA or packages and
 UNEXPECTED, and a run reports per suite with an exit status that says whether anything is unexpected."""
 
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("peer_suites", REPO / "benchmarks" / "peer_suites.py")
+    spec = importlib.util.spec_from_file_location("peer_suites", REPO / "tools" / "peer_suites.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     try:

@@ -1,11 +1,11 @@
 """Run the peers' own test-suites against lik's compatibility modules in place of the peers.
 
-    python benchmarks/peer_suites.py --src .peer_src [--out DIR] [--suite NAME ...] [--workers N] [--baseline]
+    python tools/peer_suites.py --src .peer_src [--out DIR] [--suite NAME ...] [--workers N] [--baseline]
                                      [--timeout-s S] [--deadline-s S]
 
 On the GPU machine (the sdists carried in the ignored folder ``.peer_src/``)::
 
-    python3 benchmarks/peer_suites.py --src .peer_src --out $OUT --workers 8 --deadline-s 540
+    python3 tools/peer_suites.py --src .peer_src --out $OUT --workers 8 --deadline-s 540
 
 ``--src`` holds the peers' unpacked source distributions (``flash_maxsim-0.3.0/``, ``late_interaction_kernels-0.4.5/``;
 ``.tar.gz`` files are unpacked into the work folder), fetched with
@@ -158,7 +158,7 @@ class SuiteReport:
 
 
 def _shim_source(suite: str, spec: dict, peer_dir: Path) -> str:
-    return f'''"""{suite} shadowed by {spec["lik"]} (written by benchmarks/peer_suites.py)."""
+    return f'''"""{suite} shadowed by {spec["lik"]} (written by tools/peer_suites.py)."""
 import importlib, importlib.abc, importlib.util, sys
 
 _LIK = importlib.import_module({spec["lik"]!r})
