@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .format import DTYPES, FORMAT_NAME, MANIFEST_NAME, read_manifest
+from .format import DTYPES, MANIFEST_NAME, read_manifest
 from .index import Index
+from .storage import is_lik_index
 
 __all__ = [
     "CommandError", "UsageError", "EMBEDDING_LAYOUTS", "run_index", "run_search", "read_embeddings", "read_queries",
@@ -256,14 +257,6 @@ def _documents(paths: list[str]) -> Iterator[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def _is_lik_index(directory: Path) -> bool:
-    try:
-        raw = json.loads((directory / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(raw, dict) and raw.get("format") == FORMAT_NAME
-
-
 def _input_files(paths: list[str], flag: str = "") -> None:
     for path in map(Path, paths):
         if not path.is_file() or not os.access(path, os.R_OK):
@@ -290,7 +283,7 @@ def _check_build_target(args) -> None:
             raise UsageError(f"{flag}: already exists (pass --overwrite to replace the index there)")
         with os.scandir(out) as entries:
             empty = next(entries, None) is None
-        if not empty and not _is_lik_index(out):
+        if not empty and not is_lik_index(out):
             raise UsageError(f"{flag}: is not a lik index (no lik {MANIFEST_NAME}); --overwrite replaces an index, "
                              "never another directory")
         for path in args.embeddings:
@@ -320,7 +313,7 @@ def _check_output(args) -> Path | None:
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"{flag}: {parent} is not a writable directory")
     resolved = out.resolve()
-    if resolved.is_relative_to(Path(args.index).resolve()) or _is_lik_index(resolved.parent):
+    if resolved.is_relative_to(Path(args.index).resolve()) or is_lik_index(resolved.parent):
         raise UsageError(f"{flag}: lies inside an index directory; write the results elsewhere")
     if resolved == Path(args.queries).resolve():
         raise UsageError(f"{flag}: is the --queries file")
