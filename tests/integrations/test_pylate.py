@@ -145,6 +145,15 @@ def test_bad_arguments_are_named(rng):
         lik_pylate.colbert_scores(Q, D, backend="cuda")
 
 
+def test_complex_arrays_are_refused_not_cast():
+    import numpy as np
+
+    real = [np.ones((3, 4), dtype=np.float32)]
+    complex_docs = [np.ones((3, 4), dtype=np.complex64) * (1 + 2j)]
+    with pytest.raises(TypeError, match="documents_embeddings.*complex"):
+        lik_pylate.colbert_scores(real, complex_docs)
+
+
 # ------------------------------------------------------------------------------------------------ the switch
 
 

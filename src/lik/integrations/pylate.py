@@ -88,6 +88,8 @@ def _as_tensor(name: str, x) -> torch.Tensor:
         if len(x) == 0:
             return torch.tensor([], dtype=torch.float32)
         if isinstance(x[0], np.ndarray):
+            if any(np.iscomplexobj(item) for item in x):  # a cast to float32 would drop the imaginary part
+                raise TypeError(f"{name} must hold real embeddings, got a complex array")
             items = [torch.from_numpy(np.asarray(item, dtype=np.float32)) for item in x]
         elif isinstance(x[0], torch.Tensor):
             items = list(x)
