@@ -125,14 +125,15 @@ def _maxsim_forward_heuristic(
     block_d = max(16, next_power_of_2(dim))
     # A long query at 128 < d <= 256 scored as a GEMM: 128 resident query rows against 64-token tiles of the
     # full depth, 8 warps, 3 stages (H100 sweeps, Lq = Ld = 1024, B = 256, d = 256: 0.290 ms against the
-    # streamed 128 x 256 tiles' 0.307; BENCHMARKS.md "Any embedding width"), where the shared memory holds it.
+    # streamed 128 x 256 tiles' 0.307; BENCHMARKS.md "MaxSim at any embedding width"), where the shared memory
+    # holds it.
     resident = MaxSimForwardConfig(128, 1, 64, block_d, 8, 3)
     resident_bytes = (resident.block_m + resident.num_stages * resident.block_n) * block_d * 2
     if long_half_query and dim <= MAX_RESIDENT_DIM and not argmax and resident_bytes <= smem:
         return resident
     if dim > MAX_RESIDENT_DIM or long_half_query:
         # A long query at d > 128 is a GEMM: the streamed loop's tall tiles beat the resident query block of the
-        # smaller tiles below (H100, d = 256: 0.310 against 0.368 ms; BENCHMARKS.md "Any embedding width").
+        # smaller tiles below (H100, d = 256: 0.310 against 0.368 ms; BENCHMARKS.md "MaxSim at any embedding width").
         return _streamed_forward_tiles(q_len, n_queries, dim, dtype, per_query, arch, interpreted, smem)
     if interpreted:
         max_rows, block_n, warps, stages = 32, 16, 4, 1
@@ -185,26 +186,26 @@ def _maxsim_forward_heuristic(
                 max_registers = 128
         if argmax and groups > 1 and group_rows <= 32 and dtype != torch.float32:
             # The winner bookkeeping needs ~165 registers at 256 stacked rows; 128 rows capped at 128 registers
-            # run two programs per SM (H200, profile_backward.py --parts forward-tiles, NOTES.md "Argmax forward tile":
+            # run two programs per SM (H200, a since-removed profile, benchmarks/NOTES.md:
             # ColBERT B 512 argmax forward 1.95 -> 1.29 ms, B 128 0.157 -> 0.091); the persistent launch and the
             # cap are the stacked branch's above.
             groups = max(1, min(128 // group_rows, next_power_of_2(n_groups_total)))
             warps = 8
     if not interpreted and hopper and not wide and dtype in EIGHT_BIT_DTYPES and groups == 1 and group_rows >= 128:
-        # 8-bit long queries: half the bytes per tile, so 128 x 128 tiles of 4 warps (H100 sweep, BENCHMARKS.md
+        # 8-bit long queries: half the bytes per tile, so 128 x 128 tiles of 4 warps (H100 sweep, benchmarks/NOTES.md
         # "8-bit corpora"); 3 stages let three programs share an SM (168 registers, 66 KB each), one's epilogue
         # under another's products (benchmarks/NOTES.md "8-bit epilogue": ColPali fp8 0.367 -> 0.311 ms).
         group_rows, block_n, warps, stages = 128, 128, 4, 3
     elif not interpreted and hopper and not wide and dtype in EIGHT_BIT_DTYPES and groups > 1:
         # 8-bit stacked short queries: 128 stacked rows against 128-token tiles, 4 warps, 2 persistent programs per
-        # SM with no register cap (H100 sweep, BENCHMARKS.md "8-bit corpora": multi long-doc int8 0.741 -> 0.415 ms,
+        # SM with no register cap (H100 sweep, benchmarks/NOTES.md "8-bit corpora": multi long-doc int8 0.741 -> 0.415 ms,
         # fp8 0.678 -> 0.364; the fp16 stacked tiles spill at 8 bits).
         groups = max(1, min(128 // group_rows, groups))
         block_n, warps, stages, programs_per_sm, max_registers = 128, 4, 4, 2, 0
     elif not interpreted and hopper and not wide and dtype in EIGHT_BIT_DTYPES and groups == 1 and not per_query \
             and q_len <= 64:
         # One short 8-bit query streams the corpus (memory-bound): persistent programs with 128-token tiles
-        # (H100 sweep, BENCHMARKS.md "8-bit corpora"). int8 keeps its 32-row tile (its mma.sync is native);
+        # (H100 sweep, benchmarks/NOTES.md "8-bit corpora"). int8 keeps its 32-row tile (its mma.sync is native);
         # float8 takes 64 rows, the smallest warpgroup product (a 32-row fp8 tile is widened to fp16 products):
         # textual B = 10 000 int8 0.157 -> 0.148 ms, fp8 0.202 -> 0.151. With the scales loaded a tile ahead,
         # int8 gains from three programs of 3 stages where it took four of 4 (0.148 -> 0.144 ms; benchmarks/NOTES.md
@@ -321,7 +322,7 @@ def maxsim_varlen_config(
     """Forward tiles of the packed kernels (``pairs``: one query per document, ``q_len`` its longest query).
 
     The padded heuristic's row groups, with other document tiles where the H200 sweep of
-    ``benchmarks/varlen_bench.py`` measured them (fp16, d = 128, 32-row blocks): 128-token tiles for a corpus
+    the packed benchmark (``lik bench --ops packed``) measured them (fp16, d = 128, 32-row blocks): 128-token tiles for a corpus
     (fewer sequential steps on its longest documents), 32-token tiles for pairs (smaller CTAs, more of them
     resident), 4 warps for both.
     """

@@ -42,7 +42,7 @@ NEAREST_POINT_MAX_DIM = 8
 def nearest_config(*, dim: int, norm: int, device: torch.device) -> NearestConfig:
     """The nearest-neighbour launch for ``dim``-wide points under ``norm`` (1 or 2) on ``device``.
 
-    H100, forward + backward of both directions (BENCHMARKS.md, "Chamfer distance"): point clouds keep the exact
+    H100, forward + backward of both directions (benchmarks/NOTES.md, "Chamfer distance"): point clouds keep the exact
     direct route, both directions in one pass, 32 x 64 tiles of one warp (100 000 points: 6.4 ms; 128 x 64 of
     4 warps 9.7, two passes of 64 x 64 18.7). One warp reduces a tile's rows and columns without shared memory
     or barriers, and small tiles stay clear of register spills. The dot route with TF32-split operands took 12.0

@@ -31,7 +31,7 @@ __all__ = [
 NO_KEY = tl.constexpr(2147483647)  # int32 max: "no token chosen yet"
 # float8 products: partial sums promoted to fp32 after every 128-deep run of tensor-core instructions (one resident
 # d <= 128 block; Hopper's fp8 accumulator is narrower than fp32 within it). Promoting every 32 (one wgmma k) cost
-# 1.3x at ColPali B = 1 000 for no visible change in the scores (BENCHMARKS.md, "8-bit corpora"); 0 would fall
+# 1.3x at ColPali B = 1 000 for no visible change in the scores (benchmarks/NOTES.md, "8-bit corpora"); 0 would fall
 # back to fp16 mma.sync.
 FP8_PROMOTION_K = tl.constexpr(128)
 # The running reduction of the tile loop, a constexpr flag passed down from the kernel: MaxSim's NaN-propagating

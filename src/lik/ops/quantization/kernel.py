@@ -20,7 +20,7 @@ from .reference import QMAX
 __all__ = ["quantize_rows_kernel", "quantize_rows", "quantize_tiles"]
 
 # Elements per program: small programs of two warps, many per SM, keep the most bytes in flight (sweeps at d = 128
-# on the H100 and H200: BENCHMARKS.md, "8-bit corpora on an H200, and lik.quantize's launch"); a row wider than
+# on the H100 and H200: benchmarks/NOTES.md, "8-bit corpora"); a row wider than
 # this still takes one program.
 _TILE_ELEMENTS = 1024
 _MAX_BLOCK_D = 8192
@@ -152,7 +152,7 @@ def quantize_tiles(dim: int, n_rows: int) -> tuple[int, int]:
     """``(BLOCK_D, BLOCK_ROWS)`` for rows of width ``dim``: one chunk of the row's power-of-two width, or, for a
     width that is not a power of two but a multiple of 16 (96, 80, 384, 768), chunks of its largest power-of-two
     divisor walked twice: a chunk partly past the row is 2.4-2.6x slower (H100, d = 96 and 80,
-    BENCHMARKS.md "8-bit corpora on an H200, and lik.quantize's launch")."""
+    benchmarks/NOTES.md "8-bit corpora")."""
     padded = min(next_power_of_2(max(dim, 16)), _MAX_BLOCK_D)
     divisor = dim & -dim
     if dim == padded or divisor < 16:
