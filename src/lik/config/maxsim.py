@@ -198,8 +198,8 @@ def _maxsim_forward_heuristic(
         group_rows, block_n, warps, stages = 128, 128, 4, 3
     elif not interpreted and hopper and not wide and dtype in EIGHT_BIT_DTYPES and groups > 1:
         # 8-bit stacked short queries: 128 stacked rows against 128-token tiles, 4 warps, 2 persistent programs per
-        # SM with no register cap (H100 sweep, benchmarks/NOTES.md "8-bit corpora": multi long-doc int8 0.741 -> 0.415 ms,
-        # fp8 0.678 -> 0.364; the fp16 stacked tiles spill at 8 bits).
+        # SM with no register cap (H100 sweep, benchmarks/NOTES.md "8-bit corpora": multi long-doc int8 0.741 ->
+        # 0.415 ms, fp8 0.678 -> 0.364; the fp16 stacked tiles spill at 8 bits).
         groups = max(1, min(128 // group_rows, groups))
         block_n, warps, stages, programs_per_sm, max_registers = 128, 4, 4, 2, 0
     elif not interpreted and hopper and not wide and dtype in EIGHT_BIT_DTYPES and groups == 1 and not per_query \
@@ -322,8 +322,8 @@ def maxsim_varlen_config(
     """Forward tiles of the packed kernels (``pairs``: one query per document, ``q_len`` its longest query).
 
     The padded heuristic's row groups, with other document tiles where the H200 sweep of
-    the packed benchmark (``lik bench --ops packed``) measured them (fp16, d = 128, 32-row blocks): 128-token tiles for a corpus
-    (fewer sequential steps on its longest documents), 32-token tiles for pairs (smaller CTAs, more of them
+    the packed benchmark (``lik bench --ops packed``) measured them (fp16, d = 128, 32-row blocks): 128-token tiles
+    for a corpus (fewer sequential steps on its longest documents), 32-token tiles for pairs (smaller CTAs, more of them
     resident), 4 warps for both.
     """
     forced = FORCED.get("maxsim_varlen")

@@ -11,7 +11,8 @@ Three routes (:func:`lik.config.nearest_config` picks one; each can be forced fo
   nearest neighbour.
 * ``dot`` (forced only): a tensor-core tile loop of its own on ``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]``
   (the product *is* the distance; past ``AUGMENTED_MAX_DIM`` the norms are added after the product). Faster than
-  ``direct`` on point clouds, but the expansion cancels the digits of dense clouds (benchmarks/NOTES.md, "Chamfer distance").
+  ``direct`` on point clouds, but the expansion cancels the digits of dense clouds (benchmarks/NOTES.md, "Chamfer
+  distance").
 
 On ``core`` and ``dot`` the operands are float32 centred on the ``x`` cloud (centring keeps the digits of nearby
 points far from the origin; half-precision operands picked neighbours 0.9% too far at D = 128 on the H100), and

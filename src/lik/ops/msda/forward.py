@@ -118,7 +118,8 @@ def kernel_value(value: torch.Tensor, head_major: bool) -> tuple[torch.Tensor, b
     """``value`` as the kernels read it: contiguous ``[N, S, M, D]``, or a contiguous ``[N, M, S, D]`` (returned
     transposed, with True) when ``head_major`` is asked for or is how ``value`` is already stored. Copies only
     when neither layout is dense. The head-major layout makes each head's map one block, its pixels ``D`` apart
-    (measured slower on the encoder, benchmarks/NOTES.md, "Multi-scale deformable attention"; kept as a forced option)."""
+    (measured slower on the encoder, benchmarks/NOTES.md, "Multi-scale deformable attention"; kept as a forced
+    option)."""
     if not head_major and value.is_contiguous():
         return value, False
     heads_first = value.transpose(1, 2)
