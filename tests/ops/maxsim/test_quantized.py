@@ -45,15 +45,16 @@ def _close(scores, expected, n_terms):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts the padded forward launches, so an int8 test can assert the kernel (not the reference) ran."""
+    """Counts the padded forward launches (lik.maxsim's one door to them), so an int8 test can assert the kernel
+    (not the reference) ran."""
     calls = []
-    real = maxsim_function.maxsim_forward
+    real = maxsim_function.launch_forward
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(maxsim_function, "maxsim_forward", counted)
+    monkeypatch.setattr(maxsim_function, "launch_forward", counted)
     return calls
 
 
