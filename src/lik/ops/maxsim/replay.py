@@ -49,13 +49,16 @@ def key_of(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale) -> tuple
         return None
     grad = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
     parts = [None, mask_mode, backward, grad, tensor_key(Q), tensor_key(D)]
-    for x in (q_mask, d_mask, q_scale, d_scale):
-        if x is None:
-            parts.append(None)
-        elif isinstance(x, torch.Tensor):
-            parts.append(tensor_key(x))
-        else:
-            return None
+    if q_mask is None and d_mask is None and q_scale is None and d_scale is None:  # (the common call, on every step)
+        parts += (None, None, None, None)
+    else:
+        for x in (q_mask, d_mask, q_scale, d_scale):
+            if x is None:
+                parts.append(None)
+            elif isinstance(x, torch.Tensor):
+                parts.append(tensor_key(x))
+            else:
+                return None
     if Q.dtype == torch.float32:  # fp32 products follow the matmul precision (TF32 or not)
         parts.append(torch.get_float32_matmul_precision())
     if grad and backward == "auto":  # the backward "auto" resolves to
@@ -128,7 +131,8 @@ class Training:
     def gradients(self, grad, Q, D, argmax, need_dq: bool, need_dd: bool):
         """``(dQ, dD)`` shaped like ``Q`` and ``D`` (None where not needed): replayed when recorded, else the full
         backward, recorded for the next call."""
-        grad = grad.float().contiguous()  # (a no-op for cross-entropy's gradient)
+        if grad.dtype != torch.float32 or not grad.is_contiguous():  # (cross-entropy's gradient is both)
+            grad = grad.float().contiguous()
         plans = self.backward.get((need_dq, need_dd))
         if plans is None or plans is NEVER:
             dq, dd, plans = backward_plans(grad, Q, D, argmax, need_dq, need_dd, self, record=plans is None)
