@@ -15,7 +15,7 @@ import torch
 from ..core.precision import accumulation_dtype
 from ..ops.maxsim.packed_function import packed_query, score_packed
 from ..retrieval.exact import merge_top_k
-from ..retrieval.keys import MAX_ID, chunk_top_keys, decode_keys, merge_top_keys
+from ..retrieval.keys import MAX_ID, candidate_keys, decode_keys, top_keys
 from .placement import ChunkPlan, ChunkSource
 
 __all__ = ["select_chunks", "search_chunks"]
@@ -71,8 +71,8 @@ def search_chunks(
         on_host = [local for local, move in zip(locals_, to_move) if move]
         moved = iter(torch.cat(on_host).to(device, non_blocking=True).split([t.numel() for t in on_host]))
         locals_ = [next(moved) if move else local for local, move in zip(locals_, to_move)]
-    # The running top-k as one int64 key per candidate (lik.retrieval.keys): a chunk's best and their merge with
-    # the best so far are a few small launches. Ids past 2**32 do not fit a key's low half: those merge scores and ids.
+    # The running top-k as one int64 key per candidate (lik.retrieval.keys): a chunk is merged by one topk. Ids past
+    # 2**32 do not fit a key's low half: those searches merge scores and ids.
     plans = [source.plans[n] for n, _ in selection]
     keyed = score_dtype == torch.float32 and all(p.first_id + p.num_docs < MAX_ID for p in plans)
     query, best = None, None
@@ -83,8 +83,9 @@ def search_chunks(
         if local is not None:
             scores = scores[:, local]
         if keyed:
-            top = chunk_top_keys(scores, chunk.first_id, local, min(k, scores.shape[1]))
-            best = top if best is None else merge_top_keys(best, top, min(k, best.shape[1] + top.shape[1]))
+            keys = candidate_keys(scores, chunk.first_id, local)
+            keys = keys if best is None else torch.cat([best, keys], dim=1)
+            best = top_keys(keys, min(k, keys.shape[1]))
             continue
         ids = torch.arange(chunk.first_id, chunk.first_id + chunk.num_docs, device=device)
         if local is not None:

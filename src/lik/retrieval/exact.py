@@ -16,7 +16,7 @@ import torch
 from ..core.precision import accumulation_dtype
 from ..ops.maxsim.function import score_canonical
 from ..ops.maxsim.validation import MaxSimInputs
-from .keys import MAX_ID, chunk_top_keys, decode_keys, merge_top_keys
+from .keys import MAX_ID, candidate_keys, decode_keys, top_keys
 
 __all__ = ["search", "merge_top_k", "rank", "DEFAULT_BUDGET_BYTES"]
 
@@ -60,7 +60,7 @@ def rank(scores: torch.Tensor, k: int) -> torch.Tensor:
     float32 scores: one ``topk`` over distinct int64 keys (:mod:`lik.retrieval.keys`), no sort of the whole row.
     float64 scores (the reference path) take two stable sorts, by score with NaN as ``-inf``, then by "is NaN"."""
     if scores.dtype == torch.float32 and scores.shape[-1] < MAX_ID:
-        return MAX_ID - (chunk_top_keys(scores, 0, None, k) & MAX_ID)
+        return MAX_ID - (top_keys(candidate_keys(scores, 0), k) & MAX_ID)
     is_nan = scores.isnan()
     by_score = torch.where(is_nan, float("-inf"), scores).sort(dim=-1, descending=True, stable=True).indices
     nan_last = is_nan.gather(-1, by_score).to(torch.uint8).sort(dim=-1, stable=True).indices
@@ -148,8 +148,8 @@ def search(
         empty_indices = torch.empty(n_queries, k, dtype=torch.int64, device=device)
         return inputs.finish(empty_scores), inputs.finish(empty_indices)
 
-    # float32 scores: the running top-k as one int64 key per candidate (lik.retrieval.keys); float64 (the reference)
-    # merges scores and indices.
+    # float32 scores: the running top-k as one int64 key per candidate, merged by one topk per chunk
+    # (lik.retrieval.keys); float64 (the reference) merges scores and indices.
     keyed = score_dtype == torch.float32 and n_docs < MAX_ID
     best = best_scores = best_indices = None
     for start in range(0, n_docs, chunk_size):
@@ -161,8 +161,9 @@ def search(
         )
         chunk_scores = score_canonical(chunk)
         if keyed:
-            top = chunk_top_keys(chunk_scores, start, None, min(k, stop - start))
-            best = top if best is None else merge_top_keys(best, top, min(k, best.shape[1] + top.shape[1]))
+            keys = candidate_keys(chunk_scores, start)
+            keys = keys if best is None else torch.cat([best, keys], dim=1)
+            best = top_keys(keys, min(k, keys.shape[1]))
             continue
         chunk_indices = torch.arange(start, stop, device=device).expand(n_queries, -1)
         if best_scores is None:
