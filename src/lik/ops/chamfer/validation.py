@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PointSets", "check_point_sets", "check_reductions", "valid_points", "POINT_DTYPES"]
+__all__ = ["PointSets", "check_cloud_pair", "check_point_sets", "check_reductions", "valid_points", "POINT_DTYPES"]
 
 POINT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -49,9 +49,10 @@ def _lengths(name: str, lengths, n: int, size: int, device: torch.device) -> tup
     return lengths, False
 
 
-def check_point_sets(x, y, x_lengths=None, y_lengths=None) -> PointSets:
-    """Validate ``x [N, P1, D]`` and ``y [N, P2, D]`` (same N, D, dtype and device) and their lengths."""
-    for name, t in (("x", x), ("y", y)):
+def check_cloud_pair(x, y, names: tuple[str, str] = ("x", "y")) -> None:
+    """``x [N, P1, D]`` and ``y [N, P2, D]``: float tensors of one N, D, dtype and device (errors use ``names``)."""
+    nx, ny = names
+    for name, t in ((nx, x), (ny, y)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape (N, P, D), got {type(t).__name__}")
         if t.dim() != 3:
@@ -59,13 +60,18 @@ def check_point_sets(x, y, x_lengths=None, y_lengths=None) -> PointSets:
         if t.dtype not in POINT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     if y.shape[0] != x.shape[0]:
-        raise ValueError(f"y has {y.shape[0]} clouds, x has {x.shape[0]}: they must match")
+        raise ValueError(f"{ny} has {y.shape[0]} clouds, {nx} has {x.shape[0]}: they must match")
     if y.shape[2] != x.shape[2]:
-        raise ValueError(f"y has D = {y.shape[2]}, x has D = {x.shape[2]}: they must match")
+        raise ValueError(f"{ny} has D = {y.shape[2]}, {nx} has D = {x.shape[2]}: they must match")
     if y.dtype != x.dtype:
-        raise TypeError(f"y is {y.dtype}, x is {x.dtype}: they must match")
+        raise TypeError(f"{ny} is {y.dtype}, {nx} is {x.dtype}: they must match")
     if y.device != x.device:
-        raise ValueError(f"y is on {y.device}, x on {x.device}: they must be on one device")
+        raise ValueError(f"{ny} is on {y.device}, {nx} on {x.device}: they must be on one device")
+
+
+def check_point_sets(x, y, x_lengths=None, y_lengths=None) -> PointSets:
+    """Validate ``x [N, P1, D]`` and ``y [N, P2, D]`` (same N, D, dtype and device) and their lengths."""
+    check_cloud_pair(x, y)
     n = x.shape[0]
     xl, x_ragged = _lengths("x_lengths", x_lengths, n, x.shape[1], x.device)
     yl, y_ragged = _lengths("y_lengths", y_lengths, n, y.shape[1], y.device)

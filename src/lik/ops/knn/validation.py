@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..chamfer.validation import POINT_DTYPES, check_cloud_pair
+
 __all__ = ["KnnInputs", "check_knn_inputs", "valid_slots", "KNN_DTYPES", "MAX_K"]
 
-KNN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KNN_DTYPES = POINT_DTYPES
 # The running top-K of a row lives in registers: 32 slots per row is the most the kernels keep.
 MAX_K = 32
 
@@ -63,21 +65,7 @@ def _flag(name: str, value) -> bool:
 
 def check_knn_inputs(p1, p2, lengths1, lengths2, norm, K, version, return_nn, return_sorted) -> KnnInputs:
     """Validate the arguments of :func:`lik.knn_points` (PyTorch3D's names) into a :class:`KnnInputs`."""
-    for name, t in (("p1", p1), ("p2", p2)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of shape (N, P, D), got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must have shape (N, P, D), got {tuple(t.shape)}")
-        if t.dtype not in KNN_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    if p2.shape[0] != p1.shape[0]:
-        raise ValueError(f"p2 has {p2.shape[0]} clouds, p1 has {p1.shape[0]}: they must match")
-    if p2.shape[2] != p1.shape[2]:
-        raise ValueError(f"p2 has D = {p2.shape[2]}, p1 has D = {p1.shape[2]}: they must match")
-    if p2.dtype != p1.dtype:
-        raise TypeError(f"p2 is {p2.dtype}, p1 is {p1.dtype}: they must match")
-    if p2.device != p1.device:
-        raise ValueError(f"p2 is on {p2.device}, p1 on {p1.device}: they must be on one device")
+    check_cloud_pair(p1, p2, ("p1", "p2"))
     if not isinstance(K, int) or isinstance(K, bool):
         raise TypeError(f"K must be an int, got {type(K).__name__}")
     if not 1 <= K <= MAX_K:
