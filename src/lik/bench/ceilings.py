@@ -16,54 +16,13 @@ pinned copies, no 8-bit matmuls): it checks the plumbing, not the machine.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .measure import Timer, free_memory
+from .measure import Timer, eight_bit_matmuls, free_memory, matmul_rate, median_rate
 
 __all__ = ["measure_all", "format_ceilings", "main"]
-
-
-def _rate(timer: Timer, fn: Callable[[], object], amount: float) -> tuple[float, float]:
-    ms = timer.median_ms(fn)
-    return amount / (ms / 1e3), ms
-
-
-def _matmul(timer: Timer, dtype_name: str, n: int, device: torch.device) -> dict:
-    gen = torch.Generator(device=device).manual_seed(2)
-    flops = 2.0 * n**3
-    if dtype_name in ("fp16", "bf16", "fp32-tf32", "fp32"):
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype_name, torch.float32)
-        a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-        b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-        previous = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("high" if dtype_name == "fp32-tf32" else "highest")
-        try:
-            rate, ms = _rate(timer, lambda: a @ b, flops)
-        finally:
-            torch.set_float32_matmul_precision(previous)
-    elif dtype_name == "int8":
-        a = torch.randint(-127, 128, (n, n), device=device, dtype=torch.int8, generator=gen)
-        b = torch.randint(-127, 128, (n, n), device=device, dtype=torch.int8, generator=gen).t()
-        rate, ms = _rate(timer, lambda: torch._int_mm(a, b), flops)
-    else:  # fp8 e4m3, per-tensor scales, fp16 output
-        a = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn)
-        b = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device=device)
-        rate, ms = _rate(timer, lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float16),
-                         flops)
-    return {"what": f"{n}^3 a @ b", "median_ms": ms, "TFLOPps": rate / 1e12}
-
-
-def _eight_bit_matmuls(device: torch.device) -> list[str]:
-    if device.type != "cuda":
-        return []
-    names = ["int8"] if hasattr(torch, "_int_mm") else []
-    if hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9):
-        names.append("fp8")
-    return names
 
 
 def measure_all(timer: Timer, *, copy_bytes: int, matmul_n: int, host_bytes: int) -> dict:
@@ -73,16 +32,16 @@ def measure_all(timer: Timer, *, copy_bytes: int, matmul_n: int, host_bytes: int
     gen = torch.Generator(device=device).manual_seed(1)
     src = torch.randn(copy_bytes // 2, device=device, dtype=torch.float16, generator=gen)
     dst = torch.empty_like(src)
-    rate, ms = _rate(timer, lambda dst=dst, src=src: dst.copy_(src), 2.0 * copy_bytes)
+    rate, ms = median_rate(timer, lambda dst=dst, src=src: dst.copy_(src), 2.0 * copy_bytes)
     results["device_copy"] = {"what": f"copy_ of {copy_bytes / 2**20:.0f} MiB (read + write)", "median_ms": ms,
                               "GBps": rate / 1e9}
     del src, dst
     free_memory(device)
 
     results["matmul"] = {}
-    for name in ["fp16", "bf16", "fp32-tf32", "fp32", *_eight_bit_matmuls(device)]:
+    for name in ["fp16", "bf16", "fp32-tf32", "fp32", *eight_bit_matmuls(device)]:
         try:
-            results["matmul"][name] = _matmul(timer, name, matmul_n, device)
+            results["matmul"][name] = matmul_rate(timer, name, matmul_n, device)
         except Exception as exc:  # an op this torch / GPU lacks: recorded, the others still run
             results["matmul"][name] = {"error": f"{type(exc).__name__}: {exc}"}
         free_memory(device)
@@ -90,10 +49,10 @@ def measure_all(timer: Timer, *, copy_bytes: int, matmul_n: int, host_bytes: int
     if device.type == "cuda":
         host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
         on_device = torch.empty(host_bytes, dtype=torch.uint8, device=device)
-        rate, ms = _rate(timer, lambda: on_device.copy_(host, non_blocking=True), float(host_bytes))
+        rate, ms = median_rate(timer, lambda: on_device.copy_(host, non_blocking=True), float(host_bytes))
         results["pinned_h2d"] = {"what": f"{host_bytes / 2**20:.0f} MiB pinned host -> device", "median_ms": ms,
                                  "GBps": rate / 1e9}
-        rate, ms = _rate(timer, lambda: host.copy_(on_device, non_blocking=True), float(host_bytes))
+        rate, ms = median_rate(timer, lambda: host.copy_(on_device, non_blocking=True), float(host_bytes))
         results["pinned_d2h"] = {"what": f"{host_bytes / 2**20:.0f} MiB device -> pinned host", "median_ms": ms,
                                  "GBps": rate / 1e9}
         del host, on_device

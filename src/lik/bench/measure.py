@@ -29,6 +29,9 @@ __all__ = [
     "quantize_throughput",
     "free_memory",
     "is_oom",
+    "median_rate",
+    "matmul_rate",
+    "eight_bit_matmuls",
 ]
 
 
@@ -174,18 +177,60 @@ def measure_ceilings(timer: Timer, *, copy_bytes: int, matmul_n: int) -> tuple[C
     return ceilings, record
 
 
+def median_rate(timer: Timer, fn: Callable[[], object], amount: float) -> tuple[float, float]:
+    """``(amount per second, median ms)`` of one call of ``fn`` (``amount``: its bytes or FLOPs)."""
+    ms = timer.median_ms(fn)
+    return amount / (ms / 1e3), ms
+
+
+def matmul_rate(timer: Timer, dtype_name: str, n: int, device: torch.device) -> dict:
+    """The rate of a square ``n x n x n`` cuBLAS product of ``dtype_name`` (``fp16``, ``bf16``, ``fp32-tf32``,
+    ``fp32``, ``int8``: ``torch._int_mm``, ``fp8``: ``torch._scaled_mm``): ``{"what", "median_ms", "TFLOPps"}``."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    flops = 2.0 * n**3
+    if dtype_name in ("fp16", "bf16", "fp32-tf32", "fp32"):
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(dtype_name, torch.float32)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high" if dtype_name == "fp32-tf32" else "highest")
+        try:
+            rate, ms = median_rate(timer, lambda: a @ b, flops)
+        finally:
+            torch.set_float32_matmul_precision(previous)
+    elif dtype_name == "int8":
+        a = torch.randint(-127, 128, (n, n), device=device, dtype=torch.int8, generator=gen)
+        b = torch.randint(-127, 128, (n, n), device=device, dtype=torch.int8, generator=gen).t()
+        rate, ms = median_rate(timer, lambda: torch._int_mm(a, b), flops)
+    else:  # fp8 e4m3, per-tensor scales, fp16 output
+        a = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        rate, ms = median_rate(
+            timer, lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float16), flops)
+    return {"what": f"{n}^3 a @ b", "median_ms": ms, "TFLOPps": rate / 1e12}
+
+
+def eight_bit_matmuls(device: torch.device) -> list[str]:
+    """The 8-bit products ``device`` has (``int8``, ``fp8``): none off CUDA, ``fp8`` from compute capability 8.9."""
+    if device.type != "cuda":
+        return []
+    names = ["int8"] if hasattr(torch, "_int_mm") else []
+    if hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9):
+        names.append("fp8")
+    return names
+
+
 def measure_storage_ceilings(timer: Timer, ceilings: Ceilings, storages: set[str], *, matmul_n: int
                              ) -> tuple[dict[str, Ceilings], dict]:
     """The ceilings of 8-bit methods' floors: the same copy bandwidth, the matmul rate of ``int8``
     (``torch._int_mm``) / ``fp8`` (``torch._scaled_mm``) where the GPU has it. On a CPU, or where a type has no
     product, the run's own ceilings stand in (recorded as such)."""
-    from .ceilings import _eight_bit_matmuls, _matmul
-
     out, record = {}, {}
-    available = set(_eight_bit_matmuls(timer.device))
+    available = set(eight_bit_matmuls(timer.device))
     for storage in sorted(storages):
         if storage in available:
-            measured = _matmul(timer, storage, matmul_n, timer.device)
+            measured = matmul_rate(timer, storage, matmul_n, timer.device)
             out[storage] = Ceilings(ceilings.bandwidth_bytes_per_s, measured["TFLOPps"] * 1e12)
             record[storage] = measured
         else:
