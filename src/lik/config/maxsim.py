@@ -21,7 +21,7 @@ from .forced import FORCED, register
 __all__ = [
     "MaxSimForwardConfig", "MaxSimBackwardConfig", "maxsim_forward_config", "maxsim_forward_doc_programs",
     "maxsim_backward_config", "maxsim_varlen_config", "feature_chunks", "LONG_DOCUMENT", "MAX_RESIDENT_DIM",
-    "EIGHT_BIT_DTYPES", "STREAMED_FIXED_BYTES",
+    "EIGHT_BIT_DTYPES", "STREAMED_FIXED_BYTES", "MaxSimSoftConfig", "maxsim_soft_config",
 ]
 
 
@@ -355,3 +355,32 @@ def _varlen_tiles(cfg: MaxSimForwardConfig, dtype: torch.dtype, dim: int, pairs:
 register("maxsim_forward", MaxSimForwardConfig)
 register("maxsim_varlen", MaxSimForwardConfig)
 register("maxsim_backward", MaxSimBackwardConfig)
+
+
+@dataclass(frozen=True)
+class MaxSimSoftConfig:
+    """Tiles of the soft reductions' kernels (:mod:`lik.core.soft`): query rows per tile, document tokens per
+    tile, the feature chunk (``block_k``; the backward's output is written in feature blocks of that width)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+register("maxsim_soft", MaxSimSoftConfig)
+
+
+def maxsim_soft_config(*, dim: int, dtype: torch.dtype, device: torch.device) -> MaxSimSoftConfig:
+    """The soft reductions' tiles: 64 x 64 tiles and the whole width up to 128 features (one chunk), 64-wide chunks
+    beyond (a first choice, not tuned on a device yet); 16 x 16 under the interpreter."""
+    forced = FORCED.get("maxsim_soft")
+    if forced is not None:
+        return forced
+    block_d = max(16, next_power_of_2(dim))
+    if _device.interpreting():
+        return MaxSimSoftConfig(block_m=16, block_n=16, block_k=min(block_d, 64))
+    block_k = block_d if block_d <= 128 else 64
+    return MaxSimSoftConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4,
+                            num_stages=3 if dtype != torch.float32 else 2)

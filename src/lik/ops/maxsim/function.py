@@ -18,8 +18,10 @@ from ...core.forward_launch import chunk_sums, launch_forward
 from ..._replay import NEVER, file, plan_of, recording
 from .backward import maxsim_backward_dd, maxsim_backward_dq
 from .forward import forward_problem, maxsim_forward
+from .options import ScoreOptions, check_options
 from .reference import maxsim_reference_canonical
 from .replay import CALLS, Training, call_key, record_inference
+from .soft import SoftMaxSimFunction, StoredDocuments, inverse_counts, padded_layout
 from .validation import QUANTIZED_DTYPES, MaxSimInputs
 
 __all__ = [
@@ -101,20 +103,39 @@ class MaxSimFunction(torch.autograd.Function):
 class EagerMaxSimFunction(torch.autograd.Function):
     """Eager training over the caller's ``Q`` and ``D`` as passed (gradients come back in their shapes, with no
     autograd node for the canonical views): ``run`` is the call's :class:`~.replay.Training` (a recorded call:
-    its launches are replayed) or a :class:`_FullTraining` (the full path, recorded when the call has a key)."""
+    its launches are replayed) or a :class:`_FullTraining` (the full path, recorded when the call has a key).
+    ``scale`` (length normalisation: one over each query's token count, shaped like the scores' rows) multiplies
+    the scores and the incoming gradient; ``save_d_as=torch.int8`` keeps ``D`` as int8 rows and fp32 scales until
+    the backward, whose ``dQ`` gathers the dequantized rows (``dD`` needs only ``Q`` and the winners)."""
 
     @staticmethod
-    def forward(ctx, Q, D, q_mask, d_mask, run):
+    def forward(ctx, Q, D, q_mask, d_mask, run, scale=None, save_d_as=None):
         scores, argmax = run.forward(Q, D, q_mask, d_mask)
-        ctx.save_for_backward(Q, D, argmax)
-        ctx.run = run
+        if scale is not None:
+            scores = scores * scale
+        if save_d_as is not None:
+            d_q, d_scale = StoredDocuments.store(D)
+            ctx.save_for_backward(Q, d_q, d_scale, argmax, scale)
+            ctx.d_meta = (D.shape, D.dtype)
+        else:
+            ctx.save_for_backward(Q, D, argmax, scale)
+        ctx.run, ctx.stored = run, save_d_as is not None
         return scores
 
     @staticmethod
     def backward(ctx, grad_scores):
-        Q, D, argmax = ctx.saved_tensors
+        if ctx.stored:
+            Q, d_q, d_scale, argmax, scale = ctx.saved_tensors
+            shape, dtype = ctx.d_meta
+            # dD reads only D's shape and dtype: without dQ, nothing is dequantized
+            D = (StoredDocuments.load(d_q, d_scale, dtype) if ctx.needs_input_grad[0]
+                 else torch.empty((), dtype=dtype, device=d_q.device).expand(shape))
+        else:
+            Q, D, argmax, scale = ctx.saved_tensors
+        if scale is not None:
+            grad_scores = grad_scores * scale
         dq, dd = ctx.run.gradients(grad_scores, Q, D, argmax, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dq, dd, None, None, None
+        return dq, dd, None, None, None, None, None
 
 
 class _FullTraining:
@@ -197,6 +218,11 @@ def maxsim(
     backward: str = "auto",
     q_scale: torch.Tensor | None = None,
     d_scale: torch.Tensor | None = None,
+    reduction: str = "max",
+    tau: float | None = None,
+    top_k: int | None = None,
+    normalize_by: str = "none",
+    save_d_as: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Late-interaction (ColBERT / ColPali) scores: ``score[i, j] = sum_s max_t <Q[i, s], D[j, t]>``.
 
@@ -220,6 +246,19 @@ def maxsim(
             sum over query tokens). Scales are non-negative, as :func:`lik.quantize` makes them: a negative
             ``q_scale`` gives its query NaN. float8 needs a GPU with FP8 (compute capability >= 8.9; use int8
             elsewhere).
+        reduction: how a query token's similarities with a document's tokens are reduced: ``"max"`` (MaxSim),
+            ``"smooth"`` (``tau * logsumexp(s / tau)``, ``tau`` > 0 required) or ``"topk"`` (the mean of the
+            ``top_k`` largest, ``top_k`` in 1..16 required; ties: the lower token first; with fewer tokens in the
+            reduction than ``top_k``, the mean of those there are). Masks and ``mask_mode`` apply as for the max;
+            float inputs only. Forward and backward are fused (no ``[.., Lq, Ld]`` tensor); the backward is
+            deterministic.
+        normalize_by: ``"none"`` or ``"query_tokens"``: each score divided by its query's valid token count
+            (``q_mask``'s True tokens, else ``Lq``; a query with none scores 0), in the same autograd node.
+        save_d_as: None, or ``torch.int8`` (training): ``D`` is kept between forward and backward as int8 rows
+            and fp32 per-token scales (:func:`lik.quantize`: about half of fp16's bytes). The scores are exact
+            (computed from ``D`` as passed); ``dQ`` uses the dequantized copy (a relative error per gradient
+            row of at most about ``0.5 / 127`` of each winning document row's largest entry) and ``dD`` is exact
+            (it needs only ``Q``). CPU tensors run the reference, which ignores it.
 
     Returns:
         float32 scores, ``[B]`` for 2-D ``Q`` and ``[Nq, B]`` for 3-D ``Q`` (float64 for float64 inputs).
@@ -236,7 +275,13 @@ def maxsim(
         >>> lik.maxsim(Q, D).shape          # torch.Size([1000]), float32
         >>> D_q, d_scale = lik.quantize(D, torch.int8)   # 8-bit corpus: half the memory of fp16
         >>> lik.maxsim(Q, D_q, d_scale=d_scale).shape    # Q is quantized per token to int8
+        >>> lik.maxsim(Q, D, reduction="smooth", tau=0.05, normalize_by="query_tokens").shape
     """
+    if reduction != "max" or normalize_by != "none" or save_d_as is not None:
+        return _with_options(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale,
+                             check_options(reduction, tau, top_k, normalize_by, save_d_as))
+    if tau is not None or top_k is not None:
+        check_options(reduction, tau, top_k, normalize_by, save_d_as)  # (names the misplaced argument)
     key = call_key(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale)
     if key is not None:
         recorded = CALLS.get(key)
@@ -267,3 +312,37 @@ def _validated_inference(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_s
     if not uses_kernels(inputs.q):  # float64 on a GPU: the reference, nothing to record
         return inputs, maxsim_reference_canonical(inputs)[None]
     return inputs, launch_forward(forward_problem(inputs), False)[0]
+
+
+def _with_options(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale, options: ScoreOptions):
+    """:func:`maxsim` with a soft reduction, length normalisation or an 8-bit stored ``D``: validated on every
+    call (no replay, except the plain max's own launches under normalisation)."""
+    deterministic = resolve_backward(backward)
+    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True, q_scale=q_scale, d_scale=d_scale)
+    if inputs.d_scale is not None and (options.reduction != "max" or options.save_d_as is not None):
+        raise ValueError(
+            f"D is {D.dtype}: reduction={options.reduction!r} and save_d_as take float D only"
+            if options.reduction != "max" else f"save_d_as is for a float D in training, got D {D.dtype}"
+        )
+    needs_grad = inputs.d_scale is None and torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    kernels = uses_kernels(inputs.q)
+    if not kernels:
+        return inputs.finish(maxsim_reference_canonical(inputs, options=options))
+    n_q, l_q = inputs.q.shape[0], inputs.q.shape[1]
+    scale = inverse_counts(inputs.q_mask, n_q, l_q, inputs.q.device) if options.normalized else None
+    if options.reduction != "max":
+        return inputs.finish(SoftMaxSimFunction.apply(inputs.q, inputs.d, padded_layout(inputs), options, scale))
+    caller_scale = None if scale is None else (scale[0] if inputs.squeeze_query else scale)
+    if needs_grad and not torch.compiler.is_compiling():
+        key = None
+        if options.save_d_as is None:
+            key = call_key(Q, D, q_mask, d_mask, inputs.mask_mode, backward, q_scale, d_scale)
+            recorded = None if key is None else CALLS.get(key)
+            if type(recorded) is Training:
+                return EagerMaxSimFunction.apply(Q, D, q_mask, d_mask, recorded, caller_scale)
+            if recorded is NEVER:
+                key = None
+        run = _FullTraining(inputs, deterministic, key)
+        return EagerMaxSimFunction.apply(Q, D, q_mask, d_mask, run, caller_scale, options.save_d_as)
+    scores = _route(kernels, needs_grad, inputs, deterministic)
+    return inputs.finish(scores if scale is None else scores * scale)

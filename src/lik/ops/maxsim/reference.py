@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ...core.precision import accumulation_dtype
+from .options import DEFAULT_OPTIONS, ScoreOptions, check_options, query_token_counts, reduce_similarities
 from .validation import MaxSimInputs
 
 __all__ = ["maxsim_reference", "maxsim_reference_canonical", "connected_zeros", "DEFAULT_BUDGET_BYTES"]
@@ -39,13 +40,16 @@ def connected_zeros(shape, dtype: torch.dtype, *inputs: torch.Tensor) -> torch.T
 
 
 def maxsim_reference_canonical(
-    inputs: MaxSimInputs, budget_bytes: int = DEFAULT_BUDGET_BYTES
+    inputs: MaxSimInputs, budget_bytes: int = DEFAULT_BUDGET_BYTES, options: ScoreOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:
-    """Reference on canonical (validated, 3-D / 4-D) inputs; returns ``[Nq, B]`` in the accumulation dtype."""
+    """Reference on canonical (validated, 3-D / 4-D) inputs; returns ``[Nq, B]`` in the accumulation dtype.
+    ``options``: the reduction and normalisation (:mod:`.options`); ``save_d_as`` does not apply here."""
     q, d = inputs.q, inputs.d
     n_q, l_q, _ = q.shape
     n_sets, n_docs, l_d, _ = d.shape
     acc = accumulation_dtype(q.dtype)
+    if options.reduction != "max" and inputs.d_scale is not None:
+        raise ValueError(f"reduction={options.reduction!r} scores float inputs only, got 8-bit D")
     if n_q == 0 or n_docs == 0 or l_q == 0 or l_d == 0:
         # No query token or no document token: every score is an empty sum (0), whatever the other side holds.
         if inputs.d_scale is not None:  # inference only: nothing to keep connected
@@ -89,7 +93,14 @@ def maxsim_reference_canonical(
         if exclude and d_valid is not None:
             valid = d_valid[:, start:stop, None, :]  # [n_sets, b, 1, Ld]
             sim = torch.where(valid, sim, float("-inf"))
-        best = sim.max(dim=-1).values  # [Nq, b, Lq]
+        counted = None
+        if exclude and d_valid is not None:
+            counted = d_valid[:, start:stop, None, :]
+            if options.reduction != "max":
+                # A document with no token in the reduction: any finite row (it is masked out below), so that no
+                # NaN gradient comes from reducing -inf alone.
+                sim = torch.where(counted.any(dim=-1, keepdim=True), sim, 0)
+        best = reduce_similarities(sim, counted, options)  # [Nq, b, Lq]
         if quantized:  # the query scale after the max; a negative one (a min, not a max) gives NaN
             best = best * torch.where(q_scale < 0, float("nan"), q_scale)[:, None, :]
         if exclude and d_valid is not None:
@@ -98,7 +109,10 @@ def maxsim_reference_canonical(
         if q_valid is not None:
             best = torch.where(q_valid[:, None, :], best, 0)
         out.append(best.sum(dim=-1))
-    return torch.cat(out, dim=1).float() if quantized else torch.cat(out, dim=1)
+    scores = torch.cat(out, dim=1).float() if quantized else torch.cat(out, dim=1)
+    if options.normalized:
+        scores = scores / query_token_counts(q_valid, n_q, l_q, q.device).to(scores.dtype)[:, None]
+    return scores
 
 
 def maxsim_reference(
@@ -111,6 +125,10 @@ def maxsim_reference(
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     q_scale: torch.Tensor | None = None,
     d_scale: torch.Tensor | None = None,
+    reduction: str = "max",
+    tau: float | None = None,
+    top_k: int | None = None,
+    normalize_by: str = "none",
 ) -> torch.Tensor:
     """MaxSim in plain PyTorch, with the semantics and shapes of :func:`lik.maxsim`.
 
@@ -123,6 +141,7 @@ def maxsim_reference(
         budget_bytes: most bytes of similarities held at once.
         q_scale, d_scale: 8-bit inputs, as in :func:`lik.maxsim` (the same arithmetic: int8 scores equal the
             kernels' up to the fp32 order of the sum over query tokens).
+        reduction, tau, top_k, normalize_by: as in :func:`lik.maxsim` (``"smooth"`` / ``"topk"`` float only).
 
     Returns:
         ``[B]`` for 2-D ``Q`` else ``[Nq, B]``; float32, or float64 for float64 inputs.
@@ -132,5 +151,6 @@ def maxsim_reference(
         >>> maxsim_reference(Q, D).shape
         torch.Size([10])
     """
+    options = check_options(reduction, tau, top_k, normalize_by)
     inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True, q_scale=q_scale, d_scale=d_scale)
-    return inputs.finish(maxsim_reference_canonical(inputs, budget_bytes))
+    return inputs.finish(maxsim_reference_canonical(inputs, budget_bytes, options))

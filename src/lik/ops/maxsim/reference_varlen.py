@@ -10,14 +10,17 @@ from __future__ import annotations
 import torch
 
 from ...core.precision import accumulation_dtype
+from .options import DEFAULT_OPTIONS, ScoreOptions
 from .packing import PackedInputs
 from .reference import connected_zeros, maxsim_reference
 
 __all__ = ["maxsim_varlen_reference", "maxsim_packed_reference", "packed_reference"]
 
 
-def packed_reference(inputs: PackedInputs) -> torch.Tensor:
-    """Reference on validated inputs: pairs ``[N]`` or corpus ``[Nq, B]`` (float32, float64 for float64)."""
+def packed_reference(inputs: PackedInputs, options: ScoreOptions = DEFAULT_OPTIONS) -> torch.Tensor:
+    """Reference on validated inputs: pairs ``[N]`` or corpus ``[Nq, B]`` (float32, float64 for float64);
+    ``options``: the reduction and normalisation (:mod:`.options`)."""
+    kw = options.arguments()
     q, d = inputs.q, inputs.d
     acc = accumulation_dtype(q.dtype)
     d_bounds = inputs.cu_d.tolist()
@@ -31,11 +34,11 @@ def packed_reference(inputs: PackedInputs) -> torch.Tensor:
         queries = [q[start:stop] for start, stop in zip(q_bounds[:-1], q_bounds[1:])]
         q_scales = [inputs.q_scale[start:stop] if quantized else None
                     for start, stop in zip(q_bounds[:-1], q_bounds[1:])]
-        scores = [maxsim_reference(qi, di.unsqueeze(0), q_scale=qs, d_scale=ds)
+        scores = [maxsim_reference(qi, di.unsqueeze(0), q_scale=qs, d_scale=ds, **kw)
                   for qi, di, qs, ds in zip(queries, docs, q_scales, d_scales)]
         out_shape = (len(docs),)
     else:
-        scores = [maxsim_reference(q, di.unsqueeze(0), inputs.q_mask, q_scale=inputs.q_scale, d_scale=ds)
+        scores = [maxsim_reference(q, di.unsqueeze(0), inputs.q_mask, q_scale=inputs.q_scale, d_scale=ds, **kw)
                   for di, ds in zip(docs, d_scales)]  # each [Nq, 1]
         out_shape = (q.shape[0], len(docs))
     if not docs:  # no sequence at all: an empty result still connected to autograd (zero gradients)
