@@ -63,23 +63,29 @@ class MaxSimPackedFunction(torch.autograd.Function):
     or corpus ``[Nq, B]`` fp32 scores; gradients to ``q`` and ``d`` in their dtype."""
 
     @staticmethod
-    def forward(ctx, q, d, cu_q, cu_d, q_mask, max_seqlen_q, deterministic):
+    def forward(ctx, q, d, cu_q, cu_d, q_mask, max_seqlen_q, deterministic, scale=None):
+        # scale: length normalisation (one over each query's token count, shaped like the scores' rows), applied
+        # to the scores and to the incoming gradient inside this node.
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         scores, argmax = _packed_forward(q, d, cu_q, cu_d, q_mask, max_seqlen_q, needs_grad)
+        if scale is not None:
+            scores = scores * scale
         if needs_grad:
-            ctx.save_for_backward(q, d, cu_q, cu_d, argmax)
+            ctx.save_for_backward(q, d, cu_q, cu_d, argmax, scale)
             ctx.max_seqlen_q = max_seqlen_q
             ctx.deterministic = deterministic
         return scores
 
     @staticmethod
     def backward(ctx, grad_scores):
-        q, d, cu_q, cu_d, argmax = ctx.saved_tensors
+        q, d, cu_q, cu_d, argmax, scale = ctx.saved_tensors
+        if scale is not None:
+            grad_scores = grad_scores * scale
         need_dq, need_dd = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dq, dd = _packed_backward(grad_scores, q, d, cu_q, cu_d, argmax, ctx.max_seqlen_q, need_dq, need_dd,
                                   ctx.deterministic)
         # Eager calls return None for a gradient not needed, the custom operator a 0-element placeholder.
-        return (dq if need_dq else None), (dd if need_dd else None), None, None, None, None, None
+        return (dq if need_dq else None), (dd if need_dd else None), None, None, None, None, None, None
 
 
 def _launch(inputs: PackedInputs, deterministic: bool) -> torch.Tensor:

@@ -18,12 +18,17 @@ tensors); autograd and ``torch.compile``: :mod:`.packed_function`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ...core.forward_kernel import maxsim_fwd_kernel
 from .function import resolve_backward, scorer_uses_kernels
+from .options import ScoreOptions, check_options
 from .packed_function import MaxSimPackedFunction, packed_route
 from .packing import PackedInputs
+from .reference_varlen import packed_reference
+from .soft import SoftMaxSimFunction, inverse_counts, packed_layout
 
 __all__ = [
     "maxsim_varlen",
@@ -53,6 +58,10 @@ def maxsim_varlen(
     backward: str = "auto",
     q_scale: torch.Tensor | None = None,
     d_scale: torch.Tensor | None = None,
+    reduction: str = "max",
+    tau: float | None = None,
+    top_k: int | None = None,
+    normalize_by: str = "none",
 ) -> torch.Tensor:
     """MaxSim of ``N`` packed ``(query i, document i)`` pairs (FlashAttention varlen layout), no padding.
 
@@ -73,6 +82,10 @@ def maxsim_varlen(
         q_scale, d_scale: 8-bit inputs (inference only), as in :func:`lik.maxsim`: ``d`` int8 / float8_e4m3fn
             with fp32 ``d_scale [total_d_tokens]``; ``q`` of the same dtype with ``q_scale [total_q_tokens]``, or
             float (quantized per token to ``d``'s dtype).
+        reduction, tau, top_k, normalize_by: as in :func:`lik.maxsim` (``normalize_by="query_tokens"``
+            divides each score by its query's token count). With ``reduction`` ``"smooth"`` or ``"topk"`` the
+            ``max_seqlen`` hints, when given, must be at least the true longest lengths (they size the backward's
+            grids); omitted, they are read from ``cu_seqlens`` (one synchronisation).
 
     Returns:
         float32 ``[N]`` (float64 for float64 inputs). Gradients flow to ``q`` and ``d`` in their dtype.
@@ -85,12 +98,15 @@ def maxsim_varlen(
         >>> lik.maxsim_varlen(q.cuda().half(), d.cuda().half(), cu_q.cuda(), cu_d.cuda(), max_q, max_d).shape
         torch.Size([2])
     """
+    options = _options(reduction, tau, top_k, normalize_by)
     deterministic = resolve_backward(backward)
     kernels = scorer_uses_kernels(q, d)
     inputs = PackedInputs.build_pairs(
         q, d, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, max_seqlen_d, read_values=not kernels, allow_float64=True,
         q_scale=q_scale, d_scale=d_scale,
     )
+    if options is not None:
+        return _with_options(kernels, inputs, deterministic, options, max_seqlen_d)
     return packed_route(kernels, _needs_grad(inputs), inputs, deterministic)
 
 
@@ -104,6 +120,10 @@ def maxsim_packed(
     backward: str = "auto",
     q_scale: torch.Tensor | None = None,
     d_scale: torch.Tensor | None = None,
+    reduction: str = "max",
+    tau: float | None = None,
+    top_k: int | None = None,
+    normalize_by: str = "none",
 ) -> torch.Tensor:
     """MaxSim of dense queries against every document of a packed (ragged, unpadded) corpus.
 
@@ -120,6 +140,10 @@ def maxsim_packed(
         q_scale, d_scale: 8-bit inputs (inference only), as in :func:`lik.maxsim`: ``d`` int8 / float8_e4m3fn
             with fp32 ``d_scale [total_d_tokens]``; ``Q`` of the same dtype with ``q_scale`` (``Q.shape[:-1]``),
             or float (quantized per token to ``d``'s dtype).
+        reduction, tau, top_k, normalize_by: as in :func:`lik.maxsim` (``normalize_by="query_tokens"``
+            divides each score by its query's token count). With ``reduction`` ``"smooth"`` or ``"topk"`` the
+            ``max_seqlen`` hints, when given, must be at least the true longest lengths (they size the backward's
+            grids); omitted, they are read from ``cu_seqlens`` (one synchronisation).
 
     Returns:
         float32 ``[B]`` for 2-D ``Q``, ``[Nq, B]`` for 3-D (float64 for float64 inputs); an empty document
@@ -132,10 +156,52 @@ def maxsim_packed(
         >>> lik.maxsim_packed(Q.cuda().half(), d.cuda().half(), cu_d.cuda(), max_seqlen_d=max_d).shape
         torch.Size([3])
     """
+    options = _options(reduction, tau, top_k, normalize_by)
     deterministic = resolve_backward(backward)
     kernels = scorer_uses_kernels(Q, d)
     inputs = PackedInputs.build_corpus(
         Q, d, cu_seqlens_d, q_mask, max_seqlen_d, read_values=not kernels, allow_float64=True,
         q_scale=q_scale, d_scale=d_scale,
     )
+    if options is not None:
+        return inputs.finish(_with_options(kernels, inputs, deterministic, options, max_seqlen_d))
     return inputs.finish(packed_route(kernels, _needs_grad(inputs), inputs, deterministic))
+
+
+def _options(reduction, tau, top_k, normalize_by) -> ScoreOptions | None:
+    """The checked options, or None for the plain max (its path is unchanged)."""
+    if reduction == "max" and normalize_by == "none" and tau is None and top_k is None:
+        return None
+    return check_options(reduction, tau, top_k, normalize_by)
+
+
+def _inverse_counts(inputs: PackedInputs) -> torch.Tensor:
+    """One over each query's token count: ``[N]`` for pairs (from ``cu_seqlens_q``), ``[Nq, 1]`` for a corpus."""
+    if inputs.pairs:
+        cu = inputs.cu_q.to(torch.int64)
+        return 1.0 / (cu[1:] - cu[:-1]).clamp(min=1).to(torch.float32)
+    return inverse_counts(inputs.q_mask, inputs.q.shape[0], inputs.q.shape[1], inputs.q.device)
+
+
+def _with_options(kernels: bool, inputs: PackedInputs, deterministic: bool, options: ScoreOptions,
+                  max_seqlen_d: int | None) -> torch.Tensor:
+    """A packed call with a soft reduction or length normalisation: the reference, the soft kernels' autograd
+    node, or the max's (normalised inside its node)."""
+    if inputs.d_scale is not None and options.reduction != "max":
+        raise ValueError(f"d is {inputs.d.dtype}: reduction={options.reduction!r} takes float d only")
+    if not kernels:
+        return packed_reference(inputs, options)
+    scale = _inverse_counts(inputs) if options.normalized else None
+    if options.reduction != "max":
+        if inputs.pairs and not inputs.values_checked:  # (the dQ grid needs the true longest query)
+            cu = inputs.cu_q.to(torch.int64)
+            inputs = replace(inputs, max_seqlen_q=int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0)
+        lay = packed_layout(inputs, max_seqlen_d)
+        return SoftMaxSimFunction.apply(inputs.q, inputs.d, lay, options, None if scale is None else (
+            scale[:, None] if inputs.pairs else scale))
+    needs_grad = _needs_grad(inputs)
+    if needs_grad and not torch.compiler.is_compiling():
+        return MaxSimPackedFunction.apply(inputs.q, inputs.d, inputs.cu_q, inputs.cu_d, inputs.q_mask,
+                                          inputs.max_seqlen_q, deterministic, scale)
+    scores = packed_route(kernels, needs_grad, inputs, deterministic)
+    return scores if scale is None else scores * scale
