@@ -55,6 +55,9 @@ def fused_head_reference_canonical(inputs: FusedHeadInputs, budget_bytes: int = 
         return connected_zeros((n_q, n_docs), acc, inputs.q, inputs.h, inputs.w)
     per_doc = max(1, n_sets * l_d * (w.shape[0] + d_model) * torch.finfo(acc).bits // 8)
     chunk = max(1, min(n_docs, budget_bytes // per_doc))
+    # Packed documents have no masked tokens, only an end: the padding of their padded view never competes, in
+    # either mode ("zero" and "exclude" agree where no token is masked).
+    mask_mode = "exclude" if inputs.packed else inputs.mask_mode
     out = []
     for start in range(0, n_docs, chunk):
         docs = slice(start, min(n_docs, start + chunk))
@@ -66,7 +69,7 @@ def fused_head_reference_canonical(inputs: FusedHeadInputs, budget_bytes: int = 
         if inputs.normalize:
             d = F.normalize(d, dim=-1, eps=NORMALIZE_EPS)
         scores = maxsim_reference_canonical(MaxSimInputs(
-            inputs.q, d, inputs.q_mask, mask, inputs.mask_mode, False, inputs.per_query_documents), budget_bytes)
+            inputs.q, d, inputs.q_mask, mask, mask_mode, False, inputs.per_query_documents), budget_bytes)
         out.append(scores)
     return torch.cat(out, dim=1)
 
