@@ -181,7 +181,7 @@ def soft_fwd_kernel(
                 vals, toks = _insert_top_k(tl.where(nan, float("inf"), sim), cols, vals, toks, slots, SLOTS)
         scored = row_ok & (n_counted > 0)
         if REDUCTION == REDUCE_SMOOTH:
-            lse2 = m + tl.log2(acc)
+            lse2 = m + tl.log2(tl.where(acc > 0, acc, 1.0))  # (a row with no token: masked out below)
             value = lse2 * out_scale
             if STORE_STATS:
                 tl.store(stats_ptr + stats_base + rows, tl.where(scored, lse2, float("inf")), mask=rows < q_length)

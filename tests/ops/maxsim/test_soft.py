@@ -1,0 +1,202 @@
+"""The soft reductions (``reduction="smooth"`` / ``"topk"``): the Triton kernels (interpreter, fp32) against the
+float64 reference, the reference against hand-computed values, and the nasty cases (odd sizes, sizes 0 and 1,
+garbage in padded positions, all-masked rows, NaN, ties, non-contiguous views, both mask modes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lik
+from lik.config import override
+from lik.config.maxsim import MaxSimSoftConfig
+from lik.ops.maxsim.reference import maxsim_reference
+
+from .helpers import rand_problem
+
+SOFT = [("smooth", {"tau": 0.1}), ("smooth", {"tau": 2.0}), ("topk", {"top_k": 3}), ("topk", {"top_k": 1})]
+IDS = ["smooth0.1", "smooth2", "top3", "top1"]
+
+
+def _grads(fn, Q, D, q_mask, d_mask, grad=None, dtype=None, **kw):
+    Qg = (Q.detach() if dtype is None else Q.detach().to(dtype)).clone().requires_grad_()
+    Dg = (D.detach() if dtype is None else D.detach().to(dtype)).clone().requires_grad_()
+    scores = fn(Qg, Dg, q_mask, d_mask, **kw)
+    g = torch.ones_like(scores) if grad is None else grad.to(scores.dtype)
+    dq, dd = torch.autograd.grad(scores, (Qg, Dg), g, allow_unused=True)
+    dq = torch.zeros_like(Qg) if dq is None else dq
+    dd = torch.zeros_like(Dg) if dd is None else dd
+    return scores.detach(), dq, dd
+
+
+def _check(Q, D, q_mask, d_mask, *, atol=2e-5, grad=None, **kw):
+    """Kernel (fp32) against reference (float64): scores and both gradients."""
+    got = _grads(lik.maxsim, Q, D, q_mask, d_mask, grad, torch.float32, **kw)
+    want = _grads(maxsim_reference, Q, D, q_mask, d_mask, grad, torch.float64, **kw)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.double(), w, atol=atol, rtol=1e-4, equal_nan=True)
+    return got, want
+
+
+@pytest.mark.parametrize("reduction,kw", SOFT, ids=IDS)
+@pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
+def test_kernel_matches_reference_masked_garbage(reduction, kw, mask_mode):
+    rng = torch.Generator().manual_seed(1)
+    Q, D, q_mask, d_mask = rand_problem(rng, 2, 5, 3, 19, 12)
+    d_mask[1] = False  # an all-masked document
+    q_mask[1, :] = False  # a query with no valid token
+    Q[~q_mask] = float("nan")
+    D[~d_mask] = float("inf")
+    D[0, ~d_mask[0]] = float("nan")
+    grad = torch.randn(2, 3, generator=rng)
+    (s, dq, dd), _ = _check(Q, D, q_mask, d_mask, grad=grad, mask_mode=mask_mode, reduction=reduction, **kw)
+    assert torch.isfinite(s).all() and torch.isfinite(dq).all() and torch.isfinite(dd).all()
+    assert (dq[~q_mask] == 0).all() and (dd[~d_mask] == 0).all()
+    assert (s[1] == 0).all()  # the empty query
+    if mask_mode == "exclude":
+        assert (s[:, 1] == 0).all() and (dd[1] == 0).all()
+
+
+@pytest.mark.parametrize("reduction,kw", SOFT[::2], ids=IDS[::2])
+def test_per_query_documents_and_2d_query(reduction, kw):
+    rng = torch.Generator().manual_seed(2)
+    Q, D, q_mask, d_mask = rand_problem(rng, 2, 3, 2, 7, 8, per_query=True)
+    _check(Q, D, q_mask, d_mask, reduction=reduction, **kw)
+    Q2, D2, q2, d2 = rand_problem(rng, 1, 4, 3, 6, 8, squeeze=True, masks=False)
+    (s, _, _), _ = _check(Q2, D2, q2, d2, reduction=reduction, **kw)
+    assert s.shape == (3,)
+
+
+@pytest.mark.parametrize("reduction,kw", SOFT[::2], ids=IDS[::2])
+def test_wide_embeddings_in_chunks_and_noncontiguous(reduction, kw):
+    rng = torch.Generator().manual_seed(3)
+    Q = torch.randn(2, 3, 40, generator=rng).transpose(0, 1)  # [3, 2, 40] view, non-contiguous
+    D = torch.randn(13, 2, 40, generator=rng)[:, :, :].permute(1, 0, 2)  # [2, 13, 40]
+    with override(maxsim_soft=MaxSimSoftConfig(block_m=16, block_n=16, block_k=16)):  # 3 feature chunks
+        _check(Q, D, None, None, atol=5e-5, reduction=reduction, **kw)
+
+
+@pytest.mark.parametrize("reduction,kw", SOFT[::2], ids=IDS[::2])
+@pytest.mark.parametrize("shape", [(1, 0, 2, 3, 4), (1, 3, 2, 0, 4), (1, 3, 0, 5, 4), (0, 3, 2, 5, 4),
+                                   (1, 1, 1, 1, 1)])
+def test_sizes_zero_and_one(reduction, kw, shape):
+    n_q, l_q, n_docs, l_d, dim = shape
+    Q = torch.randn(n_q, l_q, dim)
+    D = torch.randn(n_docs, l_d, dim)
+    (s, dq, dd), _ = _check(Q, D, None, None, reduction=reduction, **kw)
+    assert s.shape == (n_q, n_docs)
+    if 0 in shape:
+        assert (s == 0).all() and (dq == 0).all() and (dd == 0).all()
+
+
+def test_topk_ties_choose_lower_tokens():
+    # Integer embeddings: every product is exact, so the ties are exact on every path.
+    Q = torch.tensor([[[1.0, 0.0]]])
+    D = torch.tensor([[[2.0, 0.0], [1.0, 5.0], [2.0, 1.0], [2.0, 3.0], [0.0, 1.0]]])  # sims 2, 1, 2, 2, 0
+    (s, dq, dd), _ = _check(Q, D, None, None, reduction="topk", top_k=2)
+    assert s.item() == 2.0
+    assert dd[0, :, 0].tolist() == [0.5, 0.0, 0.5, 0.0, 0.0]  # tokens 0 and 2, not 3
+    # fewer tokens in the reduction than top_k: the mean of those there are (here the 3 valid ones: 2, 1, 0)
+    d_mask = torch.tensor([[False, True, False, True, True]])
+    (s, _, dd), _ = _check(Q, D, None, d_mask, reduction="topk", top_k=16)
+    assert s.item() == pytest.approx((1 + 2 + 0) / 3)
+    assert dd[0, :, 0].tolist() == pytest.approx([0.0, 1 / 3, 0.0, 1 / 3, 1 / 3])
+
+
+def test_reference_values_by_hand():
+    Q = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    D = torch.tensor([[[1.0, 2.0], [3.0, -1.0], [0.5, 0.5]]], dtype=torch.float64)  # rows: [1, 3, .5], [2, -1, .5]
+    tau = 0.7
+    want = sum(tau * math.log(sum(math.exp(v / tau) for v in row)) for row in ([1, 3, 0.5], [2, -1, 0.5]))
+    assert maxsim_reference(Q, D, reduction="smooth", tau=tau).item() == pytest.approx(want)
+    assert maxsim_reference(Q, D, reduction="topk", top_k=2).item() == pytest.approx((3 + 1) / 2 + (2 + 0.5) / 2)
+    assert maxsim_reference(Q, D, reduction="topk", top_k=1).item() == maxsim_reference(Q, D).item()
+    # "zero": a masked token is similarity 0 and takes part (here it lifts the first row's second-best to 0)
+    d_mask = torch.tensor([[True, True, False]])
+    assert maxsim_reference(Q, D, None, d_mask, reduction="topk", top_k=2).item() == pytest.approx(2 + 0.5)
+    got = maxsim_reference(Q, D, None, d_mask, mask_mode="zero", reduction="topk", top_k=3).item()
+    assert got == pytest.approx((3 + 1 + 0) / 3 + (2 - 1 + 0) / 3)
+    # a small tau approaches the max
+    assert maxsim_reference(Q, D, reduction="smooth", tau=1e-3).item() == pytest.approx(5.0, abs=1e-2)
+
+
+@pytest.mark.parametrize("reduction,kw", SOFT[::2], ids=IDS[::2])
+def test_nan_in_a_valid_token_makes_its_pairs_nan(reduction, kw):
+    Q = torch.randn(2, 3, 4)
+    D = torch.randn(3, 5, 4)
+    D[1, 2, 0] = float("nan")
+    s = lik.maxsim(Q, D, reduction=reduction, **kw)
+    r = maxsim_reference(Q.double(), D.double(), reduction=reduction, **kw)
+    assert s[:, 1].isnan().all() and r[:, 1].isnan().all()
+    torch.testing.assert_close(s[:, [0, 2]].double(), r[:, [0, 2]], atol=2e-5, rtol=1e-4)
+
+
+def test_backward_is_repeatable_bit_for_bit():
+    rng = torch.Generator().manual_seed(4)
+    Q, D, q_mask, d_mask = rand_problem(rng, 2, 3, 2, 9, 8)
+    first = _grads(lik.maxsim, Q, D, q_mask, d_mask, reduction="smooth", tau=0.3)
+    again = _grads(lik.maxsim, Q, D, q_mask, d_mask, reduction="smooth", tau=0.3)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reduction,kw", SOFT[::2], ids=IDS[::2])
+def test_packed_pairs_and_corpus(reduction, kw):
+    rng = torch.Generator().manual_seed(5)
+    q, cu_q, max_q = lik.pack([torch.randn(n, 6, generator=rng) for n in (3, 0, 5, 1)])
+    d, cu_d, max_d = lik.pack([torch.randn(n, 6, generator=rng) for n in (7, 4, 0, 17)])
+    for dtype in (torch.float32, torch.float64):  # kernels, then the reference
+        qg, dg = q.to(dtype).requires_grad_(), d.to(dtype).requires_grad_()
+        s = lik.maxsim_varlen(qg, dg, cu_q, cu_d, max_q, max_d, reduction=reduction, **kw)
+        grads = torch.autograd.grad(s.sum(), (qg, dg))
+        if dtype == torch.float32:
+            got = (s, *grads)
+    for g, w in zip(got, (s, *grads)):
+        torch.testing.assert_close(g.double(), w, atol=2e-5, rtol=1e-4)
+    Q = torch.randn(2, 4, 6, generator=rng)
+    q_mask = torch.tensor([[True, False, True, True], [False] * 4])
+    for dtype in (torch.float32, torch.float64):
+        Qg, dg = Q.to(dtype).requires_grad_(), d.to(dtype).requires_grad_()
+        s = lik.maxsim_packed(Qg, dg, cu_d, q_mask, reduction=reduction, **kw)
+        grads = torch.autograd.grad(s.sum(), (Qg, dg))
+        if dtype == torch.float32:
+            got = (s, *grads)
+    for g, w in zip(got, (s, *grads)):
+        torch.testing.assert_close(g.double(), w, atol=2e-5, rtol=1e-4)
+    assert (got[0][1] == 0).all() and (got[1][1] == 0).all() and (got[0][:, 2] == 0).all()
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"reduction": "mean"}, ValueError, "reduction"),
+    ({"reduction": "smooth"}, TypeError, "tau"),
+    ({"reduction": "smooth", "tau": 0.0}, ValueError, "tau"),
+    ({"reduction": "smooth", "tau": float("nan")}, ValueError, "tau"),
+    ({"reduction": "topk"}, TypeError, "top_k"),
+    ({"reduction": "topk", "top_k": 17}, ValueError, "top_k"),
+    ({"reduction": "topk", "top_k": 0}, ValueError, "top_k"),
+    ({"reduction": "topk", "top_k": 2.0}, TypeError, "top_k"),
+    ({"tau": 0.5}, ValueError, "tau"),
+    ({"reduction": "smooth", "tau": 1.0, "top_k": 2}, ValueError, "top_k"),
+    ({"normalize_by": "doc_tokens"}, ValueError, "normalize_by"),
+    ({"save_d_as": torch.float16}, ValueError, "save_d_as"),
+])
+def test_bad_options_are_refused_by_name(kwargs, error, match):
+    Q, D = torch.randn(3, 4), torch.randn(2, 5, 4)
+    for fn in (lik.maxsim, maxsim_reference):
+        if "save_d_as" in kwargs and fn is maxsim_reference:
+            continue
+        with pytest.raises(error, match=match):
+            fn(Q, D, **kwargs)
+    d, cu_d, _ = lik.pack([torch.randn(5, 4)])
+    if "save_d_as" not in kwargs:
+        with pytest.raises(error, match=match):
+            lik.maxsim_packed(Q, d, cu_d, **kwargs)
+
+
+def test_eight_bit_documents_refuse_soft_reductions():
+    D_q, d_scale = lik.quantize(torch.randn(2, 5, 4), torch.int8)
+    with pytest.raises(ValueError, match="float"):
+        lik.maxsim(torch.randn(3, 4), D_q, d_scale=d_scale, reduction="smooth", tau=0.5)
