@@ -1,14 +1,26 @@
 """Forward launcher of packed MaxSim: packed documents (and, for pairs, packed queries) through the one launch of the
-tile loop's forward kernel (:mod:`lik.core.forward_launch`), told so by its ``LAYOUT`` flag."""
+tile loop's forward kernel (:mod:`lik.core.forward_launch`), told so by its ``LAYOUT`` flag; or, for inference of
+dense queries against a corpus of short documents, through the token stream (:mod:`lik.core.token_stream`), as
+:func:`lik.config.packed.packed_stream_config` chooses."""
 
 from __future__ import annotations
 
 import torch
 
-from ...core.forward_launch import chunk_sums, launch_forward, packed_problem
+from ... import _device
+from ..._device import cdiv
+from ..._launch import launch
+from ..._replay import made
+from ...config.packed import PackedStreamConfig, packed_stream_config
+from ...core.division import divisor_constants
+from ...core.forward_launch import ForwardProblem, chunk_sums, launch_forward, packed_problem, scale_pointers
+from ...core.quantized import loader_chunks, loader_of
+from ...core.segments import PACKED
+from ...core.token_stream import token_stream_kernel
+from ...config.maxsim import feature_chunks
 from .packing import PackedInputs
 
-__all__ = ["packed_forward", "packed_forward_problem"]
+__all__ = ["packed_forward", "packed_forward_problem", "packed_launch", "stream_config", "launch_token_stream"]
 
 
 def packed_forward_problem(inputs: PackedInputs):
@@ -17,12 +29,64 @@ def packed_forward_problem(inputs: PackedInputs):
                           max_seqlen_q=inputs.max_seqlen_q, q_scale=inputs.q_scale, d_scale=inputs.d_scale)
 
 
+def stream_config(problem: ForwardProblem, store_argmax: bool) -> PackedStreamConfig | None:
+    """The token stream's tiles for ``problem``, or None where the document loop takes it (pairs, winners, an empty
+    problem, long documents, wide embeddings)."""
+    if problem.layout != PACKED.value or store_argmax:
+        return None
+    q, d = problem.q, problem.d
+    if q.numel() == 0 or d.numel() == 0 or problem.n_docs == 0:
+        return None
+    return packed_stream_config(q_len=problem.q_len, n_queries=problem.n_queries, dim=q.shape[-1], dtype=d.dtype,
+                                device=q.device, n_rows=d.shape[0], n_docs=problem.n_docs)
+
+
+def packed_launch(problem: ForwardProblem, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`~lik.core.forward_launch.launch_forward`'s contract (per-chunk sums ``[n_chunks, Nq, B]``, winners),
+    through the token stream where :func:`stream_config` gives it tiles."""
+    cfg = stream_config(problem, store_argmax)
+    if cfg is None:
+        return launch_forward(problem, store_argmax)
+    return launch_token_stream(problem, cfg), None
+
+
+def launch_token_stream(problem: ForwardProblem, cfg: PackedStreamConfig) -> torch.Tensor:
+    """Launch :func:`~lik.core.token_stream.token_stream_kernel` on a packed-corpus ``problem`` (not empty);
+    returns the fp32 per-chunk sums ``[n_chunks, Nq, B]`` (announced to a recording: :func:`lik._replay.made`)."""
+    q, d, cu_d = problem.q, problem.d, problem.cu_d
+    dim, device = q.shape[-1], q.device
+    n_q, l_q, n_docs = problem.n_queries, problem.q_len, problem.n_docs
+    loader = loader_of(d.dtype)
+    block_k, _ = loader_chunks(*feature_chunks(dim, 1 << 30), loader)
+    n_chunks = cdiv(l_q, cfg.group_rows)
+    n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
+    partial = made(torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device))
+    # Programs per row block: the SMs' share, at most one per tile of rows (a program with no documents returns).
+    share = cfg.programs_per_sm * _device.sm_count(device) // n_row_blocks
+    programs = max(1, min(cdiv(d.shape[0], cfg.block_t), share))
+    q_mask = problem.q_mask
+    q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
+    scales = (partial, partial) if problem.d_scale is None else scale_pointers(problem.q_scale, problem.d_scale)
+    launch(
+        token_stream_kernel, (n_row_blocks * programs,),
+        q, d, q_mask_arg, cu_d, partial, *scales,
+        n_q, l_q, n_docs, d.shape[0], n_chunks, n_row_blocks, programs, int(n_docs).bit_length(),
+        *divisor_constants(n_row_blocks), *divisor_constants(n_chunks),
+        *q.stride(), *d.stride(), *q_mask_strides, *partial.stride(),
+        DIM=dim, GROUP_ROWS=cfg.group_rows, GROUPS=cfg.groups, BLOCK_T=cfg.block_t, BLOCK_K=block_k,
+        HAS_Q_MASK=q_mask is not None, DOT_PRECISION=problem.dot_precision, LOADER=loader,
+        SEGMENTS=cfg.segments, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_registers or None,
+    )
+    return partial
+
+
 def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on packed inputs.
 
     Returns fp32 scores (pairs ``[N]``, corpus ``[Nq, B]``) and, with ``store_argmax``, the int32 winners as
     absolute rows of ``d`` (pairs ``[Tq]``, corpus ``[Nq, B, Lq]``; -1 where a row gets no gradient).
+    Inference of a corpus of short documents takes the token stream (:func:`packed_launch`).
     """
-    partial, argmax = launch_forward(packed_forward_problem(inputs), store_argmax)
+    partial, argmax = packed_launch(packed_forward_problem(inputs), store_argmax)
     scores = chunk_sums(partial)
     return (scores[0] if inputs.pairs else scores), argmax

@@ -1,0 +1,102 @@
+"""The launch choice of packed-corpus inference: the document loop of the core kernel, or the token stream
+(:mod:`lik.core.token_stream`), and the stream's tiles.
+
+The stream walks a program's documents as one run of full tiles, so it wins where documents are short next to a
+tile (a document loop then computes a ragged last tile per document and refills its pipeline per document). What
+it reads: the mean document length (rows over documents: shapes only, no host synchronisation), the query rows and
+the dtype. ``lik.config.override(packed_stream=PackedStreamConfig(...))`` forces a tile, and
+``PackedStreamConfig(stream=False)`` forces the document loop (the A/B of the two paths).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .. import _device
+from .forced import FORCED, register
+from .maxsim import EIGHT_BIT_DTYPES, MAX_RESIDENT_DIM, _maxsim_forward_heuristic
+
+__all__ = ["PackedStreamConfig", "packed_stream_config", "STREAM_MAX_MEAN_TILES"]
+
+# The stream's documents: up to this many tiles long on average. Unmeasured on a GPU when written; a page of
+# ColPali (about 1 030 tokens, 16 tiles of 64) still takes it: the walk computes no ragged tile and refills no
+# pipeline per page either, and `lik bench` (packed_stream_cases) A/Bs both paths.
+STREAM_MAX_MEAN_TILES = 32
+
+
+@dataclass(frozen=True)
+class PackedStreamConfig:
+    """Tiles of the token-stream kernel: ``groups`` query groups of ``group_rows`` rows (the padded heuristic's
+    row blocks) against ``block_t`` packed rows per tile, ``programs_per_sm`` programs per SM in all (each owning a
+    share of the rows), ``max_registers`` > 0 capping the registers per thread, and ``segments`` documents per tile
+    folded in unrolled passes. ``stream=False``: take the
+    document loop instead (only meaningful when forced).
+
+    Example:
+        >>> from lik.config import override
+        >>> with override(packed_stream=PackedStreamConfig(stream=False)):
+        ...     scores = lik.maxsim_packed(Q, d, cu)  # the document loop
+    """
+
+    group_rows: int = 32
+    groups: int = 1
+    block_t: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 2
+    max_registers: int = 0
+    stream: bool = True
+    # documents per tile folded in unrolled passes (more take a counted loop)
+    segments: int = 3
+
+    @property
+    def block_m(self) -> int:
+        return self.group_rows * self.groups
+
+
+def packed_stream_config(
+    *, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, device: torch.device, n_rows: int, n_docs: int,
+) -> PackedStreamConfig | None:
+    """The stream's tiles for ``n_queries`` dense queries of ``q_len`` tokens against ``n_docs`` packed documents
+    of ``n_rows`` rows in all, or None when the document loop takes the call (long documents, embeddings wider
+    than :data:`~lik.config.maxsim.MAX_RESIDENT_DIM`). Inference only: the caller asks only without winners.
+    A forced config (``packed_stream``) is returned as it is (``stream=False``: None)."""
+    forced = FORCED.get("packed_stream")
+    if forced is not None:
+        return forced if forced.stream and dim <= MAX_RESIDENT_DIM else None
+    if dim > MAX_RESIDENT_DIM or n_docs == 0:
+        return None
+    cfg = _stream_tiles(q_len, n_queries, dim, dtype, _device.arch(device), _device.interpreting(),
+                        _device.shared_memory(device))
+    if n_rows > STREAM_MAX_MEAN_TILES * cfg.block_t * n_docs:
+        return None
+    return cfg
+
+
+@functools.lru_cache(maxsize=1024)
+def _stream_tiles(q_len, n_queries, dim, dtype, arch, interpreted, smem) -> PackedStreamConfig:
+    # The padded heuristic's row blocks (stacked short queries, a long query split in groups): the stream's tile
+    # is the padded loop's tile with the documents' boundaries removed.
+    padded = _maxsim_forward_heuristic(q_len, n_queries, dim, dtype, False, arch, interpreted, False, False, smem)
+    rows = padded.block_m
+    if interpreted:
+        return PackedStreamConfig(padded.group_rows, padded.groups, 16, 4, 1, 2)
+    eight_bit = dtype in EIGHT_BIT_DTYPES
+    if rows <= 64:
+        # One short query streams the corpus (memory-bound): 128-row tiles (as the packed document loop measured),
+        # three stages, two programs per SM (96 KB of tiles in flight each at 16 bits).
+        return PackedStreamConfig(padded.group_rows, padded.groups, 128, 4, 3, 3 if eight_bit else 2)
+    if eight_bit:
+        # Stacked 8-bit rows: the padded loop's 128 x 128 tiles of 4 warps, two programs per SM.
+        return PackedStreamConfig(padded.group_rows, padded.groups, 128, 4, 4 if rows <= 128 else 3, 2)
+    if rows <= 128:
+        return PackedStreamConfig(padded.group_rows, padded.groups, 64, 4, 3, 2)
+    # 256 stacked 16-bit rows: the padded persistent loop's 256 x 64 tiles, 8 warps capped at 128 registers so
+    # that two programs share an SM.
+    return PackedStreamConfig(padded.group_rows, padded.groups, 64, 8, 3, 2, 128)
+
+
+register("packed_stream", PackedStreamConfig)
