@@ -2,6 +2,7 @@
 
     from lik.integrations.late_interaction_kernels import maxsim, retrieve   # was: from late_interaction_kernels ...
     from lik.integrations.late_interaction_kernels.fp8 import maxsim_inference_fp8   # was: ...kernels.fp8 ...
+    from lik.integrations.late_interaction_kernels.fused_head import maxsim_from_hidden   # was: ...fused_head ...
 
 Covered, with its signatures, shapes and mask semantics (``True`` = valid token; a masked document token never
 takes part in the max, a masked query token adds 0, a document with no valid token scores 0: lik's
@@ -15,10 +16,12 @@ takes part in the max, a masked query token adds 0, a document with no valid tok
 * the submodules :mod:`.fp8` (``maxsim_inference_fp8``, ``quantize_fp8_per_tensor`` / ``_per_token``,
   ``dequantize_fp8_per_tensor`` / ``_per_token``), :mod:`.padded` (``maxsim_padded``, ``pack_padded``,
   ``PackedBatch``), :mod:`.topk` (``maxsim_topk``), :mod:`.score_pairs` (``score_pairs_packed``),
-  :mod:`.pylate_compat` and :mod:`.colpali_compat` (the switches above).
+  :mod:`.fused_head` (``maxsim_from_hidden``: lik's :func:`lik.maxsim_from_hidden`, the projection head fused
+  into scoring, with gradients to ``Q``, ``H_d``, ``W`` and ``b``), :mod:`.pylate_compat` and
+  :mod:`.colpali_compat` (the switches above).
 
 Not covered: ``plaid.maxsim_residual`` (ColBERTv2 / PLAID compressed residuals: lik has no compressed codec yet),
-``fused_head.maxsim_from_hidden`` (the projection head fused into scoring: not in lik yet), the Apple ``mps``
+the Apple ``mps``
 backend, the peer's internals (``autograd``, ``forward``, ``backward``, ``_autotune``, ``_utils``) and its
 ``reference`` module (lik's own specification is :func:`lik.maxsim_reference`).
 
@@ -55,13 +58,19 @@ Deliberate differences (its behaviour is not reproduced):
   read here); the host's function objects are switched in place, so no name is rebound
   (``pylate.scores.colbert_scores`` stays the object it was) and the peer's internals (``_ORIGINAL``,
   ``patched_colbert_scores``, ``package_at_least``) do not exist;
+* ``fused_head.maxsim_from_hidden`` computes in the inputs' dtype (fp32 inputs get fp32 products under
+  ``torch.get_float32_matmul_precision()``; the peer rounds every operand to fp16 or bf16), casts ``Q``, ``W`` and
+  ``b`` to ``H_d``'s dtype when they differ, projects and normalises each tile once for every query (the peer
+  once per query and document), and its backward recomputes the projection a chunk of documents at a time
+  (the peer gathers ``Nq * Nd * Lq`` hidden rows of ``d_model``: more than ``H_d`` itself in in-batch training);
+  a NaN or inf in a valid token gives NaN, and masked hidden rows, garbage included, get exactly 0 gradient;
 * bad input raises ``ValueError`` / ``TypeError`` naming the argument (the peer's messages' key phrases are kept
   where it checks the same thing).
 """
 
 from __future__ import annotations
 
-from . import fp8, padded, score_pairs, topk
+from . import fp8, fused_head, padded, score_pairs, topk
 from .colpali_compat import patch_colpali_engine, unpatch_colpali_engine
 from .padded import maxsim_padded
 from .pylate_compat import patch_pylate, unpatch_pylate
@@ -79,6 +88,7 @@ __all__ = [
     "maxsim_pairs",
     "maxsim_varlen",
     "fp8",
+    "fused_head",
     "padded",
     "score_pairs",
     "topk",
