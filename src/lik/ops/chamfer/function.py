@@ -130,7 +130,7 @@ def _directed(a: _Cloud, b: _Cloud, norm: int, deterministic: bool, kernels: boo
 
 def _clouds(sets: PointSets, norm: int) -> tuple[_Cloud, _Cloud, bool]:
     kernels = uses_kernels(sets.x)
-    direct = kernels and uses_direct_route(sets.x.shape[2], norm, sets.x.device)
+    direct = kernels and uses_direct_route(sets.x.shape[2], norm, sets.x.device, sets.x.dtype)
     return _Cloud(sets.x, sets.x_lengths, kernels, direct), _Cloud(sets.y, sets.y_lengths, kernels, direct), kernels
 
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._device import cdiv
+from ..._device import cdiv, next_power_of_2
 from ...config.nearest import NEAREST_POINT_MAX_DIM, NearestConfig, nearest_config
 from ...core.forward_launch import launch_forward, padded_problem
 from .validation import valid_points
@@ -55,6 +55,8 @@ AUGMENTED_MAX_DIM = 14
 # The default tiles (tests size their clouds around them).
 BLOCK_M = NearestConfig.block_m
 BLOCK_N = NearestConfig.block_n
+# Widest operand the dot loop keeps resident (one product per y tile, no feature loop).
+RESIDENT_MAX_WIDTH = 128
 # The direct kernel unrolls its coordinate loop up to this width.
 UNROLLED_MAX_DIM = tl.constexpr(16)
 _NO_KEY = tl.constexpr(2147483647)
@@ -65,6 +67,9 @@ _RUNTIME_INTS = [
     "stride_xn", "stride_xp", "stride_yn", "stride_yp", "stride_sn", "stride_in", "stride_ip", "stride_tn",
     "stride_xk", "stride_yk", "stride_kn",
 ]
+# The dot loop's operand strides (a multiple of the contiguous operands' width) stay specialised: their
+# alignment lets a tile's loads vectorise. Only the strides that follow P are not.
+_DOT_RUNTIME_INTS = ["stride_sn", "stride_tn", "stride_in", "stride_kn"]
 
 
 @triton.jit
@@ -91,51 +96,64 @@ def store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip):
     tl.store(idx_ptr + cloud.to(tl.int64) * stride_in + rows * stride_ip, best_col, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.jit(do_not_specialize=_DOT_RUNTIME_INTS)
 def nearest_dot_kernel(
-    x_ptr, y_ptr, x_sq_ptr, y_sq_ptr, x_len_ptr, y_len_ptr, idx_ptr,
-    stride_xn, stride_xp, stride_yn, stride_yp, stride_sn, stride_tn, stride_in, stride_ip,
+    x_ptr, y_ptr, x_sq_ptr, y_sq_ptr, x_len_ptr, y_len_ptr, idx_ptr, y_key_ptr,
+    stride_xn, stride_xp, stride_yn, stride_yp, stride_sn, stride_tn, stride_in, stride_ip, stride_kn,
     DIM: tl.constexpr, AUGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, COL_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, COL_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, BOTH_WAYS: tl.constexpr,
+    ROW_BITS: tl.constexpr,
 ):
     cloud = tl.program_id(1)
     x_len = tl.load(x_len_ptr + cloud)
     y_len = tl.load(y_len_ptr + cloud)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_start = tl.program_id(0).to(tl.int64) * BLOCK_M
+    rows = row_start + tl.arange(0, BLOCK_M)
     row_ok = rows < x_len
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + cloud.to(tl.int64) * stride_xn + rows * stride_xp
     y_base = y_ptr + cloud.to(tl.int64) * stride_yn
     best_key = tl.full((BLOCK_M,), _NO_KEY, tl.int32)
     best_col = tl.full((BLOCK_M,), -1, tl.int32)
-    if tl.program_id(0) * BLOCK_M < x_len:
+    if row_start < x_len:
         if not AUGMENTED:
-            x_sq = tl.load(x_sq_ptr + cloud.to(tl.int64) * stride_sn + rows, mask=row_ok, other=0.0)
+            # A padded row's norm reads +inf: its distances are +inf (never a winner either way) without a select.
+            x_sq = tl.load(x_sq_ptr + cloud.to(tl.int64) * stride_sn + rows, mask=row_ok, other=float("inf"))
         if DIM <= BLOCK_K:
-            x_tile = tl.load(x_rows[:, None] + offs_k[None, :], mask=row_ok[:, None] & (offs_k[None, :] < DIM),
-                             other=0.0)
+            if DIM == BLOCK_K:
+                x_tile = tl.load(x_rows[:, None] + offs_k[None, :], mask=row_ok[:, None], other=0.0)
+            else:
+                x_tile = tl.load(x_rows[:, None] + offs_k[None, :],
+                                 mask=row_ok[:, None] & (offs_k[None, :] < DIM), other=0.0)
         for start in range(0, y_len, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < y_len
             y_cols = y_base + cols.to(tl.int64) * stride_yp
             if DIM <= BLOCK_K:
-                y_tile = tl.load(y_cols[:, None] + offs_k[None, :], mask=col_ok[:, None] & (offs_k[None, :] < DIM),
-                                 other=0.0)
-                dist = tl.dot(x_tile, tl.trans(y_tile), input_precision=DOT_PRECISION)
+                if DIM == BLOCK_K:
+                    y_tile = tl.load(y_cols[:, None] + offs_k[None, :], mask=col_ok[:, None], other=0.0)
+                else:
+                    y_tile = tl.load(y_cols[:, None] + offs_k[None, :],
+                                     mask=col_ok[:, None] & (offs_k[None, :] < DIM), other=0.0)
+                prod = tl.dot(x_tile, tl.trans(y_tile), input_precision=DOT_PRECISION)
             else:
-                dist = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                prod = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 for k0 in range(0, DIM, BLOCK_K):
                     kk = k0 + offs_k
                     xk = tl.load(x_rows[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < DIM), other=0.0)
                     yk = tl.load(y_cols[:, None] + kk[None, :], mask=col_ok[:, None] & (kk[None, :] < DIM), other=0.0)
-                    dist = tl.dot(xk, tl.trans(yk), dist, input_precision=DOT_PRECISION)
-            if not AUGMENTED:
-                # y' = -2y: the product is -2 x.y.
-                y_sq = tl.load(y_sq_ptr + cloud.to(tl.int64) * stride_tn + cols, mask=col_ok, other=0.0)
-                dist = dist + x_sq[:, None] + y_sq[None, :]
-            # An infinite y point gives inf - inf = NaN here where its true distance to a finite x is +inf.
-            dist = tl.where(col_ok[None, :] & (dist == dist), dist, float("inf"))
+                    prod = tl.dot(xk, tl.trans(yk), prod, input_precision=DOT_PRECISION)
+            if AUGMENTED:
+                dist = tl.where(row_ok[:, None] & col_ok[None, :], prod, float("inf"))
+            else:
+                y_sq = tl.load(y_sq_ptr + cloud.to(tl.int64) * stride_tn + cols, mask=col_ok, other=float("inf"))
+                dist = x_sq[:, None] + y_sq[None, :] - 2.0 * prod
+            # An infinite point gives inf - inf = NaN where its true distance to a finite point is +inf; and
+            # cancellation can dip below 0, whose float bits would order wrongly as keys.
+            dist = tl.where(dist == dist, tl.maximum(dist, 0.0), float("inf"))
             best_key, best_col = fold_key_tile(dist, start, best_key, best_col, BLOCK_N, COL_BITS)
+            if BOTH_WAYS:
+                fold_reverse_tile(dist, row_start, cols, col_ok, y_key_ptr + cloud.to(tl.int64) * stride_kn, ROW_BITS)
     store_winners(idx_ptr, cloud, rows, row_ok, best_col, stride_in, stride_ip)
 
 
@@ -225,15 +243,20 @@ def tf32_parts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _dot_operands(x, y, x_lengths, augmented: bool, split: bool):
-    """Operands of the dot route: ``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]`` (augmented: the product is
-    the distance) or ``x``, ``-2y`` with the norms added in the kernel; TF32 parts when ``split``."""
+    """Operands of the dot route. float32: centred on the ``x`` cloud, ``x' = [x, 1, |x|^2]``,
+    ``y' = [-2y, |y|^2, 1]`` when ``augmented`` (the product is the distance), else ``x`` and ``y`` with the
+    norms added in the kernel; TF32 parts when ``split``. float16 / bfloat16: the inputs themselves (exact
+    products on the tensor cores; a centred copy would round), with float32 norms."""
+    if x.dtype != torch.float32:
+        x_sq, y_sq = x.float().square().sum(-1), y.float().square().sum(-1)
+        return x.contiguous(), y.contiguous(), x_sq.contiguous(), y_sq.contiguous()
     xc, yc, x_sq, y_sq = _centred(x, y, x_lengths)
     if augmented:
         ones_x, ones_y = torch.ones_like(x_sq)[..., None], torch.ones_like(y_sq)[..., None]
         xa = torch.cat([xc, ones_x, x_sq[..., None]], dim=-1)
         ya = torch.cat([-2.0 * yc, y_sq[..., None], ones_y], dim=-1)
     else:
-        xa, ya = xc, -2.0 * yc
+        xa, ya = xc, yc
     if split:
         xa, ya = tf32_parts(xa, ya)
     return xa.contiguous(), ya.contiguous(), x_sq.contiguous(), y_sq.contiguous()
@@ -266,9 +289,9 @@ def coordinate_major(points: torch.Tensor) -> torch.Tensor:
     return points.transpose(1, 2).contiguous()
 
 
-def uses_direct_route(dim: int, norm: int, device: torch.device) -> bool:
+def uses_direct_route(dim: int, norm: int, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
     """Whether :func:`nearest_indices` reads the clouds coordinate-major (the caller may prepare those copies)."""
-    return nearest_config(dim=dim, norm=norm, device=device).route == "direct"
+    return nearest_config(dim=dim, norm=norm, device=device, dtype=dtype).route == "direct"
 
 
 def _decode_reverse(keys: torch.Tensor) -> torch.Tensor:
@@ -290,10 +313,10 @@ def nearest_indices(
     route finds both directions in one pass over the pairs (:attr:`NearestConfig.one_pass`)."""
     n, p1, dim = x.shape
     p2 = y.shape[1]
-    cfg = nearest_config(dim=dim, norm=norm, device=x.device)
+    cfg = nearest_config(dim=dim, norm=norm, device=x.device, dtype=x.dtype)
     if cfg.route != "direct" and norm != 2:
         raise ValueError(f"the {cfg.route} route computes squared L2 distances only, not norm={norm}")
-    if both_ways and not (cfg.route == "direct" and cfg.one_pass):
+    if both_ways and not (cfg.route in ("direct", "dot") and cfg.one_pass):
         return (nearest_indices(x, y, x_lengths, y_lengths, norm, xt, yt),
                 nearest_indices(y, x, y_lengths, x_lengths, norm, yt, xt))
     if both_ways and p2 > p1:
@@ -320,19 +343,25 @@ def nearest_indices(
             BOTH_WAYS=both_ways, ROW_BITS=cfg.block_m.bit_length() - 1, num_warps=cfg.num_warps,
         )
         return (idx, _decode_reverse(y_keys)) if both_ways else idx
-    split = cfg.precision == "tf32x3"
+    split = cfg.precision == "tf32x3" and x.dtype == torch.float32
     if cfg.route == "core":
         return _core_nearest(x, y, x_lengths, y_lengths, split)
-    augmented = dim <= AUGMENTED_MAX_DIM
+    # The norms' columns would be rounded to TF32 with the coordinates (or to half precision): outside the
+    # product they stay float32.
+    augmented = dim <= AUGMENTED_MAX_DIM and x.dtype == torch.float32 and cfg.precision != "tf32"
     xa, ya, x_sq, y_sq = _dot_operands(x, y, x_lengths, augmented, split)
     width = xa.shape[-1]
-    block_k = 16 if width <= 16 else 32
+    # Up to 128 features the x block stays resident and each y tile is one product.
+    block_k = max(16, next_power_of_2(width)) if width <= RESIDENT_MAX_WIDTH else 32
+    y_keys = torch.full((n, p2), torch.iinfo(torch.int64).max, dtype=torch.int64, device=x.device) \
+        if both_ways else idx
+    tf32 = x.dtype == torch.float32 and cfg.precision in ("tf32", "tf32x3")
     nearest_dot_kernel[grid](
-        xa, ya, x_sq, y_sq, x_len32, y_len32, idx,
+        xa, ya, x_sq, y_sq, x_len32, y_len32, idx, y_keys,
         xa.stride(0), xa.stride(1), ya.stride(0), ya.stride(1), x_sq.stride(0), y_sq.stride(0),
-        idx.stride(0), idx.stride(1),
+        idx.stride(0), idx.stride(1), y_keys.stride(0),
         DIM=width, AUGMENTED=augmented, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        COL_BITS=col_bits, DOT_PRECISION="tf32" if split else "ieee", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        COL_BITS=col_bits, DOT_PRECISION="tf32" if tf32 else "ieee", BOTH_WAYS=both_ways,
+        ROW_BITS=cfg.block_m.bit_length() - 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return idx
+    return (idx, _decode_reverse(y_keys)) if both_ways else idx
