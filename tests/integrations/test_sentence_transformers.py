@@ -153,3 +153,24 @@ def test_disable_restores_models_configured_while_enabled(tiny_bert_path, count_
     assert torch.equal(built.similarity(A, B), _stock("mean_maxsim")(A, B))
     assert torch.equal(function(A, B), _stock("maxsim")(A, B))
     assert calls == []
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"], ids=["kernels", "reference"])
+@pytest.mark.parametrize("name", ["maxsim", "maxsim_pairwise"])
+def test_compiles_as_one_graph_with_empty_documents(rng, monkeypatch, name, interpret):
+    """Under ``torch.compile(fullgraph=True)`` the drop-in is one graph, an empty document included: the empty
+    documents are filled on the device, with no host read of them (the host's warning reads them in eager only)."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(lik_st, "_warned_empty", False)  # a warning already given would skip the host read
+    A, B = torch.randn(3, 5, 16, generator=rng), torch.randn(3, 7, 16, generator=rng)
+    a_mask, b_mask = torch.rand(3, 5, generator=rng) > 0.3, torch.rand(3, 7, generator=rng) > 0.4
+    b_mask[1] = False  # no scoreable token: -1e9
+
+    def score(a, b, am, bm):
+        return getattr(lik_st, name)(a, b, am, bm, length_normalize=True)
+
+    torch._dynamo.reset()
+    got = torch.compile(score, backend="aot_eager", fullgraph=True)(A, B, a_mask, b_mask)
+    expected = _stock(name)(A, B, a_mask, b_mask, length_normalize=True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert (got[..., 1] < -1e7).all() if name == "maxsim" else got[1] < -1e7

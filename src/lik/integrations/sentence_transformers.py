@@ -94,8 +94,14 @@ def _side(embeddings, mask, name: str):
 
 
 def _fill_empty(scores: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """``scores`` with the documents flagged in ``empty`` (no scoreable token) set to :data:`EMPTY_DOCUMENT_SCORE`.
+
+    The fill is unconditional; only the warning reads ``empty`` on the host, and only where that is free (a CPU
+    tensor, eager): under ``torch.compile`` the read would be a data-dependent branch that breaks the graph, and
+    on a GPU a synchronisation per call (sentence-transformers' own rule)."""
     global _warned_empty
-    if not _warned_empty and empty.device.type == "cpu" and bool(empty.any()):
+    if (not _warned_empty and empty.device.type == "cpu" and not torch.compiler.is_compiling()
+            and bool(empty.any())):
         _warned_empty = True
         _logger.warning("Encountered documents without any scoreable token during multi-vector similarity scoring; "
                         f"they score {EMPTY_DOCUMENT_SCORE:.0e}, below every real document.")
