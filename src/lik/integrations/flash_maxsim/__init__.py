@@ -16,6 +16,9 @@ Covered, with flash-maxsim's signatures and return shapes:
   scored with :func:`lik.maxsim`;
 * reranking and top-k (:mod:`.ranking`): :func:`flash_maxsim_rerank`, :func:`flash_maxsim_rerank_direct`,
   :func:`flash_maxsim_rerank_padded`, :func:`flash_maxsim_topk`;
+* the fused contrastive training step (:mod:`.contrastive`; flash-maxsim keeps it in
+  ``flash_maxsim.flash_maxsim_contrastive``): :func:`colbert_contrastive_step` runs :func:`lik.contrastive_loss`
+  and accumulates the gradients into ``Q.grad`` / ``D.grad`` as flash-maxsim's does;
 * the plain-PyTorch references (:mod:`.references`): :func:`maxsim_naive`, :func:`maxsim_naive_fp32`,
   :func:`maxsim_at_operator`, :func:`maxsim_bmm`, :func:`maxsim_chunked`, :func:`maxsim_naive_batched`,
   :func:`maxsim_naive_int8`, with flash-maxsim's semantics (input-dtype sums, ``-inf`` for an empty document).
@@ -26,8 +29,8 @@ padded item (tokens past it never take part: lik's ``mask_mode="exclude"``); res
 Not covered: Chamfer distance (``flash_chamfer``, ``flash_chamfer_train``, ``flash_chamfer_invgrid_train``,
 ``naive_chamfer``, ``naive_chamfer_one_direction``: lik's :func:`lik.chamfer_distance` has PyTorch3D's contract),
 ``flash_maxsim_int8_batched_train`` (training from an 8-bit copy of ``D``: lik's 8-bit scoring is inference only),
-and what flash-maxsim keeps in submodules outside its package namespace (the sparse-query scorers, the fused
-contrastive step, its backward proposals).
+and what flash-maxsim keeps in submodules outside its package namespace (the sparse-query scorers, its backward
+proposals; the fused contrastive step is covered, above).
 
 Deliberate differences (flash-maxsim's behaviour is not reproduced):
 
@@ -52,12 +55,18 @@ Deliberate differences (flash-maxsim's behaviour is not reproduced):
   with a fused uint8 kernel (flash-maxsim applies the scale and minimum to float16 products in float32);
 * :func:`flash_maxsim_topk` returns the exact top-k with ties by lower index; flash-maxsim's int8 pre-scan may
   miss a document of the true top-k, and its ``torch.topk`` leaves tie order unspecified;
+* :func:`colbert_contrastive_step` takes any labels in ``[0, Nd)`` (flash-maxsim only ``arange(Nq)``, compared on
+  the device: a synchronisation per step), any ``Lq`` and ``d`` (flash-maxsim: ``Lq <= 32``, ``d`` a power of two up
+  to 256), float32 and CPU tensors; it adds each gradient to a present ``.grad`` in that gradient's dtype
+  (flash-maxsim adds in float32 and rounds once), and sets an absent one to the step's gradient rather than to
+  zeros plus it; bad input raises lik's errors (``TypeError`` for a dtype) before anything is written;
 * :func:`flash_maxsim_rerank_direct` gathers the documents' rows into a padded copy (flash-maxsim reads them in
   place).
 """
 
 from __future__ import annotations
 
+from .contrastive import colbert_contrastive_step
 from .quantized import (
     dequantize_int8,
     flash_maxsim_int8,
@@ -131,4 +140,5 @@ __all__ = [
     "maxsim_chunked",
     "maxsim_naive_batched",
     "maxsim_naive_int8",
+    "colbert_contrastive_step",
 ]
