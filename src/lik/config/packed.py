@@ -19,7 +19,7 @@ from .. import _device
 from .forced import FORCED, register
 from .maxsim import EIGHT_BIT_DTYPES, MAX_RESIDENT_DIM, _maxsim_forward_heuristic
 
-__all__ = ["PackedStreamConfig", "packed_stream_config", "STREAM_MAX_MEAN_TILES"]
+__all__ = ["PackedStreamConfig", "packed_stream_config", "packed_stream_tiles", "STREAM_MAX_MEAN_TILES"]
 
 # The stream's documents: up to this many tiles long on average. Unmeasured on a GPU when written; a page of
 # ColPali (about 1 030 tokens, 16 tiles of 64) still takes it: the walk computes no ragged tile and refills no
@@ -69,11 +69,18 @@ def packed_stream_config(
         return forced if forced.stream and dim <= MAX_RESIDENT_DIM else None
     if dim > MAX_RESIDENT_DIM or n_docs == 0:
         return None
-    cfg = _stream_tiles(q_len, n_queries, dim, dtype, _device.arch(device), _device.interpreting(),
-                        _device.shared_memory(device))
+    cfg = packed_stream_tiles(q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype, device=device)
     if n_rows > STREAM_MAX_MEAN_TILES * cfg.block_t * n_docs:
         return None
     return cfg
+
+
+def packed_stream_tiles(*, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, device: torch.device
+                        ) -> PackedStreamConfig:
+    """The stream's tiles whatever the documents' lengths (what :func:`packed_stream_config` returns where it
+    takes the stream; a benchmark forces them to time the stream where the heuristic would not)."""
+    return _stream_tiles(q_len, n_queries, dim, dtype, _device.arch(device), _device.interpreting(),
+                         _device.shared_memory(device))
 
 
 @functools.lru_cache(maxsize=1024)
