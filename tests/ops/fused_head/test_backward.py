@@ -47,6 +47,14 @@ def test_gradients_without_normalisation_or_bias(rng, normalize, bias):
     _check(rng, problem(rng, bias=bias, l_d=19), normalize=normalize)
 
 
+def test_gradients_with_query_rows_split_over_programs(rng):
+    p = problem(rng, n_q=5, l_q=7, n_docs=3, l_d=19)  # 35 rows: two programs per document in the interpreter
+    from lik.ops.fused_head.forward import fused_head_config, row_splits
+
+    assert row_splits(fused_head_config(d_model=40, d_out=24, rows=35), 35, 3, torch.device("cpu"))[0] == 2
+    _check(rng, p, backward="deterministic")
+
+
 def test_gradients_per_query_documents(rng):
     _check(rng, problem(rng, per_query=True, l_d=19, n_docs=3), backward="deterministic")
 

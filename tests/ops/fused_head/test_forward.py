@@ -50,9 +50,10 @@ def test_per_query_documents_and_2d_query(rng):
     torch.testing.assert_close(got.double(), definition(q["Q"][0], q["H"], q["W"], q["b"]), **TOL)
 
 
-@pytest.mark.parametrize("cfg", [FusedHeadConfig(16, 32, 16), FusedHeadConfig(32, 16, 64)])
+@pytest.mark.parametrize("cfg", [FusedHeadConfig(16, 32, 16), FusedHeadConfig(32, 16, 64),
+                                 FusedHeadConfig(16, 16, 32, min_split_rows=16, target_programs=64)])
 def test_other_tiles(rng, cfg):
-    p = problem(rng, n_q=5, l_q=7)  # 35 query rows: several row blocks
+    p = problem(rng, n_q=5, l_q=7)  # 35 query rows: several row blocks (the last config: one per program)
     with forced_config(cfg):
         got = _kernel(p)
     torch.testing.assert_close(got.double(), definition(**p), **TOL)

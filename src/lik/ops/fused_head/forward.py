@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._device import interpreting, next_power_of_2
+from ..._device import cdiv, interpreting, next_power_of_2, sm_count
 from ..._launch import launch
 from ...core.forward_launch import dot_precision
 from ...core.segments import PACKED, PADDED
 from .kernel import fused_head_forward_kernel
 from .validation import FusedHeadInputs
 
-__all__ = ["FusedHeadConfig", "fused_head_config", "forced_config", "fused_head_forward"]
+__all__ = ["FusedHeadConfig", "fused_head_config", "forced_config", "row_splits", "fused_head_forward"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class FusedHeadConfig:
     block_k: int  # d_model chunk of the projection's k loop
     num_warps: int = 4
     num_stages: int = 2
+    min_split_rows: int = 512  # fewest query rows a program takes when a document's rows are split
+    target_programs: int = 0  # split rows until about this many programs (0: 4 per SM)
 
 
 _FORCED: list[FusedHeadConfig] = []
@@ -48,12 +50,23 @@ def fused_head_config(*, d_model: int, d_out: int, rows: int) -> FusedHeadConfig
     if _FORCED:
         return _FORCED[-1]
     if interpreting():
-        return FusedHeadConfig(block_m=16, block_n=16, block_k=32)
+        return FusedHeadConfig(block_m=16, block_n=16, block_k=32, min_split_rows=16, target_programs=8)
     d_out_pad = max(16, next_power_of_2(d_out))
     block_n = 64 if d_out_pad <= 128 else 32
     block_m = min(64, max(16, next_power_of_2(rows)))
     block_k = min(64, max(16, next_power_of_2(d_model)))
     return FusedHeadConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+
+
+def row_splits(cfg: FusedHeadConfig, rows: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """``(n_splits, split_rows)``: a document's ``rows`` query rows shared by ``n_splits`` programs of
+    ``split_rows`` rows each (a multiple of ``block_m``), enough for about ``cfg.target_programs`` programs in all
+    but never fewer than ``cfg.min_split_rows`` rows a program (each split projects the document again)."""
+    blocks = cdiv(rows, cfg.block_m)
+    target = cfg.target_programs or 4 * sm_count(device)
+    wanted = min(cdiv(target, max(1, programs)), max(1, rows // max(1, cfg.min_split_rows)), blocks)
+    split_blocks = cdiv(blocks, max(1, wanted))
+    return cdiv(blocks, split_blocks), split_blocks * cfg.block_m
 
 
 def fused_head_forward(inputs: FusedHeadInputs, store_argmax: bool
@@ -72,6 +85,7 @@ def fused_head_forward(inputs: FusedHeadInputs, store_argmax: bool
     key = torch.empty((n_sets, n_docs, rows) if store_argmax else (1,), dtype=torch.int32, device=device)
     if n_docs and rows:
         cfg = fused_head_config(d_model=d_model, d_out=d_out, rows=rows)
+        n_splits, split_rows = row_splits(cfg, rows, n_sets * n_docs, device)
         packed = inputs.packed
         if packed:
             h_strides, doc_len, n_h_rows, cu = (0, 0, *h.stride()), 0, h.shape[0], inputs.cu_seqlens
@@ -79,10 +93,10 @@ def fused_head_forward(inputs: FusedHeadInputs, store_argmax: bool
             h_strides, doc_len, n_h_rows, cu = h.stride(), h.shape[2], 0, best
         q_mask, d_mask = inputs.q_mask, inputs.d_mask
         launch(
-            fused_head_forward_kernel, (n_sets * n_docs,),
+            fused_head_forward_kernel, (n_sets * n_docs * n_splits,),
             q, h, w, best if b is None else b, best if q_mask is None else q_mask,
             best if d_mask is None else d_mask, cu, best, key,
-            n_q, l_q, n_docs, doc_len, n_h_rows, rows,
+            n_q, l_q, n_docs, doc_len, n_h_rows, rows, n_splits, split_rows,
             *q.stride(), *h_strides, *w.stride(), 0 if b is None else b.stride(0),
             *((0, 0) if q_mask is None else q_mask.stride()),
             *((0, 0, 0) if d_mask is None else d_mask.stride()),

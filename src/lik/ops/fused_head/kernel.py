@@ -1,12 +1,16 @@
 """The fused head's forward kernel: hidden states projected on chip, normalised, and scored against the queries.
 
-One program per (document set, document). It streams the document in tiles of ``BLOCK_N`` tokens; for each tile
-it projects the hidden rows on chip (``H_tile @ W.T``, a ``k`` loop over ``d_model`` in fp32 accumulation), adds
-``b``, L2-normalises each row (F.normalize: ``x / max(|x|, 1e-12)``), rounds the rows once to the input dtype
-and then scores them against *every* query of the set, a row block at a time, with the MaxSim tile fold (a
-NaN-propagating max, the lowest winning token, masked tokens dropped or zeroed by ``mask_mode``). The projection of
-a tile is therefore computed once, however many queries score it; nothing of the projected documents leaves the
-chip.
+One program per (document set, document, row split). It streams the document in tiles of ``BLOCK_N`` tokens;
+for each tile it projects the hidden rows on chip (``H_tile @ W.T``, a ``k`` loop over ``d_model`` in fp32
+accumulation), adds ``b``, L2-normalises each row (F.normalize: ``x / max(|x|, 1e-12)``), rounds the rows once to
+the input dtype and then scores them against *every* query row of the program, a row block at a time, with the
+MaxSim tile fold (a NaN-propagating max, the lowest winning token, masked tokens dropped or zeroed by
+``mask_mode``). The projection of a tile is therefore computed once however many queries score it, and nothing of
+the projected documents leaves the chip. Many queries against few documents (in-batch training: 128 queries x 32
+tokens against 128 documents, or 32 x 1024 against 32 pages) would leave most of the GPU idle at one program per
+document, so the query rows are split over ``n_splits`` programs per document, each projecting the tiles again
+for its share; the host keeps every share at least a few hundred rows, so the projection stays a fraction of the
+scoring work.
 
 Why this is its own kernel rather than a loader of :mod:`lik.core.forward_kernel`: the core loop holds a block of
 query rows and streams the documents through it, one program per (row block, document). Here the expensive
@@ -57,11 +61,12 @@ def project_tile(
     return acc
 
 
-@triton.jit(do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_h_rows", "rows_per_set",
+@triton.jit(do_not_specialize=["n_queries", "q_len", "n_docs", "doc_len", "n_h_rows", "rows_per_set", "n_splits",
+                               "split_rows",
                                "stride_hs", "stride_hb", "stride_dms", "stride_dmb", "stride_rs", "stride_rb"])
 def fused_head_forward_kernel(
     q_ptr, h_ptr, w_ptr, b_ptr, q_mask_ptr, d_mask_ptr, cu_ptr, best_ptr, key_ptr,
-    n_queries, q_len, n_docs, doc_len, n_h_rows, rows_per_set,
+    n_queries, q_len, n_docs, doc_len, n_h_rows, rows_per_set, n_splits, split_rows,
     stride_qn, stride_ql, stride_qk,
     stride_hs, stride_hb, stride_hl, stride_hk,
     stride_wo, stride_wk, stride_b,
@@ -74,13 +79,16 @@ def fused_head_forward_kernel(
     NORMALIZE: tl.constexpr, TRACK_ARGMAX: tl.constexpr, PER_QUERY: tl.constexpr, LAYOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Writes, for program (set, doc) and each of the set's ``rows_per_set`` query rows (query-major, ``q_len``
-    tokens each): ``best[set, doc, row]``, the row's max (0 where the row does not count: a masked query token, or
-    under "exclude" a document without a valid token), and with ``TRACK_ARGMAX`` ``key[set, doc, row]``, the
-    winning token (-1: no gradient)."""
+    """Writes, for program (set, doc, split) and each of its ``split_rows`` of the set's ``rows_per_set`` query rows
+    (query-major, ``q_len`` tokens each; ``split_rows`` a multiple of ``BLOCK_M``): ``best[set, doc, row]``, the
+    row's max (0 where the row does not count: a masked query token, or under "exclude" a document without a valid
+    token), and with ``TRACK_ARGMAX`` ``key[set, doc, row]``, the winning token (-1: no gradient)."""
     pid = tl.program_id(0).to(tl.int64)
-    doc = pid % n_docs
-    doc_set = pid // n_docs
+    split = pid % n_splits
+    doc = (pid // n_splits) % n_docs
+    doc_set = pid // (n_splits * n_docs)
+    row_lo = split * split_rows
+    row_hi = tl.minimum(row_lo + split_rows, rows_per_set)
     first_query = doc_set if PER_QUERY else doc_set * 0
     if LAYOUT == PADDED:
         doc_ptr = h_ptr + doc_set * stride_hs + doc * stride_hb
@@ -104,9 +112,9 @@ def fused_head_forward_kernel(
                             stride_wk, b_ptr, stride_b, D_MODEL, D_OUT, D_OUT_PAD, BLOCK_N, BLOCK_K, HAS_BIAS,
                             NORMALIZE, DOT_PRECISION).to(q_ptr.dtype.element_ty)
         col_key = tl.where(in_doc, tokens * 2 + (1 - col_valid.to(tl.int32)), NO_KEY).to(tl.int32)
-        for row_start in range(0, rows_per_set, BLOCK_M):
+        for row_start in range(row_lo, row_hi, BLOCK_M):
             rows = row_start + tl.arange(0, BLOCK_M)
-            row_ok = rows < rows_per_set
+            row_ok = rows < row_hi
             query = first_query + rows // q_len
             token = rows % q_len
             q = tl.load(q_ptr + query[:, None] * stride_qn + token[:, None] * stride_ql + outs[None, :] * stride_qk,
@@ -132,9 +140,9 @@ def fused_head_forward_kernel(
                 tl.store(key_base + rows, tl.where(take, tile_key, key), mask=row_ok)
             tl.store(best_base + rows, nan_max(best, tile_best), mask=row_ok)
     # Each row's result: its max where it counts, else 0; the winner where it counts and is a valid token.
-    for row_start in range(0, rows_per_set, BLOCK_M):
+    for row_start in range(row_lo, row_hi, BLOCK_M):
         rows = row_start + tl.arange(0, BLOCK_M)
-        row_ok = rows < rows_per_set
+        row_ok = rows < row_hi
         counted = row_ok
         if HAS_Q_MASK:
             query = first_query + rows // q_len
