@@ -1,0 +1,176 @@
+"""Contrastive training step cases: ``lik.contrastive_loss`` (MaxSim, cross-entropy and backward as one autograd
+node) against the same step composed of a scorer and ``F.cross_entropy``, and against flash-maxsim's fused step.
+
+A step is the loss and the gradients of ``Q`` and ``D`` (``torch.autograd.grad``; flash-maxsim's
+``colbert_contrastive_step`` writes ``.grad`` itself, cleared before each step as ``optimizer.zero_grad()`` leaves
+it), in-batch negatives with the diagonal labels, temperature 1, the fast backward, fp16, d = 128, L2-normalised
+random data. Methods:
+
+* ``lik``: :func:`lik.contrastive_loss`;
+* ``lik-maxsim-ce``: ``lik.maxsim(backward="fast")`` + ``F.cross_entropy``;
+* ``late-interaction-kernels``: its ``maxsim`` + ``F.cross_entropy``;
+* ``flash-maxsim``: ``flash_maxsim.flash_maxsim_contrastive.colbert_contrastive_step`` (Lq <= 32 only: ColPali's
+  row records its refusal);
+* ``trivial-scorer`` (host cases only): a custom autograd Function of a few elementwise ops + ``F.cross_entropy``,
+  the floor of a step's host time on this host (benchmarks/host_path.py's ``TrivialScorer``).
+
+Cases: ``contrastive/colbert-128``, ``contrastive/colbert-512`` (Nq = B, Lq 32, Ld 180) and
+``contrastive/colpali-32`` (Nq = B = 32, Lq 1024, Ld 1024), timed on the device (``do_bench``); and
+``contrastive/host-colbert-128``, the host's cost per step (:func:`lik.bench.cases.host_ms`: the calls issued
+without synchronising). Every method's output ``(loss, dQ, dD)`` is checked against ``lik-maxsim-ce``'s in float.
+The floor: the forward's products (``2 Nq B Lq Ld d`` FLOPs at the cuBLAS fp16 rate) or reading ``Q`` and ``D``
+and writing their gradients once, whichever is longer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cases import Case, CaseMethod, floor_record
+
+__all__ = ["contrastive_cases", "SHAPES", "TrivialScorer"]
+
+# name -> (Nq = B, Lq, Ld); d = 128
+SHAPES = {"colbert-128": (128, 32, 180), "colbert-512": (512, 32, 180), "colpali-32": (32, 1024, 1024)}
+DIM = 128
+
+
+class TrivialScorer(torch.autograd.Function):
+    """The floor of a training step's host time: a differentiable ``[Nq, B]`` score of a few elementwise ops."""
+
+    @staticmethod
+    def forward(ctx, Q, D):
+        ctx.shapes = (Q.shape, Q.dtype, D.shape, D.dtype)
+        return Q[:, 0, 0].float()[:, None] * D[:, 0, 0].float()[None, :]
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_shape, q_dtype, d_shape, d_dtype = ctx.shapes
+        return (
+            torch.zeros(q_shape, dtype=q_dtype, device=grad.device),
+            torch.zeros(d_shape, dtype=d_dtype, device=grad.device),
+        )
+
+
+def _inputs(shape: tuple[int, int, int]):
+    def inputs(device: torch.device, smoke: bool) -> dict:
+        gen = torch.Generator().manual_seed(0)
+        b, lq, ld = (6, 4, 8) if smoke else shape
+        dim = 16 if smoke else DIM
+        dtype = torch.float32 if smoke else torch.float16
+        Q = F.normalize(torch.randn(b, lq, dim, generator=gen), dim=-1).to(device=device, dtype=dtype)
+        D = F.normalize(torch.randn(b, ld, dim, generator=gen), dim=-1).to(device=device, dtype=dtype)
+        return dict(Q=Q.requires_grad_(), D=D.requires_grad_(), labels=torch.arange(b, device=device))
+
+    return inputs
+
+
+def _composed(score):
+    """A step of ``score(Q, D)`` into ``F.cross_entropy``: ``(loss, dQ, dD)``."""
+
+    def build(s):
+        def step():
+            loss = F.cross_entropy(score(s["Q"], s["D"]), s["labels"])
+            return (loss, *torch.autograd.grad(loss, (s["Q"], s["D"])))
+
+        return step
+
+    return build
+
+
+def _lik(s):
+    from lik.ops.contrastive import contrastive_loss
+
+    def step():
+        loss = contrastive_loss(s["Q"], s["D"], backward="fast")
+        return (loss, *torch.autograd.grad(loss, (s["Q"], s["D"])))
+
+    return step
+
+
+def _lik_maxsim(Q, D):
+    import lik
+
+    return lik.maxsim(Q, D, backward="fast")
+
+
+def _late_interaction(Q, D):
+    from late_interaction_kernels import maxsim
+
+    return maxsim(Q, D)
+
+
+def _flash(s):
+    from flash_maxsim.flash_maxsim_contrastive import colbert_contrastive_step
+
+    Q, D = s["Q"], s["D"]
+
+    def step():
+        Q.grad = D.grad = None  # the peer accumulates into .grad: each step starts from none, as after zero_grad()
+        loss = colbert_contrastive_step(Q, D)
+        return loss, Q.grad, D.grad
+
+    return step
+
+
+def _methods(host: bool) -> dict[str, CaseMethod]:
+    methods = {
+        "lik": CaseMethod(_lik),
+        "lik-maxsim-ce": CaseMethod(_composed(_lik_maxsim)),
+        "late-interaction-kernels": CaseMethod(
+            _composed(_late_interaction), module="late_interaction_kernels", needs_cuda=True
+        ),
+        "flash-maxsim": CaseMethod(_flash, module="flash_maxsim.flash_maxsim_contrastive", needs_cuda=True),
+    }
+    if host:
+        methods["trivial-scorer"] = CaseMethod(_composed(TrivialScorer.apply))
+    return methods
+
+
+def _floor(s: dict, ceilings) -> dict:
+    Q, D = s["Q"], s["D"]
+    (n_q, l_q, dim), (n_docs, l_d, _) = Q.shape, D.shape
+    nbytes = 2 * (Q.numel() + D.numel()) * Q.element_size()  # read once, gradient written once
+    return floor_record(2.0 * n_q * n_docs * l_q * l_d * dim, nbytes, ceilings)
+
+
+def _reference(s: dict):
+    """``lik-maxsim-ce``'s step in float: the loss and both gradients."""
+    loss, dq, dd = _composed(_lik_maxsim)(s)()
+    return loss.float(), dq.float(), dd.float()
+
+
+def contrastive_cases() -> list[Case]:
+    """The contrastive-step cases, in table order: device time per shape, then host time at ColBERT B 128."""
+    cases = [
+        Case(
+            "contrastive",
+            f"contrastive/{name}",
+            f"{label}, Nq = B = {b} (Lq {lq}, Ld {ld}), fp16",
+            _inputs((b, lq, ld)),
+            _methods(False),
+            floor=_floor,
+            reference=_reference,
+            tolerance=1e-2,
+            quick=name == "colbert-128",
+            params={"B": b, "Lq": lq, "Ld": ld, "d": DIM},
+        )
+        for name, label, (b, lq, ld) in (
+            ("colbert-128", "ColBERT", SHAPES["colbert-128"]),
+            ("colbert-512", "ColBERT", SHAPES["colbert-512"]),
+            ("colpali-32", "ColPali", SHAPES["colpali-32"]),
+        )
+    ]
+    cases.append(
+        Case(
+            "contrastive",
+            "contrastive/host-colbert-128",
+            "host time per step, ColBERT B 128 (32 x 180)",
+            _inputs(SHAPES["colbert-128"]),
+            _methods(True),
+            host_time=True,
+            params={"B": 128, "Lq": 32, "Ld": 180, "d": DIM},
+        )
+    )
+    return cases
