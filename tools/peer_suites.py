@@ -106,6 +106,9 @@ DIFFERENCES = [
     ("late_interaction_kernels", "tests/test_backward_unified.py*", _PEER_INTERNALS),
     ("late_interaction_kernels", "tests/test_compile_cache.py*", _PEER_INTERNALS),
     ("late_interaction_kernels", "tests/test_public_api.py*", "the mps backend is not covered"),
+    ("late_interaction_kernels", "tests/test_robustness.py::test_no_grad_does_not_save_argmax_buffer",
+     "lik keeps the winners as int16 when Ld < 32 768 (half the peer's int32 buffer): no_grad does skip the save, "
+     "but the saving is below the test's int32-sized threshold"),
     ("late_interaction_kernels", "tests/test_plaid.py*", "plaid.maxsim_residual: lik has no compressed codec yet"),
     ("late_interaction_kernels", "tests/test_fused_head*.py*", "fused_head.maxsim_from_hidden is not in lik yet"),
     ("late_interaction_kernels", "tests/test_pylate_compat_fallback.py*", _PATCH_INTERNALS),
