@@ -92,18 +92,24 @@ def _stream_tiles(q_len, n_queries, dim, dtype, arch, interpreted, smem) -> Pack
     if interpreted:
         return PackedStreamConfig(padded.group_rows, padded.groups, 16, 4, 1, 2)
     eight_bit = dtype in EIGHT_BIT_DTYPES
+    # Programs per SM are what the registers and shared memory let reside at once (sm_90 ptxas of the kernel):
+    # the programs share the rows equally, so one more than resides would run in a second wave.
+    if dim > 128 or dtype == torch.float32:
+        # Unmeasured: wider rows and fp32 tiles take the 64-row tile's shared memory of a 128-wide one.
+        return PackedStreamConfig(padded.group_rows, padded.groups, 64, 4 if rows <= 128 else 8, 2, 1)
     if rows <= 64:
-        # One short query streams the corpus (memory-bound): 128-row tiles (as the packed document loop measured),
-        # three stages, two programs per SM (96 KB of tiles in flight each at 16 bits).
-        return PackedStreamConfig(padded.group_rows, padded.groups, 128, 4, 3, 3 if eight_bit else 2)
+        # One short query streams the corpus (memory-bound): 128-token tiles, three stages (as the packed document
+        # loop measured); int8 32 x 128: 128 registers, 37 KB, three programs per SM; float8 64 x 128: 180
+        # registers, two; fp16 32 x 128: 127 registers, 74 KB, two (96 KB of tiles in flight each).
+        return PackedStreamConfig(padded.group_rows, padded.groups, 128, 4, 3, 3 if dtype == torch.int8 else 2)
     if eight_bit:
-        # Stacked 8-bit rows: the padded loop's 128 x 128 tiles of 4 warps, two programs per SM.
-        return PackedStreamConfig(padded.group_rows, padded.groups, 128, 4, 4 if rows <= 128 else 3, 2)
+        # Stacked 8-bit rows: the padded loop's 128 x 128 tiles of 4 warps (255 registers, 82 KB), two per SM.
+        return PackedStreamConfig(padded.group_rows, padded.groups, 128, 4, 4, 2)
     if rows <= 128:
+        # 128 x 64 on one warpgroup: 168 registers, two per SM.
         return PackedStreamConfig(padded.group_rows, padded.groups, 64, 4, 3, 2)
-    # 256 stacked 16-bit rows: the padded persistent loop's 256 x 64 tiles, 8 warps capped at 128 registers so
-    # that two programs share an SM.
+    # 256 stacked 16-bit rows: the padded persistent loop's 256 x 64 tiles, 8 warps capped at 128 registers so that
+    # two programs share an SM (115 KB of shared memory each; 12 bytes spilled).
     return PackedStreamConfig(padded.group_rows, padded.groups, 64, 8, 3, 2, 128)
-
 
 register("packed_stream", PackedStreamConfig)

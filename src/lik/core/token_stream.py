@@ -51,10 +51,14 @@ def lower_bound(cu_ptr, x, first, stop, n_steps):
 
 
 @triton.jit
-def segment_max(sim, cols, start, end):
-    """Each row's NaN-propagating max over the tile columns ``cols`` (absolute rows) in ``[start, end)``; -inf
-    when none is."""
-    inside = (cols >= start) & (cols < end)
+def segment_max(sim, tile_lo, start, end, BLOCK_T: tl.constexpr):
+    """Each row's NaN-propagating max over the columns of the tile of rows ``tile_lo ..`` that lie in rows
+    ``[start, end)``; -inf when none does. (The bounds are made relative to the tile first: 32-bit column
+    compares against a constant range, where absolute int64 columns held 32 registers a thread more.)"""
+    first = tl.minimum(tl.maximum(start - tile_lo, 0), BLOCK_T).to(tl.int32)
+    stop = tl.minimum(tl.maximum(end - tile_lo, 0), BLOCK_T).to(tl.int32)
+    offs = tl.arange(0, BLOCK_T)
+    inside = (offs >= first) & (offs < stop)
     return tl.reduce(tl.where(inside[None, :], sim, float("-inf")), 1, nan_max)
 
 
@@ -69,15 +73,16 @@ def _document_end(cu_d_ptr, doc, doc_end, start, run_end):
 
 @triton.jit
 def _fold_document(
-    sim, cols, tile_hi, live, doc, doc_end, start, end, next_end, best, run_end, cu_d_ptr, partial_ptr,
+    sim, tile_lo, tile_hi, live, doc, doc_end, start, end, next_end, best, run_end, cu_d_ptr, partial_ptr,
     row_valid, row_in_range, query, token, sum_offsets, sums_in_range, stride_pb, q_scale,
-    GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, LOADER: tl.constexpr,
+    GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+    LOADER: tl.constexpr,
 ):
     """One document's step in a tile (when ``live``): fold its columns into ``best``; if it ends in the tile,
     write its score and move to the next document. Returns the new state and whether the next document also
     overlaps the tile (one starting where the tile ends waits for the next tile)."""
     if live:
-        best = nan_max(best, segment_max(sim, cols, start, end))
+        best = nan_max(best, segment_max(sim, tile_lo, start, end, BLOCK_T))
         ended = end <= tile_hi
         if ended:
             write_document(
@@ -157,9 +162,8 @@ def token_stream_kernel(
     tile_lo = run_start
     for _tile in tl.range(0, n_tiles):
         tile_hi = tile_lo + BLOCK_T
-        cols = tile_lo + tl.arange(0, BLOCK_T)
         # Unpredicated rows: past the run, the run's last row again (its columns belong to no document here).
-        rows = tl.minimum(cols, run_end - 1)
+        rows = tl.minimum(tile_lo + tl.arange(0, BLOCK_T), run_end - 1)
         if DIM == BLOCK_K:
             d_tile = tl.load(d_ptr + rows[:, None] * stride_dl + offs_k[None, :] * stride_dk)
         else:
@@ -173,18 +177,18 @@ def token_stream_kernel(
         live = doc < doc_end
         for _pass in tl.static_range(SEGMENTS):
             doc, start, end, next_end, best, live = _fold_document(
-                sim, cols, tile_hi, live, doc, doc_end, start, end, next_end, best, run_end, cu_d_ptr, partial_ptr,
-                row_valid, row_in_range, query, token, sum_offsets, sums_in_range, stride_pb, q_scale,
-                GROUP_ROWS, GROUPS, BLOCK_M, LOADER,
+                sim, tile_lo, tile_hi, live, doc, doc_end, start, end, next_end, best, run_end, cu_d_ptr,
+                partial_ptr, row_valid, row_in_range, query, token, sum_offsets, sums_in_range, stride_pb, q_scale,
+                GROUP_ROWS, GROUPS, BLOCK_M, BLOCK_T, LOADER,
             )
         if live:
             # documents [doc, last) end in the tile; `last` itself (if any) crosses its end
             last = lower_bound(cu_d_ptr + 1, tile_hi + 1, doc, doc_end, search_steps)
             for _more in range(doc, tl.minimum(last + 1, doc_end)):
                 doc, start, end, next_end, best, live = _fold_document(
-                    sim, cols, tile_hi, live, doc, doc_end, start, end, next_end, best, run_end, cu_d_ptr,
+                    sim, tile_lo, tile_hi, live, doc, doc_end, start, end, next_end, best, run_end, cu_d_ptr,
                     partial_ptr, row_valid, row_in_range, query, token, sum_offsets, sums_in_range, stride_pb,
-                    q_scale, GROUP_ROWS, GROUPS, BLOCK_M, LOADER,
+                    q_scale, GROUP_ROWS, GROUPS, BLOCK_M, BLOCK_T, LOADER,
                 )
         tile_lo = tile_hi
     # A run of empty documents takes no tile: each scores 0.
