@@ -224,3 +224,14 @@ def test_rounds_rotate_in_pairs_and_reverse():
         behind = [order[order.index(name) - 1] for order in orders[:6] if order.index(name) > 0]
         assert sorted(behind) == sorted(2 * [other for other in "abc" if other != name])
     assert round_order({}, 3) == []
+
+
+def test_an_exhausted_budget_still_runs_each_blocks_first_item(tmp_path, monkeypatch):
+    # A budget spent before the first cell: each operator still gets its first row (a table and a plot), and
+    # only the rest of each block is skipped.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    argv = ["--smoke", "--ops", "forward,train", "--no-plot", "--time-budget-s", "0", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [e["shape"]["suite"] for e in results["shapes"]] == ["forward", "train"]
+    assert "multi" in " ".join(results["skipped"])
