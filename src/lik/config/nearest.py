@@ -41,11 +41,16 @@ class NearestConfig:
 NEAREST_POINT_MAX_DIM = 8
 
 
+def _tensor_cores(device: torch.device) -> bool:
+    """TF32 needs Ampere's tensor cores (the interpreter multiplies in float32)."""
+    return not _device.interpreting() and _device.arch(device) >= (8, 0)
+
+
 def float32_products(device: torch.device) -> str:
     """The float32 product precision ``torch.get_float32_matmul_precision()`` asks for on ``device``, as
     ``lik.maxsim`` follows it: "highest" keeps float32's accuracy ("tf32x3"), "high" and "medium" allow one TF32
-    product ("tf32"). TF32 needs Ampere's tensor cores; elsewhere (and in the interpreter) "ieee"."""
-    if _device.interpreting() or _device.arch(device) < (8, 0):
+    product ("tf32"). Without TF32 tensor cores (and in the interpreter) "ieee"."""
+    if not _tensor_cores(device):
         return "ieee"
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 

@@ -14,16 +14,15 @@ from lik.ops.chamfer import nearest_neighbors_reference
 from lik.ops.chamfer.kernel import AUGMENTED_MAX_DIM, BLOCK_M, BLOCK_N, POINT_MAX_DIM, nearest_indices
 
 # Every route of the nearest-neighbour kernels, forced, beside the heuristic's choice (None): the direct
-# differences, the Chamfer dot loop (one pass or two) and MaxSim's argmax forward, with float32, TF32 or
-# TF32-split products (the interpreter multiplies TF32 operands in float32).
+# differences, the Chamfer dot loop (one pass or two) and MaxSim's argmax forward, with float32 or TF32-split
+# products: these tests expect float64's winners (one TF32 product: test_chamfer_precision.py).
 LAUNCHES = {
     "heuristic": None,
     "direct": _config.NearestConfig("direct", block_m=32, block_n=16),
     "direct-two-pass": _config.NearestConfig("direct", block_m=16, block_n=32, one_pass=False),
     "dot-tf32x3": _config.NearestConfig("dot", "tf32x3", block_m=32, block_n=16),
     "dot-ieee": _config.NearestConfig("dot", "ieee", block_m=32, block_n=16),
-    "dot-tf32": _config.NearestConfig("dot", "tf32", block_m=16, block_n=32),
-    "dot-two-pass": _config.NearestConfig("dot", "tf32", block_m=32, block_n=16, one_pass=False),
+    "dot-two-pass": _config.NearestConfig("dot", "ieee", block_m=16, block_n=32, one_pass=False),
     "core-tf32x3": _config.NearestConfig("core", "tf32x3"),
     "core-ieee": _config.NearestConfig("core", "ieee"),
 }

@@ -157,11 +157,21 @@ def nearest_neighbors(
         ``(distances, indices)``: float32 ``[N, P1]`` (float64 for float64 inputs), differentiable with respect
         to ``x`` and ``y``, and int64 ``[N, P1]``. Ties go to the lowest index; a NaN coordinate in a valid point
         makes the distances it touches NaN. Padded points, and points whose ``y`` cloud is empty, get distance 0
-        and index -1. On the kernels, point clouds (``D <= 8``, and ``norm=1``) compare exact distances, with
-        candidates within about ``2**-17`` relative of the nearest ordered by index rather than by value; wider
-        feature sets compare ``2 x.y - |y|^2`` of float32 accuracy (centred on the ``x`` cloud), so candidates
-        within about ``1e-7 * |x - c|^2`` of the nearest may swap. The distance returned is always the chosen
-        point's, computed exactly; it may exceed the true minimum by those margins.
+        and index -1.
+
+    Precision (kernels): point clouds (``D <= 8``) and ``norm=1`` compare exact distances, with candidates
+    within about ``2**-17`` relative of the nearest ordered by index rather than by value. Wider ``norm=2``
+    feature sets choose the neighbour with tensor-core products ``|x-c|^2 + |y-c|^2 - 2 (x-c).(y-c)`` (``c``: the
+    mean of the valid finite ``x`` points; half-precision inputs are not centred, ``c = 0``), as
+    ``torch.get_float32_matmul_precision()`` says for float32: "highest" TF32-split products (about float32's
+    accuracy), "high" / "medium" one TF32 product; float16 / bfloat16 inputs multiply in their own dtype. The
+    winner's distance is then recomputed exactly in float32 from the two points, so the distance and its
+    gradient are exact for the neighbour returned; only which of near-tied candidates wins can differ from
+    float64: the returned ``d_w`` exceeds the true nearest ``d_n`` by at most ``e_w + e_n + 2**-16 d_n``, where
+    a candidate's estimate error ``e_j`` is at most, with ``a = |x - c|``, ``b = |y_j - c|``:
+    "highest" ``(6 D + 102) 2**-24 (a^2 + b^2)`` (worst case; about ``1e-7 a^2`` measured);
+    "high" / "medium" ``2**-9 (1 + D 2**-13) a b + (D + 4) 2**-24 (a^2 + b^2)``;
+    float16 / bfloat16 ``(2 D + 4) 2**-24 (a^2 + b^2)``.
 
     Example:
         >>> x = torch.tensor([[[0.0, 0.0], [5.0, 5.0]]])

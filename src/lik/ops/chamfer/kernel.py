@@ -1,28 +1,33 @@
 """Nearest neighbour (k = 1) of every point of ``x`` among the points of ``y``, cloud by cloud, on chip.
 
-Three routes (:func:`lik.config.nearest_config` picks one; each can be forced for tests and benchmarks):
+Three routes (:func:`lik.config.nearest_config` picks one by width, norm, dtype and
+``torch.get_float32_matmul_precision()``; each can be forced for tests and benchmarks):
 
 * ``direct`` (point clouds, ``D <= POINT_MAX_DIM``, and every ``norm=1``): ``sum_k (x_k - y_k)**2`` (or
   ``|x_k - y_k|``) from coordinate differences on the CUDA cores, exact wherever the points lie and however dense
   they are; both clouds read coordinate-major (``[N, D, P]``) so a tile's loads are contiguous.
-* ``core`` (``norm=2`` feature sets, ``D > POINT_MAX_DIM``): the argmax forward of the library's one tile loop
-  (:mod:`lik.core.forward_launch`, as MaxSim runs it). With ``x' = [x, 1]`` and ``y' = [2y, -|y|^2]``,
-  ``x'.y' = |x|^2 - |x - y|^2``: each ``x`` point's highest-similarity ``y`` token (lowest index on ties) is its
-  nearest neighbour.
-* ``dot`` (forced only): a tensor-core tile loop of its own on ``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]``
-  (the product *is* the distance; past ``AUGMENTED_MAX_DIM`` the norms are added after the product). Faster than
-  ``direct`` on point clouds, but the expansion cancels the digits of dense clouds (benchmarks/NOTES.md, "Chamfer
-  distance").
+* ``core`` (``norm=2`` feature sets under float32 matmul precision "highest"): the argmax forward of the
+  library's one tile loop (:mod:`lik.core.forward_launch`, as MaxSim runs it). With ``x' = [x, 1]`` and
+  ``y' = [2y, -|y|^2]``, ``x'.y' = |x|^2 - |x - y|^2``: each ``x`` point's highest-similarity ``y`` token (lowest
+  index on ties) is its nearest neighbour.
+* ``dot`` (``norm=2`` feature sets under "high" / "medium", and float16 / bfloat16 inputs): a tensor-core tile
+  loop of its own, ``|x|^2 + |y|^2 - 2 x.y`` with the float32 norms added after the product (forced with TF32-split
+  or float32 products, up to ``AUGMENTED_MAX_DIM`` it multiplies ``x' = [x, 1, |x|^2]``, ``y' = [-2y, |y|^2, 1]``:
+  the product *is* the distance). Up to 128 features the ``x`` block stays resident and each ``y`` tile is one
+  product. On point clouds it would cancel the digits of dense clouds (benchmarks/NOTES.md, "Chamfer distance"),
+  so they never take it.
 
-On ``core`` and ``dot`` the operands are float32 centred on the ``x`` cloud (centring keeps the digits of nearby
-points far from the origin; half-precision operands picked neighbours 0.9% too far at D = 128 on the H100), and
-with TF32 tensor cores each operand is split on the host into two TF32 parts (:func:`tf32_parts`: float32's
-accuracy from one TF32 product three times as deep). The products only choose the winner: the distance the user
-gets is recomputed from the winner's coordinates (``function.py``), and rows that touch a non-finite coordinate
-are settled there as the reference settles them.
+float32 operands are centred on the ``x`` cloud (centring keeps the digits of nearby points far from the origin)
+and then, at "highest", split on the host into two TF32 parts (:func:`tf32_parts`: float32's accuracy from one
+TF32 product three times as deep), or at "high" / "medium" rounded to TF32 to nearest (:func:`tf32_round`; the
+tensor cores would truncate). float16 / bfloat16 inputs multiply as they are: their products are exact in the
+float32 accumulator (a centred copy rounded back to half precision picked neighbours 0.9% too far at D = 128 on
+the H100). The products only choose the winner: the distance the user gets is recomputed from the winner's
+coordinates (``function.py``), and rows that touch a non-finite coordinate are settled there as the reference
+settles them.
 
-A Chamfer call needs both directions: on the ``direct`` route one pass takes each pair's distance once for both
-(``BOTH_WAYS``); the reverse winners of a tile reduce over its rows and reach a global int64 key
+A Chamfer call needs both directions: on the ``direct`` and ``dot`` routes one pass takes each pair's distance
+once for both (``BOTH_WAYS``); the reverse winners of a tile reduce over its rows and reach a global int64 key
 ``(distance bits << 31) | row`` by one atomic min per ``y`` point and tile (exact ties: the lowest row; a min is
 the same in any order, so the result is deterministic).
 
@@ -46,7 +51,7 @@ from .validation import valid_points
 
 __all__ = [
     "nearest_dot_kernel", "nearest_direct_kernel", "nearest_indices", "uses_direct_route", "AUGMENTED_MAX_DIM",
-    "POINT_MAX_DIM", "BLOCK_M", "BLOCK_N", "tf32_parts",
+    "POINT_MAX_DIM", "BLOCK_M", "BLOCK_N", "tf32_parts", "tf32_round",
 ]
 
 POINT_MAX_DIM = NEAREST_POINT_MAX_DIM
@@ -228,6 +233,14 @@ def _centred(x: torch.Tensor, y: torch.Tensor, x_lengths: torch.Tensor):
     return xc, yc, (xc * xc).sum(-1), (yc * yc).sum(-1)
 
 
+def tf32_round(t: torch.Tensor) -> torch.Tensor:
+    """float32 ``t`` rounded to TF32's 10 mantissa bits, to nearest even (inf and NaN as they are). The tensor
+    cores truncate float32 operands: rounding first halves the error and removes truncation's bias towards 0."""
+    bits = t.contiguous().view(torch.int32)
+    rounded = ((bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
+    return torch.where(torch.isfinite(t), rounded, t)
+
+
 def tf32_parts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``a [..., K]``, ``b [..., K]`` -> ``[a_hi, a_lo, a_hi]``, ``[b_hi, b_hi, b_lo]`` (``[..., 3K]``)
     whose TF32 product is ``a_hi.b_hi + a_lo.b_hi + a_hi.b_lo``: float32's accuracy from TF32 tensor cores
@@ -242,11 +255,12 @@ def tf32_parts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return torch.cat([a_hi, a_lo, a_hi], dim=-1), torch.cat([b_hi, b_hi, b_lo], dim=-1)
 
 
-def _dot_operands(x, y, x_lengths, augmented: bool, split: bool):
+def _dot_operands(x, y, x_lengths, augmented: bool, split: bool, tf32: bool):
     """Operands of the dot route. float32: centred on the ``x`` cloud, ``x' = [x, 1, |x|^2]``,
     ``y' = [-2y, |y|^2, 1]`` when ``augmented`` (the product is the distance), else ``x`` and ``y`` with the
-    norms added in the kernel; TF32 parts when ``split``. float16 / bfloat16: the inputs themselves (exact
-    products on the tensor cores; a centred copy would round), with float32 norms."""
+    norms added in the kernel; TF32 parts when ``split``, else rounded to TF32 when ``tf32``. float16 /
+    bfloat16: the inputs themselves (exact products on the tensor cores; a centred copy would round), with
+    float32 norms."""
     if x.dtype != torch.float32:
         x_sq, y_sq = x.float().square().sum(-1), y.float().square().sum(-1)
         return x.contiguous(), y.contiguous(), x_sq.contiguous(), y_sq.contiguous()
@@ -259,6 +273,8 @@ def _dot_operands(x, y, x_lengths, augmented: bool, split: bool):
         xa, ya = xc, yc
     if split:
         xa, ya = tf32_parts(xa, ya)
+    elif tf32:
+        xa, ya = tf32_round(xa), tf32_round(ya)
     return xa.contiguous(), ya.contiguous(), x_sq.contiguous(), y_sq.contiguous()
 
 
@@ -349,13 +365,13 @@ def nearest_indices(
     # The norms' columns would be rounded to TF32 with the coordinates (or to half precision): outside the
     # product they stay float32.
     augmented = dim <= AUGMENTED_MAX_DIM and x.dtype == torch.float32 and cfg.precision != "tf32"
-    xa, ya, x_sq, y_sq = _dot_operands(x, y, x_lengths, augmented, split)
+    tf32 = x.dtype == torch.float32 and cfg.precision in ("tf32", "tf32x3")
+    xa, ya, x_sq, y_sq = _dot_operands(x, y, x_lengths, augmented, split, tf32)
     width = xa.shape[-1]
     # Up to 128 features the x block stays resident and each y tile is one product.
     block_k = max(16, next_power_of_2(width)) if width <= RESIDENT_MAX_WIDTH else 32
     y_keys = torch.full((n, p2), torch.iinfo(torch.int64).max, dtype=torch.int64, device=x.device) \
         if both_ways else idx
-    tf32 = x.dtype == torch.float32 and cfg.precision in ("tf32", "tf32x3")
     nearest_dot_kernel[grid](
         xa, ya, x_sq, y_sq, x_len32, y_len32, idx, y_keys,
         xa.stride(0), xa.stride(1), ya.stride(0), ya.stride(1), x_sq.stride(0), y_sq.stride(0),
