@@ -42,6 +42,13 @@ def test_loss_and_gradient_match_the_closed_form(rng, config, n_q, n_docs):
         _check(scores, None, 1.0, config)
 
 
+def test_strided_labels(rng):
+    scores = torch.randn(5, 7, generator=rng)
+    labels = torch.randint(0, 7, (5, 3), generator=rng)[:, 1]
+    assert labels.stride(0) == 3
+    _check(scores, labels, 0.5, (2, 4, 2, 1))
+
+
 def test_one_candidate_has_zero_loss_and_gradient():
     loss, grad = launch_cross_entropy(torch.tensor([[3.5], [-2.0]]), torch.zeros(2, dtype=torch.long), 0.05)
     assert loss.item() == 0.0 and torch.equal(grad, torch.zeros(2, 1))

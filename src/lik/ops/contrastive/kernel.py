@@ -28,7 +28,7 @@ from ..._replay import made
 __all__ = ["contrastive_ce_kernel", "cross_entropy_config", "launch_cross_entropy", "SINGLE_PROGRAM_SCORES"]
 
 
-@triton.jit(do_not_specialize=["n_q", "n_docs", "n_programs"])
+@triton.jit(do_not_specialize=["n_q", "n_docs", "n_programs", "stride_label"])
 def contrastive_ce_kernel(
     scores_ptr,
     labels_ptr,
@@ -37,6 +37,7 @@ def contrastive_ce_kernel(
     n_q,
     n_docs,
     n_programs,
+    stride_label,
     inv_temperature,
     grad_scale,
     loss_scale,
@@ -55,7 +56,7 @@ def contrastive_ce_kernel(
         rows = tl.minimum(rows, n_q - 1)
         row_ptr = scores_ptr + rows.to(tl.int64) * n_docs
         if HAS_LABELS:
-            label = tl.load(labels_ptr + rows)
+            label = tl.load(labels_ptr + rows.to(tl.int64) * stride_label)
         else:
             label = rows.to(tl.int64)
         label_ok = (label >= 0) & (label < n_docs)
@@ -120,8 +121,8 @@ def launch_cross_entropy(
     config: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(loss, grad)`` of contiguous fp32 ``scores [Nq, B]`` (``Nq >= 1``, ``B >= 1``): the 0-dim fp32 mean
-    cross-entropy of ``scores / temperature`` against ``labels`` (int64 ``[Nq]``; None: the diagonal), and, when
-    ``write_grad``, ``grad [Nq, B]`` fp32 = ``(softmax - onehot) / (Nq * temperature)``, else None.
+    cross-entropy of ``scores / temperature`` against ``labels`` (int64 ``[Nq]``, any stride; None: the diagonal),
+    and, when ``write_grad``, ``grad [Nq, B]`` fp32 = ``(softmax - onehot) / (Nq * temperature)``, else None.
 
     ``config``: ``(block_r, block_b, programs, num_warps)`` in place of :func:`cross_entropy_config` (tests).
 
@@ -144,6 +145,7 @@ def launch_cross_entropy(
         n_q,
         n_docs,
         programs,
+        0 if labels is None else labels.stride(0),
         1.0 / temperature,
         1.0 / (n_q * temperature),
         1.0 / n_q,
