@@ -1,0 +1,131 @@
+"""Index builds in batches: documents one by one, lik.index.DocumentBatch es (padded with a mask or lengths,
+packed with cu_seqlens) and any mix give the same shards, split where documents one at a time split them; bad
+batches are refused by name; the progress bar counts documents per second."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lik
+from lik.index import DocumentBatch, building
+
+from .helpers import grid_docs
+
+LENGTHS = (5, 0, 3, 7, 1, 4, 0, 2, 6, 3)
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(99)
+
+
+def same_shards(a: lik.Index, b: lik.Index) -> None:
+    assert len(a.segments) == len(b.segments)
+    for x, y in zip(a.segments, b.segments):
+        assert torch.equal(x.cu_seqlens, y.cu_seqlens)
+        assert x.tokens.dtype == y.tokens.dtype and torch.equal(x.tokens.view(torch.uint8), y.tokens.view(torch.uint8))
+        assert (x.scale is None) == (y.scale is None)
+        assert x.scale is None or torch.equal(x.scale, y.scale)
+
+
+def as_batches(docs: list[torch.Tensor]) -> list:
+    """docs[0:4] padded with a mask (with a gap: a real token after a masked one), docs[4:7] padded with lengths,
+    docs[7:9] packed, docs[9] alone."""
+    width = max(d.shape[0] for d in docs) + 1
+    pad = torch.full((4, width, docs[0].shape[1]), float("nan"))
+    mask = torch.zeros(4, width, dtype=torch.bool)
+    for b, doc in enumerate(docs[:4]):
+        real = [t for t in range(doc.shape[0] + 1) if t != 1][: doc.shape[0]]  # skip position 1
+        pad[b, real], mask[b, real] = doc, True
+    lengths = [d.shape[0] for d in docs[4:7]]
+    pad2 = torch.full((3, width, docs[0].shape[1]), float("nan"))
+    for b, doc in enumerate(docs[4:7]):
+        pad2[b, : doc.shape[0]] = doc
+    cu = [0, docs[7].shape[0], docs[7].shape[0] + docs[8].shape[0]]
+    return [DocumentBatch.padded(pad, mask=mask), DocumentBatch.padded(pad2, lengths=torch.tensor(lengths)),
+            DocumentBatch.packed(torch.cat(docs[7:9]), torch.tensor(cu)), docs[9]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("shard_tokens", [1, 6, 10_000])
+def test_batches_build_the_shards_of_one_document_at_a_time(rng, monkeypatch, dtype, shard_tokens):
+    docs = grid_docs(rng, LENGTHS)
+    one_by_one = lik.Index.build(docs, dtype=dtype, shard_tokens=shard_tokens, progress=False)
+    monkeypatch.setattr(building, "BATCH_TOKENS", 4)  # runs of single documents cut into several batches
+    same_shards(lik.Index.build(iter(docs), dtype=dtype, shard_tokens=shard_tokens, progress=False), one_by_one)
+    same_shards(lik.Index.build(as_batches(docs), dtype=dtype, shard_tokens=shard_tokens, progress=False),
+                one_by_one)
+    if shard_tokens == 6:  # the split: a shard closes after the document that fills it
+        assert [s.num_docs for s in one_by_one.segments] == [3, 1, 4, 1, 1]
+    Q = torch.randn(2, 3, 6, generator=rng)
+    added = lik.Index.build(docs[:4], dtype=dtype, progress=False).add(as_batches(docs)[1:])
+    got, want = added.search(Q, 10), one_by_one.search(Q, 10)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_every_document_of_a_batch_keeps_its_tokens_and_order(rng, tmp_path):
+    docs = grid_docs(rng, LENGTHS)
+    index = lik.Index.build(as_batches(docs), dtype=torch.float32, out=tmp_path / "ix", shard_tokens=5,
+                            progress=False)
+    assert len(index) == len(docs)
+    assert [t.tolist() for t in index.get(range(len(docs)))] == [d.tolist() for d in docs]
+    batch = DocumentBatch.padded(torch.ones(3, 4, 6))  # no mask, no lengths: every row is a document of L tokens
+    assert batch.lengths == (4, 4, 4) and batch.tokens.shape == (12, 6) and len(batch) == 3
+
+
+def test_bad_batches_are_refused_by_name(rng):
+    docs = grid_docs(rng, LENGTHS)
+    with pytest.raises(ValueError, match=r"docs\[1\].*DocumentBatch"):
+        lik.Index.build([docs[0], torch.zeros(2, 3, 6)], progress=False)
+    with pytest.raises(TypeError, match=r"docs\[0\]"):
+        lik.Index.build([[1.0, 2.0]], progress=False)
+    with pytest.raises(ValueError, match=r"docs\[1\] has d=4"):
+        lik.Index.build([docs[0], DocumentBatch.packed(torch.zeros(3, 4), [0, 3])], progress=False)
+    with pytest.raises(ValueError, match="mask or lengths"):
+        DocumentBatch.padded(torch.zeros(2, 3, 6), mask=torch.ones(2, 3, dtype=torch.bool), lengths=[1, 2])
+    with pytest.raises(TypeError, match="mask"):
+        DocumentBatch.padded(torch.zeros(2, 3, 6), mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="mask"):
+        DocumentBatch.padded(torch.zeros(2, 3, 6), mask=torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="lengths"):
+        DocumentBatch.padded(torch.zeros(2, 3, 6), lengths=[1, 4])
+    with pytest.raises(TypeError, match="lengths"):
+        DocumentBatch.padded(torch.zeros(2, 3, 6), lengths=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="embeddings"):
+        DocumentBatch.padded(torch.zeros(3, 6))
+    with pytest.raises(TypeError, match="embeddings"):
+        DocumentBatch.padded(torch.zeros(2, 3, 6, dtype=torch.int8))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        DocumentBatch.packed(torch.zeros(5, 6), [0, 2, 4])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        DocumentBatch.packed(torch.zeros(5, 6), [0, 3, 2, 5])
+    index = lik.Index.build(docs[:2], progress=False)
+    with pytest.raises(ValueError, match=r"docs\[1\]"):  # all or nothing: the good batch before is not added
+        index.add([as_batches(docs)[0], torch.zeros(2, 5)])
+    assert len(index) == 2
+
+
+def test_progress_bar_counts_documents_per_second(rng, capsys):
+    lik.Index.build(as_batches(grid_docs(rng, LENGTHS)), progress=True)
+    err = capsys.readouterr().err
+    assert "index documents" in err and "10doc" in err.replace(" ", "") and "doc/s" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float16])
+def test_gpu_batches_quantize_on_the_device_as_lik_quantize(dtype):
+    rng = torch.Generator().manual_seed(0)
+    docs = [torch.randn(n, 128, generator=rng) for n in torch.randint(0, 200, (300,), generator=rng).tolist()]
+    on_gpu = lik.Index.build([d.cuda() for d in docs], dtype=dtype, shard_tokens=5_000, placement="host",
+                             progress=False)
+    from_cpu = lik.Index.build(docs, dtype=dtype, shard_tokens=5_000, placement="host", device="cuda",
+                               progress=False)
+    same_shards(on_gpu, from_cpu)
+    tokens = torch.cat([s.tokens for s in on_gpu.segments])
+    if dtype == torch.float16:
+        assert torch.equal(tokens, torch.cat(docs).half())
+    else:
+        want, scale = lik.quantize(torch.cat(docs).cuda(), dtype)
+        assert torch.equal(tokens.view(torch.uint8), want.cpu().view(torch.uint8))
+        assert torch.equal(torch.cat([s.scale for s in on_gpu.segments]), scale.cpu())
