@@ -174,3 +174,36 @@ def contrastive_cases() -> list[Case]:
         )
     )
     return cases
+
+
+def main(rounds: int = 4) -> list[dict]:
+    """Run every case on the current CUDA device (CPU at smoke size without one) and print each method's time and
+    lik's ratios: the bars are ``lik`` >= 1.5x ``late-interaction-kernels`` and >= 1.2x ``flash-maxsim`` at ColBERT
+    B 128, not slower than ``lik-maxsim-ce`` elsewhere, and host time within 100 us of ``trivial-scorer``'s.
+
+    ``python -m lik.bench.contrastive_cases`` (``lik bench --ops contrastive`` once the table is registered)."""
+    from .cases import run_case
+    from .measure import Timer, measure_ceilings
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    timer = Timer(device) if cuda else Timer(device, warmup_ms=0, rep_ms=1)
+    ceilings, _ = measure_ceilings(timer, copy_bytes=1 << 30 if cuda else 1 << 20, matmul_n=8192 if cuda else 64)
+    entries = []
+    for case in contrastive_cases():
+        print(case.label)
+        entry = run_case(case, device=device, timer=timer, ceilings=ceilings, rounds=rounds, smoke=not cuda, log=print)
+        times = {name: cell["median_ms"] for name, cell in entry["cells"].items() if "median_ms" in cell}
+        if "lik" in times:
+            unit, scale = ("us", 1e3) if case.host_time else ("ms", 1.0)
+            ratios = ", ".join(f"{name} / lik = {t / times['lik']:.2f}x" for name, t in times.items() if name != "lik")
+            print(f"  lik {times['lik'] * scale:.4g} {unit}; {ratios}")
+            if case.host_time and "trivial-scorer" in times:
+                above = (times["lik"] - times["trivial-scorer"]) * 1e3
+                print(f"  lik host time above the trivial scorer's: {above:.0f} us")
+        entries.append(entry)
+    return entries
+
+
+if __name__ == "__main__":
+    main()
