@@ -63,10 +63,13 @@ def packed_stream_config(
     """The stream's tiles for ``n_queries`` dense queries of ``q_len`` tokens against ``n_docs`` packed documents
     of ``n_rows`` rows in all, or None when the document loop takes the call (long documents, embeddings wider
     than :data:`~lik.config.maxsim.MAX_RESIDENT_DIM`). Inference only: the caller asks only without winners.
-    A forced config (``packed_stream``) is returned as it is (``stream=False``: None)."""
+    A forced config (``packed_stream``) is returned as it is (``stream=False``: None); with none forced, a forced
+    ``maxsim_varlen`` or ``maxsim_forward`` tile means the document loop (None)."""
     forced = FORCED.get("packed_stream")
     if forced is not None:
         return forced if forced.stream and dim <= MAX_RESIDENT_DIM else None
+    if "maxsim_varlen" in FORCED or "maxsim_forward" in FORCED:
+        return None  # a forced document-loop tile means the document loop
     if dim > MAX_RESIDENT_DIM or n_docs == 0:
         return None
     cfg = packed_stream_tiles(q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype, device=device)

@@ -147,6 +147,10 @@ def test_choice_of_path(monkeypatch):
     forced = PackedStreamConfig(block_t=32)
     with override(packed_stream=forced):
         assert packed_stream_config(**args, n_rows=50_000 * 4096, n_docs=50_000) is forced
+    with override(maxsim_varlen=lik.config.MaxSimForwardConfig(group_rows=16, groups=1, block_n=16, block_k=32)):
+        assert packed_stream_config(**args, n_rows=5_000_000, n_docs=50_000) is None  # the document loop's tiles
+        with override(packed_stream=forced):
+            assert packed_stream_config(**args, n_rows=5_000_000, n_docs=50_000) is forced
     with pytest.raises(TypeError, match="packed_stream"):
         with override(packed_stream=object()):
             pass
