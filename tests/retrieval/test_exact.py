@@ -217,7 +217,7 @@ def test_scores_chunk_by_chunk(rng, reference_path, monkeypatch):
     lik.search(Q, D, 3)
     assert seen == [10]  # the default budget holds millions of documents' scores
     seen.clear()
-    monkeypatch.setattr(exact, "DEFAULT_BUDGET_BYTES", 4 * 2 * exact._BYTES_PER_CANDIDATE)  # 4 documents x 2 queries
+    monkeypatch.setattr(exact, "DEFAULT_BUDGET_BYTES", 4 * 2 * exact.BYTES_PER_CANDIDATE)  # 4 documents x 2 queries
     lik.search(Q, D, 3)
     assert seen == [4, 4, 2]
 

@@ -14,9 +14,9 @@ from tqdm import tqdm
 from .building import as_int, quiet, shards_from
 from .distributed import gather_top_k
 from .documents import IdSpace, check_ids, compact_segments, live_selection, rank_counts, read_documents
-from .format import EIGHT_BIT, Shard, dtype_name, open_shard, open_shard_file
-from .placement import PLACEMENTS, ResidentSource, StreamedSource, plan_chunks
-from .search import search_chunks, select_chunks
+from .format import Shard, dtype_name, open_shard, open_shard_file
+from .placement import PLACEMENTS, ResidentSource, StreamedSource, coalesce, place_together, plan_chunks
+from .search import check_queries, search_buckets, select_chunks
 from .storage import IndexWriter, load_generation
 
 __all__ = ["Index", "DEFAULT_SHARD_TOKENS", "DEFAULT_CHUNK_TOKENS"]
@@ -131,19 +131,19 @@ class Index:
         placement = load_options.get("placement", "auto")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        device = _resolve_device(load_options.get("device"), "auto" if out is not None else placement)
         if out is not None:
-            _write(Path(out), shards_from(docs, None, dtype, shard_tokens, progress), dtype, overwrite, None)
+            _write(Path(out), shards_from(docs, None, dtype, shard_tokens, progress, device), dtype, overwrite, None)
             return cls.load(out, **load_options)
-        device = _resolve_device(load_options.get("device"), placement)
-        segments = list(shards_from(docs, None, dtype, shard_tokens, progress))
+        segments = list(shards_from(docs, None, dtype, shard_tokens, progress, device))
         if not segments:
             raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
         if placement in ("auto", "disk"):  # nothing is on disk yet: "disk" means host memory until saved
             placement = "host" if placement == "disk" else _auto_placement(segments, device)
         index = cls(segments[0].tokens.shape[1], dtype, placement=placement, device=device,
                     chunk_tokens=load_options.get("chunk_tokens"))
-        index.segments = [index._place(s, placement) if placement == "gpu" or device.type == "cuda" else s
-                          for s in segments]
+        index.segments = index._place_all(segments, placement) if placement == "gpu" or device.type == "cuda" \
+            else segments
         return index
 
     def add(self, docs: Iterable[torch.Tensor], *, progress: bool | None = None) -> Index:
@@ -155,7 +155,7 @@ class Index:
         with self._write_lock:
             placement = "host" if self.placement == "disk" else self.placement
             added = [self._place(segment, placement)
-                     for segment in shards_from(docs, self.d, self.dtype, DEFAULT_SHARD_TOKENS, progress)]
+                     for segment in shards_from(docs, self.d, self.dtype, DEFAULT_SHARD_TOKENS, progress, self.device)]
             state = self._state
             self._state = _State(state.segments + tuple(added), None,
                                  state.ids.with_added(sum(s.num_docs for s in added)))
@@ -261,12 +261,18 @@ class Index:
         index = cls(manifest.d, manifest.dtype, placement=placement, device=device,
                     first_id=total * shard // num_shards, total_docs=total, shard=shard, num_shards=num_shards,
                     chunk_tokens=chunk_tokens)
-        index._state = _State([index._place(p, placement) for p in pieces], total, IdSpace.from_manifest(manifest))
+        index._state = _State(index._place_all(pieces, placement), total, IdSpace.from_manifest(manifest))
         if placement != "disk":  # the data was copied out of the files
             for handle in handles:
                 handle.close()
         index.path = directory
         return index
+
+    def _place_all(self, segments, placement: str) -> list[Shard]:
+        """``segments`` placed; on the GPU back to back in one buffer (what :func:`coalesce` joins for search)."""
+        if placement != "gpu" or len(segments) < 2:
+            return [self._place(s, placement) for s in segments]
+        return place_together(segments, self.device)
 
     def _place(self, segment: Shard, placement: str) -> Shard:
         if placement == "disk":
@@ -295,6 +301,8 @@ class Index:
         return self._state.source(self._make_source)
 
     def _make_source(self, segments):
+        if self.device.type == "cuda" and self.placement == "gpu":
+            segments = coalesce(segments)
         first_ids, first = [], self.first_id
         for segment in segments:
             first_ids.append(first)
@@ -310,38 +318,28 @@ class Index:
         return ResidentSource(segments, plan_chunks(segments, first_ids, chunk_tokens), self.device)
 
     @torch.no_grad()
-    def search(self, Q: torch.Tensor, k: int, q_mask: torch.Tensor | None = None, *, doc_ids=None):
+    def search(self, Q, k: int, q_mask: torch.Tensor | None = None, *, doc_ids=None,
+               cu_seqlens_q: torch.Tensor | None = None):
         """Exact top-``k`` MaxSim search.
 
         Args:
             Q: ``[Lq, d]`` or ``[Nq, Lq, d]`` float queries (cast to a float index's dtype; quantized per token
-                for an 8-bit index).
+                for an 8-bit index); queries of different lengths: a list of ``[Lq_i, d]`` tensors, or packed
+                ``[sum Lq_i, d]`` with ``cu_seqlens_q`` (scored in dense buckets of similar length, as
+                :func:`lik.search` scores them).
             k: results per query, ``0 <= k <= len(self)`` (or the number of live ``doc_ids``).
-            q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real query tokens.
+            q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real query tokens (dense ``Q`` only).
             doc_ids: optional ids to restrict the search to (any order, duplicates and removed ids ignored).
+            cu_seqlens_q: int32 / int64 ``[Nq + 1]`` offsets of packed queries (a CPU tensor costs no sync).
 
         Returns:
-            ``(scores, ids)``: fp32 and int64, ``[k]`` for 2-D ``Q``, ``[Nq, k]`` for 3-D, on ``Q``'s device;
-            descending score, ties to the lower id, NaN last (as :func:`lik.search`).
+            ``(scores, ids)``: fp32 and int64, ``[k]`` for 2-D ``Q``, ``[Nq, k]`` for 3-D or ragged ``Q``, on
+            ``Q``'s device; descending score, ties to the lower id, NaN last (as :func:`lik.search`).
+
+        Example:
+            >>> scores, ids = index.search([torch.randn(32, 128), torch.randn(9, 128)], k=10)   # [2, 10] each
         """
-        if not isinstance(Q, torch.Tensor):
-            raise TypeError(f"Q must be a torch.Tensor, got {type(Q).__name__}")
-        if Q.dim() not in (2, 3) or Q.shape[-1] != self.d:
-            raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d] with d={self.d}, got shape {list(Q.shape)}")
-        if not Q.is_floating_point() or Q.dtype in EIGHT_BIT:
-            raise TypeError(f"Q must be a float tensor, got {Q.dtype}")
-        squeeze = Q.dim() == 2
-        Q3 = Q.unsqueeze(0) if squeeze else Q
-        if q_mask is not None:
-            if not isinstance(q_mask, torch.Tensor) or q_mask.dtype != torch.bool:
-                raise TypeError("q_mask must be a bool tensor")
-            if q_mask.shape != Q.shape[:-1]:
-                raise ValueError(f"q_mask must have shape {list(Q.shape[:-1])}, got {list(q_mask.shape)}")
-            q_mask = q_mask.unsqueeze(0) if squeeze else q_mask
-        if self.dtype not in EIGHT_BIT:
-            Q3 = Q3.to(self.dtype)
-        elif Q3.dtype == torch.float64:
-            Q3 = Q3.float()  # 8-bit scoring quantizes fp16 / bf16 / fp32 queries
+        queries, squeeze, n_queries, where = check_queries(Q, q_mask, cu_seqlens_q, self.d, self.dtype)
         state = self._state  # one view of the documents for the whole search, whatever add() does meanwhile
         doc_ids = check_ids(doc_ids, state.ids.num_ids, "doc_ids")
         # Chunks and ranks count stored positions: removed documents are left out of what is scored.
@@ -351,14 +349,14 @@ class Index:
         if not 0 <= k <= available:
             what = "documents in the index" if doc_ids is None else "distinct live doc_ids"
             raise ValueError(f"k must be in [0, {available}] ({available} {what}), got k={k}")
-        if Q3.shape[0] == 0:  # no query: nothing to score or to gather
-            empty = torch.empty(0, k, dtype=torch.float32, device=Q.device)
+        if n_queries == 0:  # no query: nothing to score or to gather
+            empty = torch.empty(0, k, dtype=torch.float32, device=where)
             return empty, empty.to(torch.int64)
         source = state.source(self._make_source)
         selection = state.live_selection(source) if doc_ids is None else select_chunks(source.plans, positions)
         local_docs = sum(source.plans[n].num_docs if local is None else local.numel() for n, local in selection)
         with source.lock:
-            scores, ids = search_chunks(Q3, q_mask, source, selection, min(k, local_docs))
+            scores, ids = search_buckets(queries, n_queries, source, selection, min(k, local_docs))
         if self.num_shards > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("this index is one shard of several: initialise torch.distributed to search it")
@@ -368,7 +366,7 @@ class Index:
                                    "ranks")
             counts = rank_counts(world, positions, state.ids.removed_positions(), k, state.num_docs)
             scores, ids = gather_top_k(scores, ids, k, counts)
-        scores, ids = scores.to(Q.device), state.ids.ids_of(ids.to(Q.device))
+        scores, ids = scores.to(where), state.ids.ids_of(ids.to(where))
         return (scores[0], ids[0]) if squeeze else (scores, ids)
 
     def __repr__(self) -> str:

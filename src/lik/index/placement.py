@@ -23,7 +23,8 @@ import torch
 from .format import Shard
 
 __all__ = [
-    "PLACEMENTS", "Chunk", "ChunkPlan", "plan_chunks", "ChunkSource", "ResidentSource", "StreamedSource", "read_into",
+    "PLACEMENTS", "Chunk", "ChunkPlan", "plan_chunks", "coalesce", "place_together", "ChunkSource", "ResidentSource",
+    "StreamedSource", "read_into",
 ]
 
 PLACEMENTS = ("auto", "gpu", "host", "disk")
@@ -67,6 +68,10 @@ def plan_chunks(segments: Sequence[Shard], first_ids: Sequence[int], chunk_token
     makes a chunk of its own). Host-side only: the plan needs no device synchronisation."""
     plans = []
     for number, (segment, first_id) in enumerate(zip(segments, first_ids)):
+        if 0 < segment.num_docs and segment.num_tokens <= chunk_tokens:  # the whole segment: no walk over documents
+            longest = int(segment.cu_seqlens.diff().max())
+            plans.append(ChunkPlan(number, 0, segment.num_docs, 0, segment.num_tokens, longest, first_id))
+            continue
         offsets = segment.cu_seqlens.tolist()
         start = 0
         while start < segment.num_docs:
@@ -79,6 +84,56 @@ def plan_chunks(segments: Sequence[Shard], first_ids: Sequence[int], chunk_token
             )
             start = stop
     return plans
+
+
+def _follows(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether ``b``'s rows start in memory where ``a``'s end (contiguous views of one buffer)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return (a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype and a.device == b.device
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.data_ptr() + a.nbytes == b.data_ptr())
+
+
+def _joined(a: torch.Tensor, rows: int) -> torch.Tensor:
+    return a.as_strided((rows, *a.shape[1:]), a.stride(), a.storage_offset())
+
+
+def coalesce(segments: Sequence[Shard]) -> list[Shard]:
+    """``segments`` with each run of segments that lie back to back in one device buffer (as :meth:`lik.Index.load`
+    and ``build`` place a GPU-resident index) joined into one: views, no copy. A resident index is then scored by
+    one packed call over all its documents instead of one per shard file."""
+    joined: list[Shard] = []
+    for segment in segments:
+        last = joined[-1] if joined else None
+        if (last is not None and last.tokens.is_cuda and segment.tokens.shape[1:] == last.tokens.shape[1:]
+                and _follows(last.tokens, segment.tokens) and _follows(last.scale, segment.scale)):
+            rows = last.num_tokens + segment.num_tokens
+            cu = torch.cat([last.cu_seqlens, segment.cu_seqlens[1:] + last.cu_seqlens[-1]])
+            scale = None if last.scale is None else _joined(last.scale, rows)
+            joined[-1] = Shard(_joined(last.tokens, rows), cu, scale)
+        else:
+            joined.append(segment)
+    return joined
+
+
+def place_together(segments: Sequence[Shard], device: torch.device) -> list[Shard]:
+    """``segments`` copied to ``device`` back to back in one buffer (one for their scales): views of it, which
+    :func:`coalesce` joins again."""
+    rows = sum(s.num_tokens for s in segments)
+    first = segments[0]
+    tokens = torch.empty(rows, *first.tokens.shape[1:], dtype=first.tokens.dtype, device=device)
+    scale = None if first.scale is None else torch.empty(rows, dtype=torch.float32, device=device)
+    placed, start = [], 0
+    for segment in segments:
+        stop = start + segment.num_tokens
+        tokens[start:stop].copy_(segment.tokens)
+        if scale is not None:
+            scale[start:stop].copy_(segment.scale)
+        part = None if scale is None else scale[start:stop]
+        placed.append(Shard(tokens[start:stop], segment.cu_seqlens.clone(), part))
+        start = stop
+    return placed
 
 
 def _chunk_offsets(segment: Shard, plan: ChunkPlan) -> torch.Tensor:

@@ -12,13 +12,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core.precision import accumulation_dtype
 from ..ops.maxsim.packed_function import packed_query, score_packed
-from ..retrieval.exact import merge_top_k
+from ..retrieval.exact import BYTES_PER_CANDIDATE, DEFAULT_BUDGET_BYTES, merge_top_k
 from ..retrieval.keys import MAX_ID, candidate_keys, decode_keys, top_keys
-from .placement import ChunkPlan, ChunkSource
+from ..retrieval.queries import QueryBucket, assemble, buckets, ragged_queries
+from .format import EIGHT_BIT
+from .placement import Chunk, ChunkPlan, ChunkSource
 
-__all__ = ["select_chunks", "search_chunks"]
+__all__ = ["select_chunks", "check_queries", "search_chunks", "search_buckets"]
 
 
 def select_chunks(plans: Sequence[ChunkPlan], doc_ids: torch.Tensor | None) -> list[tuple[int, torch.Tensor | None]]:
@@ -39,6 +40,39 @@ def select_chunks(plans: Sequence[ChunkPlan], doc_ids: torch.Tensor | None) -> l
     return selected
 
 
+def check_queries(Q, q_mask, cu_seqlens_q, d: int, dtype: torch.dtype
+                  ) -> tuple[list[QueryBucket], bool, int, torch.device]:
+    """:meth:`lik.Index.search`'s queries checked once, at its edge, for an index of width ``d`` and ``dtype``: in
+    the dtype they are scored in, as dense buckets (one for a dense ``Q``); ``(buckets, squeeze, Nq, Q's device)``."""
+    ragged = ragged_queries(Q, cu_seqlens_q)
+    if ragged is not None:
+        if q_mask is not None:
+            raise ValueError("q_mask must be None for ragged queries (a list, or packed with cu_seqlens_q)")
+        Q = ragged.tokens
+    if not isinstance(Q, torch.Tensor):
+        raise TypeError(f"Q must be a torch.Tensor or a list of them, got {type(Q).__name__}")
+    if Q.dim() not in ((2,) if ragged is not None else (2, 3)) or Q.shape[-1] != d:
+        raise ValueError(f"Q must be [Lq, d] or [Nq, Lq, d] with d={d}, got shape {list(Q.shape)}")
+    if not Q.is_floating_point() or Q.dtype in EIGHT_BIT:
+        raise TypeError(f"Q must be a float tensor, got {Q.dtype}")
+    if dtype not in EIGHT_BIT:
+        Q = Q.to(dtype)
+    elif Q.dtype == torch.float64:
+        Q = Q.float()  # 8-bit scoring quantizes fp16 / bf16 / fp32 queries
+    if ragged is not None:
+        ragged = ragged._replace(tokens=Q)
+        return buckets(ragged), False, len(ragged.lengths), Q.device
+    squeeze = Q.dim() == 2
+    if q_mask is not None:
+        if not isinstance(q_mask, torch.Tensor) or q_mask.dtype != torch.bool:
+            raise TypeError("q_mask must be a bool tensor")
+        if q_mask.shape != Q.shape[:-1]:
+            raise ValueError(f"q_mask must have shape {list(Q.shape[:-1])}, got {list(q_mask.shape)}")
+        q_mask = q_mask.unsqueeze(0) if squeeze else q_mask
+    Q3 = Q.unsqueeze(0) if squeeze else Q
+    return [QueryBucket(list(range(Q3.shape[0])), Q3, q_mask, None, None)], squeeze, Q3.shape[0], Q.device
+
+
 @torch.no_grad()
 def search_chunks(
     Q: torch.Tensor,
@@ -47,21 +81,38 @@ def search_chunks(
     selection: Sequence[tuple[int, torch.Tensor | None]],
     k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` of 3-D ``Q [Nq, Lq, d]`` over the selected chunks: ``(scores fp32 [Nq, k'], ids int64 [Nq, k'])``
-    on ``source.device``, with ``k' = min(k, selected documents)``.
+    """:func:`search_buckets` of one dense batch of checked queries ``Q [Nq, Lq, d]`` with bool ``q_mask``."""
+    return search_buckets([QueryBucket(list(range(Q.shape[0])), Q, q_mask, None, None)], Q.shape[0], source,
+                          selection, k)
 
-    ``Q`` (float, in the index's dtype for a float index) and the bool ``q_mask`` were checked by the caller: the
-    query is quantized once for an 8-bit index, and each chunk goes to packed MaxSim's internal scoring entry, with
-    no check repeated and no host synchronisation."""
+
+@torch.no_grad()
+def search_buckets(
+    queries: Sequence[QueryBucket],
+    n_queries: int,
+    source: ChunkSource,
+    selection: Sequence[tuple[int, torch.Tensor | None]],
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` of ``n_queries`` queries, given as dense buckets (:func:`lik.retrieval.queries.buckets`; one bucket
+    ``[Nq, Lq, d]`` in order for a dense ``Q``), over the selected chunks: ``(scores fp32 [Nq, k'], ids int64
+    [Nq, k'])`` on ``source.device``, with ``k' = min(k, selected documents)``.
+
+    Each bucket's ``q`` (float, in the index's dtype for a float index) and bool ``mask`` were checked by the
+    caller: a bucket is quantized once for an 8-bit index, and each chunk goes to packed MaxSim's internal scoring
+    entry, with no check repeated and no host synchronisation. A chunk whose ``[Nq, documents]`` scores would pass
+    :data:`~lik.retrieval.exact.DEFAULT_BUDGET_BYTES` is scored in runs of documents."""
     device = source.device
-    n_queries = Q.shape[0]
-    Q = Q.to(device, non_blocking=True)
-    q_mask = None if q_mask is None else q_mask.to(device, non_blocking=True)
-    score_dtype = accumulation_dtype(Q.dtype)
-    best_scores = torch.empty(n_queries, 0, dtype=score_dtype, device=device)
+    best_scores = torch.empty(n_queries, 0, dtype=torch.float32, device=device)
     best_ids = torch.empty(n_queries, 0, dtype=torch.int64, device=device)
     if k == 0 or n_queries == 0:
         return best_scores, best_ids
+    queries = [
+        bucket._replace(q=bucket.q.to(device, non_blocking=True),
+                        mask=None if bucket.mask is None else bucket.mask.to(device, non_blocking=True),
+                        index=None if bucket.index is None else bucket.index.to(device, non_blocking=True))
+        for bucket in queries
+    ]
     # Every chunk's selected positions go to the device in one copy, not one per chunk. A chunk without positions
     # scores all its documents; positions already on the device (the live documents of an index with removed
     # ones, cached there) are used as they are: removed documents are never candidates, with no host sync.
@@ -73,24 +124,47 @@ def search_chunks(
         locals_ = [next(moved) if move else local for local, move in zip(locals_, to_move)]
     # The running top-k as one int64 key per candidate (lik.retrieval.keys): a chunk is merged by one topk. Ids past
     # 2**32 do not fit a key's low half: those searches merge scores and ids.
-    plans = [source.plans[n] for n, _ in selection]
-    keyed = score_dtype == torch.float32 and all(p.first_id + p.num_docs < MAX_ID for p in plans)
-    query, best = None, None
-    for chunk, local in zip(source.chunks([n for n, _ in selection]), locals_):
-        if query is None:
-            query = packed_query(Q, q_mask, chunk.tokens.dtype)
-        scores = score_packed(query, chunk.tokens, chunk.cu_seqlens, chunk.scale).to(score_dtype)
-        if local is not None:
-            scores = scores[:, local]
-        if keyed:
-            keys = candidate_keys(scores, chunk.first_id, local)
-            keys = keys if best is None else torch.cat([best, keys], dim=1)
-            best = top_keys(keys, min(k, keys.shape[1]))
-            continue
-        ids = torch.arange(chunk.first_id, chunk.first_id + chunk.num_docs, device=device)
-        if local is not None:
-            ids = ids[local]
-        best_scores, best_ids = merge_top_k(best_scores, best_ids, scores, ids.expand(n_queries, -1), k)
+    numbers = [n for n, _ in selection]
+    plans = [source.plans[n] for n in numbers]
+    keyed = all(p.first_id + p.num_docs < MAX_ID for p in plans)
+    step = max(1, DEFAULT_BUDGET_BYTES // (n_queries * BYTES_PER_CANDIDATE))
+    packed, best = None, None
+    for chunk, plan, local in zip(source.chunks(numbers), plans, locals_):
+        if packed is None:
+            packed = [(b, packed_query(b.q, b.mask, chunk.tokens.dtype)) for b in queries]
+        # (a chunk with selected positions is scored whole, then gathered; others in runs within the budget)
+        for first_id, scores in _scored(packed, n_queries, chunk, plan, source, step if local is None else None):
+            if keyed:
+                keys = candidate_keys(scores if local is None else scores[:, local], first_id, local)
+                keys = keys if best is None else torch.cat([best, keys], dim=1)
+                best = top_keys(keys, min(k, keys.shape[1]))
+                continue
+            ids = torch.arange(first_id, first_id + scores.shape[1], device=device)
+            if local is not None:
+                scores, ids = scores[:, local], ids[local]
+            best_scores, best_ids = merge_top_k(best_scores, best_ids, scores, ids.expand(n_queries, -1), k)
     if keyed and best is not None:
         return decode_keys(best)
     return best_scores, best_ids
+
+
+def _scored(packed, n_queries: int, chunk: Chunk, plan: ChunkPlan, source: ChunkSource, step: int | None):
+    """``(first id, scores fp32 [Nq, n])`` of the chunk's documents, in runs of at most ``step`` documents."""
+    runs = [(0, chunk.num_docs)]
+    if step is not None and chunk.num_docs > step:
+        runs = [(a, min(a + step, chunk.num_docs)) for a in range(0, chunk.num_docs, step)]
+    offsets = None
+    for a, b in runs:
+        tokens, cu, scale = chunk.tokens, chunk.cu_seqlens, chunk.scale
+        if (a, b) != (0, chunk.num_docs):
+            if offsets is None:  # host offsets of the chunk's documents (the plan's segment holds them)
+                segment = source.segments[plan.segment]
+                offsets = segment.cu_seqlens[plan.doc_start : plan.doc_stop + 1] - plan.token_start
+            t0, t1 = int(offsets[a]), int(offsets[b])
+            tokens, cu = tokens[t0:t1], cu[a : b + 1] - cu[a]
+            scale = None if scale is None else scale[t0:t1]
+        parts = [(bucket, score_packed(query, tokens, cu, scale)) for bucket, query in packed]
+        if len(parts) == 1 and parts[0][0].index is None:
+            yield chunk.first_id + a, parts[0][1]
+        else:
+            yield chunk.first_id + a, assemble(parts, n_queries, b - a, torch.float32, tokens.device)

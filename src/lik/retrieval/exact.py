@@ -17,14 +17,15 @@ from ..core.precision import accumulation_dtype
 from ..ops.maxsim.function import score_canonical
 from ..ops.maxsim.validation import MaxSimInputs
 from .keys import MAX_ID, candidate_keys, decode_keys, top_keys
+from .queries import assemble, buckets, ragged_queries
 
-__all__ = ["search", "merge_top_k", "rank", "DEFAULT_BUDGET_BYTES"]
+__all__ = ["search", "merge_top_k", "rank", "DEFAULT_BUDGET_BYTES", "BYTES_PER_CANDIDATE"]
 
 DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 
 # Per (query, document) pair of a chunk: the fp32 score, the int64 candidate index, and the sort's keys,
 # permutation and gathered copies (about four more 8-byte words), rounded up.
-_BYTES_PER_CANDIDATE = 64
+BYTES_PER_CANDIDATE = 64
 
 
 def _as_int(value, name: str, expected: str) -> int:
@@ -46,7 +47,7 @@ def _check_k(k, n_docs: int) -> int:
 
 def _check_chunk_size(chunk_size, n_queries: int) -> int:
     if chunk_size is None:
-        return max(1, DEFAULT_BUDGET_BYTES // (max(1, n_queries) * _BYTES_PER_CANDIDATE))
+        return max(1, DEFAULT_BUDGET_BYTES // (max(1, n_queries) * BYTES_PER_CANDIDATE))
     chunk_size = _as_int(chunk_size, "chunk_size", "a positive integer or None")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer or None, got chunk_size={chunk_size}")
@@ -99,11 +100,15 @@ def search(
     chunk_size: int | None = None,
     q_scale: torch.Tensor | None = None,
     d_scale: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k MaxSim search: the ``k`` documents of ``D`` with the highest :func:`lik.maxsim` score.
 
     Args:
-        Q: queries, ``[Lq, d]`` or ``[Nq, Lq, d]``; float16, bfloat16, float32 (or float64: reference only).
+        Q: queries, ``[Lq, d]`` or ``[Nq, Lq, d]``; float16, bfloat16, float32 (or float64: reference only). Queries
+            of different lengths: a list of ``[Lq_i, d]`` tensors, or packed ``[sum Lq_i, d]`` with
+            ``cu_seqlens_q``; they are scored in dense buckets of similar length (:mod:`lik.retrieval.queries`),
+            with the results of one call per query, ``[Nq, k]``.
         D: the corpus, ``[B, Ld, d]``, same dtype and device as ``Q`` (CUDA: fused kernels; CPU: reference).
         k: number of results per query, ``0 <= k <= B``.
         q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real query tokens.
@@ -113,13 +118,16 @@ def search(
             within 256 MB.
         q_scale, d_scale: an 8-bit corpus, as in :func:`lik.maxsim`: ``D`` int8 / float8_e4m3fn from
             :func:`lik.quantize` with its fp32 ``d_scale [B, Ld]``; ``Q`` of the same dtype with ``q_scale``, or
-            float (quantized per token once, before the first chunk).
+            float (quantized per token once, before the first chunk). Ragged 8-bit queries: ``q_scale`` a list
+            of ``[Lq_i]`` (list ``Q``) or ``[sum Lq_i]`` (packed ``Q``).
+        cu_seqlens_q: int32 / int64 ``[Nq + 1]`` offsets of packed queries ``Q [sum Lq_i, d]`` (from 0,
+            non-decreasing, ending at ``Q.shape[0]``; read once on the host: a CPU tensor costs no sync).
 
     Returns:
         ``(scores, indices)``: float32 scores (float64 for float64 inputs) and int64 document indices into ``D``,
-        ``[k]`` for 2-D ``Q`` and ``[Nq, k]`` for 3-D ``Q``. Rows are ordered by descending score, ties by
-        lower document index, NaN scores last. The scores carry no gradient (rescore the hits with
-        :func:`lik.maxsim` to train through them).
+        ``[k]`` for 2-D ``Q`` and ``[Nq, k]`` for 3-D ``Q`` and ragged queries (a zero-length query scores 0).
+        Rows are ordered by descending score, ties by lower document index, NaN scores last. The scores carry no
+        gradient (rescore the hits with :func:`lik.maxsim` to train through them).
 
     Raises:
         ValueError / TypeError naming the argument: bad shapes, dtypes, devices or masks (as :func:`lik.maxsim`),
@@ -131,22 +139,38 @@ def search(
         >>> scores, indices = lik.search(Q, D, k=10)     # [4, 10] float32, [4, 10] int64
         >>> D_q, d_scale = lik.quantize(D, torch.int8)
         >>> scores, indices = lik.search(Q, D_q, k=10, d_scale=d_scale)
+        >>> scores, indices = lik.search([Q[0, :20], Q[1], Q[2, :7]], D, k=10)   # [3, 10] each
     """
-    inputs = MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True, q_scale=q_scale, d_scale=d_scale)
+    ragged = ragged_queries(Q, cu_seqlens_q, q_scale)
+    if ragged is None:
+        bundles = [(None, MaxSimInputs.build(Q, D, q_mask, d_mask, mask_mode, allow_float64=True, q_scale=q_scale,
+                                             d_scale=d_scale))]
+        n_queries = bundles[0][1].q.shape[0]
+    else:
+        if q_mask is not None:
+            raise ValueError("q_mask must be None for ragged queries (a list, or packed with cu_seqlens_q): they "
+                             "have no padding")
+        # One bundle per bucket of similar lengths, each validated here, at the edge, as lik.maxsim validates.
+        bundles = [(bucket, MaxSimInputs.build(bucket.q, D, bucket.mask, d_mask, mask_mode, allow_float64=True,
+                                               q_scale=bucket.scale, d_scale=d_scale))
+                   for bucket in buckets(ragged)]
+        n_queries = len(ragged.lengths)
+    inputs = bundles[0][1]
     if inputs.per_query_documents:
         raise ValueError(
             f"D must be a shared corpus [B, Ld, d] for search, got shape {list(D.shape)}; "
             "score per-query candidate sets with lik.maxsim"
         )
-    n_queries, n_docs, device = inputs.q.shape[0], inputs.d.shape[1], inputs.q.device
+    n_docs, device = inputs.d.shape[1], inputs.q.device
     k = _check_k(k, n_docs)
     chunk_size = _check_chunk_size(chunk_size, n_queries)
+    finish = inputs.finish if ragged is None else (lambda t: t)
 
     score_dtype = accumulation_dtype(inputs.q.dtype)
     if k == 0 or n_queries == 0:
         empty_scores = torch.empty(n_queries, k, dtype=score_dtype, device=device)
         empty_indices = torch.empty(n_queries, k, dtype=torch.int64, device=device)
-        return inputs.finish(empty_scores), inputs.finish(empty_indices)
+        return finish(empty_scores), finish(empty_indices)
 
     # float32 scores: the running top-k as one int64 key per candidate, merged by one topk per chunk
     # (lik.retrieval.keys); float64 (the reference) merges scores and indices.
@@ -154,12 +178,8 @@ def search(
     best = best_scores = best_indices = None
     for start in range(0, n_docs, chunk_size):
         stop = min(n_docs, start + chunk_size)
-        chunk = MaxSimInputs(
-            inputs.q, inputs.d[:, start:stop], inputs.q_mask,
-            None if inputs.d_mask is None else inputs.d_mask[:, start:stop], mask_mode, False, False, inputs.q_scale,
-            None if inputs.d_scale is None else inputs.d_scale[:, start:stop],
-        )
-        chunk_scores = score_canonical(chunk)
+        parts = [(bucket, score_canonical(_documents(bundle, start, stop))) for bucket, bundle in bundles]
+        chunk_scores = parts[0][1] if ragged is None else assemble(parts, n_queries, stop - start, score_dtype, device)
         if keyed:
             keys = candidate_keys(chunk_scores, start)
             keys = keys if best is None else torch.cat([best, keys], dim=1)
@@ -171,4 +191,13 @@ def search(
         best_scores, best_indices = merge_top_k(best_scores, best_indices, chunk_scores, chunk_indices, k)
     if keyed:
         best_scores, best_indices = decode_keys(best)
-    return inputs.finish(best_scores), inputs.finish(best_indices)
+    return finish(best_scores), finish(best_indices)
+
+
+def _documents(inputs: MaxSimInputs, start: int, stop: int) -> MaxSimInputs:
+    """Documents ``[start, stop)`` of a validated bundle: views, nothing checked again."""
+    return MaxSimInputs(
+        inputs.q, inputs.d[:, start:stop], inputs.q_mask,
+        None if inputs.d_mask is None else inputs.d_mask[:, start:stop], inputs.mask_mode, False, False,
+        inputs.q_scale, None if inputs.d_scale is None else inputs.d_scale[:, start:stop],
+    )
