@@ -40,7 +40,8 @@ def test_build_info_search_round_trip(files, capsys, dtype):
 
     assert cli.main(["search", str(out), "--queries", str(tmp_path / "queries.pt"), "--k", "3",
                      "--placement", "disk", "--batch-size", "2", "--output", str(tmp_path / "hits.pt")]) == 0
-    assert "queries/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "queries/s" in printed and "p50" in printed and "p99" in printed and "(2 calls)" in printed
     hits = torch.load(tmp_path / "hits.pt")
     want = lik.Index.build(docs, dtype=getattr(torch, dtype), progress=False).search(Q, 3)
     assert torch.equal(hits["ids"], want[1])
@@ -67,3 +68,12 @@ def test_errors_name_the_file_or_argument(files, capsys):
     torch.save([torch.randn(2, 5)], tmp_path / "wide.pt")
     assert cli.main(["search", str(tmp_path / "ix"), "--queries", str(tmp_path / "wide.pt")]) == 1
     assert "wide.pt: queries have d=5" in capsys.readouterr().err
+
+
+def test_percentile_interpolates_between_ranks():
+    from lik.index.commands import percentile
+
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile(list(range(101)), 99) == 99.0
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
