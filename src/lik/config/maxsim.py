@@ -367,20 +367,27 @@ class MaxSimSoftConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    dq_splits: int = 0  # document ranges per dQ row block (0: enough programs for the device)
 
 
 register("maxsim_soft", MaxSimSoftConfig)
 
 
-def maxsim_soft_config(*, dim: int, dtype: torch.dtype, device: torch.device) -> MaxSimSoftConfig:
-    """The soft reductions' tiles: 64 x 64 tiles and the whole width up to 128 features (one chunk), 64-wide chunks
-    beyond (a first choice, not tuned on a device yet); 16 x 16 under the interpreter."""
+def maxsim_soft_config(*, dim: int, dtype: torch.dtype, device: torch.device, q_len: int = 64) -> MaxSimSoftConfig:
+    """The soft reductions' tiles: query rows the power-of-two bucket of ``Lq`` up to 64 (ColBERT's 32-token queries
+    waste no rows), 64-token tiles and the whole width up to 128 features (one chunk), 64-wide chunks beyond (a
+    first choice, not tuned on a device yet); 16 x 16 under the interpreter."""
     forced = FORCED.get("maxsim_soft")
     if forced is not None:
         return forced
-    block_d = max(16, next_power_of_2(dim))
-    if _device.interpreting():
+    return _soft_heuristic(max(16, next_power_of_2(dim)), dtype, min(64, max(16, next_power_of_2(q_len))),
+                           _device.interpreting())
+
+
+@functools.lru_cache(maxsize=256)
+def _soft_heuristic(block_d: int, dtype: torch.dtype, block_m: int, interpreted: bool) -> MaxSimSoftConfig:
+    if interpreted:
         return MaxSimSoftConfig(block_m=16, block_n=16, block_k=min(block_d, 64))
     block_k = block_d if block_d <= 128 else 64
-    return MaxSimSoftConfig(block_m=64, block_n=64, block_k=block_k, num_warps=4,
+    return MaxSimSoftConfig(block_m=block_m, block_n=64, block_k=block_k, num_warps=4,
                             num_stages=3 if dtype != torch.float32 else 2)

@@ -38,7 +38,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 SOFT_RUNTIME_INTS = [
     "n_queries", "n_docs", "q_len", "doc_len", "n_q_rows", "n_d_rows", "q_blocks", "d_blocks", "n_feature_blocks",
     "stride_qn", "stride_ql", "stride_dn", "stride_db", "stride_dl", "stride_qmn", "stride_qml", "stride_dmn",
-    "stride_dmb", "stride_dml", "stride_gn", "stride_gb", "stride_tn", "stride_tb",
+    "stride_dmb", "stride_dml", "stride_gn", "stride_gb", "stride_tn", "stride_tb", "n_splits", "split_docs",
+    "split_stride",
 ]
 
 
@@ -228,6 +229,7 @@ def _row_stats(stats_ptr, stats_base, rows, row_ok, slots, REDUCTION: tl.constex
 def soft_bwd_dq_kernel(
     grad_ptr, q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_q_ptr, cu_d_ptr, stats_ptr, dq_ptr,
     n_queries, n_docs, q_len, doc_len, n_q_rows, n_d_rows, q_blocks, n_feature_blocks, scale2,
+    n_splits, split_docs, split_stride,
     stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk,
     stride_qmn, stride_qml, stride_dmn, stride_dmb, stride_dml, stride_gn, stride_gb, stride_tn, stride_tb,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
@@ -236,10 +238,14 @@ def soft_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """``dQ`` (contiguous, ``q``'s shape and dtype) of one query's row block and feature block: the sum over its
-    documents of ``grad[n, b] * W @ D`` with ``W`` recomputed per tile. Rows that scored 0 get 0."""
+    documents of ``grad[n, b] * W @ D`` with ``W`` recomputed per tile. Rows that scored 0 get 0. With
+    ``n_splits`` > 1 each program takes ``split_docs`` documents and writes an fp32 partial at ``split *
+    split_stride`` (the launcher adds the partials in a fixed order: deterministic)."""
     pid = tl.program_id(0).to(tl.int64)
     f_block = pid % n_feature_blocks
     pid = pid // n_feature_blocks
+    split = pid % n_splits
+    pid = pid // n_splits
     n = pid // q_blocks
     s0 = (pid - n * q_blocks) * BLOCK_M
     q_start, q_length = _query_span(cu_q_ptr, n, q_len, n_q_rows, LAYOUT)
@@ -254,8 +260,8 @@ def soft_bwd_dq_kernel(
     if PER_QUERY:
         doc_set = n
     out = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-    first = n * 0
-    last = n * 0 + n_docs
+    first = split * split_docs
+    last = tl.minimum(first + split_docs, n_docs)
     dq_rows = n * q_len + rows
     if LAYOUT == PAIRS:
         first = n
@@ -278,7 +284,7 @@ def soft_bwd_dq_kernel(
             w = _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION, TOP_K, SLOTS)
             d_tile = _rows(d_base, cols, loaded, ff, stride_dl, stride_dk, DIM)
             out = tl.dot(w.to(d_tile.dtype), d_tile, out, input_precision=DOT_PRECISION)
-    tl.store(dq_ptr + dq_rows[:, None] * DIM + ff[None, :], out.to(dq_ptr.dtype.element_ty),
+    tl.store(dq_ptr + split * split_stride + dq_rows[:, None] * DIM + ff[None, :], out.to(dq_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (ff[None, :] < DIM))
 
 

@@ -200,3 +200,11 @@ def test_eight_bit_documents_refuse_soft_reductions():
     D_q, d_scale = lik.quantize(torch.randn(2, 5, 4), torch.int8)
     with pytest.raises(ValueError, match="float"):
         lik.maxsim(torch.randn(3, 4), D_q, d_scale=d_scale, reduction="smooth", tau=0.5)
+
+
+@pytest.mark.parametrize("reduction,kw", SOFT[::2], ids=IDS[::2])
+def test_dq_in_document_ranges(reduction, kw):
+    rng = torch.Generator().manual_seed(6)
+    Q, D, q_mask, d_mask = rand_problem(rng, 2, 3, 5, 7, 8)
+    with override(maxsim_soft=MaxSimSoftConfig(block_m=16, block_n=16, block_k=16, dq_splits=2)):
+        _check(Q, D, q_mask, d_mask, reduction=reduction, **kw)

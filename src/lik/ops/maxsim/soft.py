@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from ... import _device
 from ..._device import cdiv, next_power_of_2
 from ..._launch import launch
 from ...config.maxsim import maxsim_soft_config
@@ -91,7 +92,7 @@ def _score_shape(lay: SoftLayout) -> tuple[tuple[int, ...], tuple[int, int], tup
 
 
 def _common(q, d, lay: SoftLayout, options: ScoreOptions):
-    cfg = maxsim_soft_config(dim=q.shape[-1], dtype=q.dtype, device=q.device)
+    cfg = maxsim_soft_config(dim=q.shape[-1], dtype=q.dtype, device=q.device, q_len=lay.q_len)
     dim = q.shape[-1]
     num_k = cdiv(dim, cfg.block_k)
     dummy = q  # never read: the flags say which pointers are real
@@ -104,6 +105,18 @@ def _common(q, d, lay: SoftLayout, options: ScoreOptions):
                     EXCLUDE=lay.exclude, PER_QUERY=lay.per_query, LAYOUT=lay.layout,
                     DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps)
     return cfg, num_k, ptrs, scale2, keywords
+
+
+def _dq_splits(cfg, programs: int, lay: SoftLayout, device) -> int:
+    """Document ranges per dQ row block: enough programs for about four per SM (one per (query, row block) leaves
+    most SMs idle at in-batch training shapes: ColBERT B 128 is 128 programs), at most one per document."""
+    if lay.layout == PAIRS or programs == 0:
+        return 1
+    if cfg.dq_splits:
+        return max(1, min(cfg.dq_splits, lay.n_docs))
+    if _device.interpreting():
+        return 1
+    return max(1, min(lay.n_docs, cdiv(4 * _device.sm_count(device), programs)))
 
 
 def soft_forward(q: torch.Tensor, d: torch.Tensor, lay: SoftLayout, options: ScoreOptions, store_stats: bool):
@@ -139,12 +152,17 @@ def soft_backward(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, lay: Sof
     counts = (lay.n_queries, lay.n_docs, lay.q_len, lay.doc_len, q.shape[0], d.shape[0])
     strides = (*_query_strides(q, lay), *_doc_strides(d, lay), *_mask_strides(lay), s_n, s_b, t_n, t_b)
     if need_dq:
-        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         q_blocks = cdiv(lay.q_len, cfg.block_m)
         programs = lay.n_queries * q_blocks * num_k
+        splits = _dq_splits(cfg, programs, lay, q.device)
+        split_docs = cdiv(lay.n_docs, splits)
+        # Several document ranges per row block: fp32 partials, added in order afterwards (deterministic).
+        out = torch.zeros((splits, *q.shape) if splits > 1 else q.shape, dtype=torch.float32 if splits > 1 else
+                          q.dtype, device=q.device)
         if programs:
-            launch(soft_bwd_dq_kernel, (programs,), grad, q, d, *ptrs, stats, dq, *counts, q_blocks, num_k, scale2,
-                   *strides, HAS_Q_MASK=lay.q_mask is not None, **kw)
+            launch(soft_bwd_dq_kernel, (programs * splits,), grad, q, d, *ptrs, stats, out, *counts, q_blocks, num_k,
+                   scale2, splits, split_docs, q.numel(), *strides, HAS_Q_MASK=lay.q_mask is not None, **kw)
+        dq = out.sum(dim=0).to(q.dtype) if splits > 1 else out
     if need_dd:
         dd = torch.zeros(d.shape, dtype=d.dtype, device=d.device)
         d_blocks = cdiv(lay.max_doc_len, cfg.block_n)
