@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import lik.integrations.colpali as lik_colpali
+import lik.integrations.colpali_pages as colpali_pages
 from lik.integrations import _patching
 
 from .conftest import load_recording_modules, names_lik
@@ -23,7 +24,7 @@ def _ragged(rng, lengths, dim=16, dtype=torch.float32):
 def join_early(request, monkeypatch):
     """Both orders of a page list's join: after the shape checks (the CPU's), or launched before them (an
     accelerator's, forced here on the CPU)."""
-    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: request.param)
+    monkeypatch.setattr(colpali_pages, "overlaps_host", lambda device: request.param)
     return request.param
 
 
@@ -55,7 +56,7 @@ def test_score_multi_vector_rows_of_ragged_queries(colpali_scoring, rng, monkeyp
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
     stock = _patching.original(stock)
     if budgets is not None:
-        monkeypatch.setattr(lik_colpali, "_PACK_BUDGET_BYTES", budgets[0])  # two pages per packed copy
+        monkeypatch.setattr(colpali_pages, "PACK_BUDGET_BYTES", budgets[0])  # two pages per packed copy
         monkeypatch.setattr(lik_colpali, "_ROW_SCORES_BUDGET_BYTES", budgets[1])  # two pages per call
     qs = _ragged(rng, (3, 0, 1, 7, 3))
     for ps in (_ragged(rng, (9, 9, 9, 9, 9)), _ragged(rng, (4, 9, 2, 7, 7, 3, 1))):
@@ -112,9 +113,9 @@ def test_score_multi_vector_joins_pages_once(colpali_scoring, rng, monkeypatch, 
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
     stock = _patching.original(stock)
-    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: True)
+    monkeypatch.setattr(colpali_pages, "overlaps_host", lambda device: True)
     if budget is not None:
-        monkeypatch.setattr(lik_colpali, "_PACK_BUDGET_BYTES", budget)
+        monkeypatch.setattr(colpali_pages, "PACK_BUDGET_BYTES", budget)
     ps = _ragged(rng, lengths)
     qs = _ragged(rng, (3, 2))
     cat = torch.cat
@@ -141,10 +142,10 @@ def test_score_multi_vector_page_lengths_without_the_shape_pass(colpali_scoring,
     _, processing, _ = colpali_scoring
     stock = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__
     stock = _patching.original(stock)
-    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: early)
+    monkeypatch.setattr(colpali_pages, "overlaps_host", lambda device: early)
     passes = []
-    sizes = lik_colpali._sizes
-    monkeypatch.setattr(lik_colpali, "_sizes", lambda name, items: passes.append(name) or sizes(name, items))
+    sizes = colpali_pages.checked_sizes
+    monkeypatch.setattr(colpali_pages, "checked_sizes", lambda name, items: passes.append(name) or sizes(name, items))
     ps = _ragged(rng, lengths)
     qs = _ragged(rng, (3, 2))
     got = lik_colpali.score_multi_vector(qs, ps, batch_size=2, device="cpu")
@@ -177,7 +178,7 @@ def test_score_multi_vector_zero_token_meets_garbage_and_negative_similarities(c
 def test_score_multi_vector_names_pages_of_another_width_in_a_later_copy(rng, monkeypatch):
     """Page lengths are element counts over the first page's width, so a copy whose pages are all of another width
     (it joins without error) must be named before its lengths are used."""
-    monkeypatch.setattr(lik_colpali, "_PACK_BUDGET_BYTES", 5 * 16 * 4 * 2)  # two pages of 4 x 16 per copy
+    monkeypatch.setattr(colpali_pages, "PACK_BUDGET_BYTES", 5 * 16 * 4 * 2)  # two pages of 4 x 16 per copy
     ps = [torch.randn(4, 16), torch.randn(4, 16), torch.randn(8, 8), torch.randn(8, 8)]
     for batch_size in (1, 128):
         with pytest.raises(ValueError, match=r"ps: every item must have the same embedding width, got \[8, 16\]"):
@@ -188,7 +189,7 @@ def test_score_multi_vector_names_pages_of_another_width_in_a_later_copy(rng, mo
 def test_score_multi_vector_names_pages_narrower_than_the_queries(rng, monkeypatch, join_early_order):
     """Pages all of one width that differs from the queries' are named as colpali-engine's arguments (not as
     lik.maxsim's), in every input form."""
-    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: join_early_order)
+    monkeypatch.setattr(colpali_pages, "overlaps_host", lambda device: join_early_order)
     pages = [torch.randn(8, 8), torch.randn(8, 8)]
     for ps in (pages, torch.stack(pages), pages + [torch.randn(3, 8)]):
         with pytest.raises(ValueError, match=r"ps has embedding width 8 but the queries have 16"):
@@ -199,7 +200,7 @@ def test_score_multi_vector_names_pages_narrower_than_the_queries(rng, monkeypat
 def test_score_multi_vector_legacy_empty_page_is_named_after_an_early_join(rng, monkeypatch, first, middle):
     # torch.cat skips a legacy empty 1-D tensor, so the early join succeeds with as many rows as pages of the
     # first's length would have (four pages of 6; three empty pages): element counts must not pass it as a page.
-    monkeypatch.setattr(lik_colpali, "_overlaps_host", lambda device: True)
+    monkeypatch.setattr(colpali_pages, "overlaps_host", lambda device: True)
     ps = [torch.randn(first, 16)] + [torch.empty(0) if n is None else torch.randn(n, 16) for n in middle]
     ps.append(torch.randn(first, 16))
     bad = middle.index(None) + 1
@@ -253,7 +254,7 @@ def test_query_lengths_from_element_counts(colpali_scoring, rng):
     for _ in range(2):
         torch.testing.assert_close(lik_colpali.score_multi_vector(qs, ps, device="cpu"),
                                    stock(qs, ps, device="cpu"), rtol=1e-2, atol=5e-2)
-    zero = lik_colpali._ZERO_ROWS[(torch.device("cpu"), torch.bfloat16, 16)]
+    zero = colpali_pages.ZERO_ROWS[(torch.device("cpu"), torch.bfloat16, 16)]
     assert zero.shape == (1, 16) and not zero.any()
     narrow = [torch.randn(3, 0), torch.randn(0, 0), torch.randn(2, 0)]
     pages = [torch.randn(4, 0), torch.randn(1, 0)]
@@ -376,8 +377,8 @@ def test_scoring_objects_pickle_while_enabled_and_load_as_the_switch_says(colpal
 
 def test_disable_restores_what_was_taken_while_enabled(colpali_scoring, count_calls, rng, reference_path):
     _, processing, losses = colpali_scoring
-    calls = count_calls(lik_colpali, "maxsim")
-    packed_calls = count_calls(lik_colpali, "maxsim_packed")  # ragged pages
+    calls = count_calls(lik_colpali, "maxsim")  # the losses
+    packed_calls = count_calls(lik_colpali, "score_packed")  # score_multi_vector's ragged pages
     q, d = torch.randn(2, 3, 8, generator=rng), torch.randn(2, 4, 8, generator=rng)
     qs, ps = _ragged(rng, (3, 2)), _ragged(rng, (4, 6))
     with lik_colpali.enabled():
@@ -387,7 +388,7 @@ def test_disable_restores_what_was_taken_while_enabled(colpali_scoring, count_ca
         score(qs, ps, device="cpu")
         inbatch(q, d)
         loss(q, d)
-        assert len(calls) + len(packed_calls) == 3
+        assert len(calls) == 2 and len(packed_calls) == 1
     calls.clear()
     packed_calls.clear()
     score(qs, ps, device="cpu")
@@ -404,6 +405,59 @@ def test_score_multi_vector_names_a_list_spread_over_devices(rng):
     for pages in ([gpu, cpu, gpu], [gpu, cpu]):
         with pytest.raises(ValueError, match=r"ps: every item must be on one device, got \['cpu', 'cuda:0'\]"):
             lik_colpali.score_multi_vector([gpu], pages, device="cuda")
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"], ids=["kernels", "reference"])
+def test_score_multi_vector_checks_once_and_scores_groups_unchecked(colpali_scoring, rng, monkeypatch, join_early,
+                                                                   interpret):
+    """The query rows are checked once and each group of pages reaches the internal entries (score_canonical for a
+    dense batch, score_packed for packed pages) without a public scorer's validation, with colpali-engine's
+    scores: several packed groups, one dense group, a padded tensor in chunks."""
+    from lik.ops.maxsim.packing import PackedInputs
+    from lik.ops.maxsim.validation import MaxSimInputs
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    _, processing, _ = colpali_scoring
+    stock = _patching.original(processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"].__func__)
+    builds = []
+    for cls, name in ((MaxSimInputs, "build"), (PackedInputs, "build_corpus"), (PackedInputs, "build_pairs")):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, classmethod(lambda cls, *a, _real=real, _name=name, **k: builds.append(_name)
+                                                   or _real(*a, **k)))
+    entries = {name: count_calls_of(monkeypatch, lik_colpali, name) for name in ("score_canonical", "score_packed")}
+    monkeypatch.setattr(colpali_pages, "PACK_BUDGET_BYTES", 20 * 16 * 4)  # 20 rows (a page and a spare) per copy
+    qs = _ragged(rng, (3, 5, 1))
+    for ps, entry, count in ((_ragged(rng, (4, 9, 2, 7, 7, 3, 1, 0)), "score_packed", 3),
+                             (_ragged(rng, (6, 6)), "score_canonical", 1)):
+        for calls in entries.values():
+            calls.clear()
+        torch.testing.assert_close(lik_colpali.score_multi_vector(qs, ps, batch_size=3, device="cpu"),
+                                   stock(qs, ps, batch_size=3, device="cpu"), rtol=1e-6, atol=1e-5)
+        assert len(entries[entry]) == count and sum(map(len, entries.values())) == count, (entry, entries)
+    # Two pages per call: per page, fp32 maxima of 10 query rows (9 and the zero row) and 3 x 5 gathered sums.
+    monkeypatch.setattr(lik_colpali, "_ROW_SCORES_BUDGET_BYTES", 2 * 4 * (10 + 3 * 5))
+    padded = torch.nn.utils.rnn.pad_sequence(_ragged(rng, (4, 9, 2, 7, 5)), batch_first=True)
+    torch.testing.assert_close(lik_colpali.score_multi_vector(qs, padded, device="cpu"),
+                               stock(qs, padded, device="cpu"), rtol=1e-6, atol=1e-5)
+    assert len(entries["score_canonical"]) == 1 + 3
+    # (The packed reference scores each document through lik.maxsim_reference, which checks its arguments.)
+    assert builds == [] if interpret == "1" else set(builds) == {"build"}
+
+
+def count_calls_of(monkeypatch, module, name):
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_score_multi_vector_checks_the_query_rows_once(rng):
+    ps = _ragged(rng, (3, 4))
+    with pytest.raises(TypeError, match=r"qs must have dtype in \[.*\], got torch.int32"):
+        lik_colpali.score_multi_vector([torch.ones(3, 16, dtype=torch.int32)], [p.int() for p in ps], device="cpu")
+    with pytest.raises(TypeError, match=r"qs must be a real tensor"):
+        lik_colpali.score_multi_vector(torch.ones(1, 3, 16, dtype=torch.complex64), ps, device="cpu")
+    with pytest.raises(ValueError, match=r"embedding width d = 8193 of qs"):
+        lik_colpali.score_multi_vector([torch.zeros(1, 8193)], [torch.zeros(2, 8193)], device="cpu")
 
 
 @pytest.mark.gpu
