@@ -140,6 +140,15 @@ def test_float64_runs_the_reference_and_passes_gradcheck(rng):
     assert torch.autograd.gradcheck(fn, (Q, D))
 
 
+def test_labels_default_to_the_diagonal_for_candidate_sets_too(rng):
+    # (documented: one rule for 3-D and 4-D D; pass labels when each set's positive sits elsewhere)
+    Q, D, _, _ = rand_problem(rng, 2, 3, 3, 4, 8, per_query=True, masks=False, dtype=torch.float64)
+    want = contrastive_loss_reference(Q, D, torch.arange(2))
+    torch.testing.assert_close(contrastive_loss(Q, D), want)
+    with pytest.raises(ValueError, match="labels=None"):
+        contrastive_loss(Q, D[:, :1])
+
+
 def test_the_reference_is_the_float64_brute_force(rng):
     Q = torch.randn(3, 2, 4, dtype=torch.float64, generator=rng)
     D = torch.randn(4, 3, 4, dtype=torch.float64, generator=rng)
