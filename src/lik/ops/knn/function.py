@@ -120,12 +120,17 @@ def knn_points(
         and receive no gradient; their ``knn`` rows are zeros (PyTorch3D repeats ``p2[n, 0]`` in the padded rows).
 
     Precision: distances are computed in float32 from the coordinates' differences (the half-precision inputs
-    converted exactly). Point clouds (``D <= 8``) and ``norm=1`` also choose the neighbours that way. Wider
-    ``norm=2`` feature sets choose them with tensor-core products, ``|x|^2 + |y|^2 - 2 x.y`` (float32 operands
-    centred on the ``p1`` cloud, TF32-split for float32's accuracy when ``torch.get_float32_matmul_precision()``
-    is "highest", one TF32 product otherwise; half-precision inputs as they are), and then recompute the chosen
-    neighbours' distances exactly and sort them: candidates closer to the ``K``-th distance than the products'
-    error (about ``1e-7 * (|x - c|^2 + |y - c|^2)`` for float32, ``1e-3`` relative with TF32) may be swapped.
+    converted exactly), so each listed distance, and its gradient, is exact for the neighbour listed. Point clouds
+    (``D <= 8``) and ``norm=1`` also choose the neighbours that way. Wider ``norm=2`` feature sets choose them
+    with tensor-core products ``|x-c|^2 + |y-c|^2 - 2 (x-c).(y-c)`` (``c``: the mean of the valid finite ``p1``
+    points; half-precision inputs are not centred, ``c = 0``), as ``lik.nearest_neighbors`` does: float32 under
+    ``torch.get_float32_matmul_precision()`` "highest" with TF32-split products (about float32's accuracy),
+    "high" / "medium" with one TF32 product, float16 / bfloat16 in their own dtype; then the chosen neighbours'
+    distances are recomputed exactly and re-sorted. Only candidates near the ``K``-th distance can differ from
+    float64's list: the ``k``-th listed distance exceeds the true ``k``-th smallest by at most ``2 max_j e_j``
+    over the candidates involved, where, with ``a = |x - c|``, ``b = |y_j - c|``, ``e_j`` is at most
+    "highest" ``(6 D + 102) 2**-24 (a^2 + b^2)``; "high" / "medium" ``2**-9 (1 + D 2**-13) a b +
+    (D + 4) 2**-24 (a^2 + b^2)``; float16 / bfloat16 ``(2 D + 4) 2**-24 (a^2 + b^2)``.
 
     Example:
         >>> p1 = torch.tensor([[[0.0, 0.0], [5.0, 5.0]]])

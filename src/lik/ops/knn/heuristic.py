@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import _device
 from ...config.forced import FORCED, register
+from ...config.nearest import float32_products
 
 __all__ = ["KnnConfig", "knn_config", "KNN_POINT_MAX_DIM", "product_precision"]
 
@@ -25,7 +25,8 @@ class KnnConfig:
     ``route``: "direct" (coordinate differences on the CUDA cores: exact distances) or "products"
     (``|x|^2 + |y|^2 - 2 x.y`` from a tensor-core product per tile; only picks the neighbours, whose distances are
     then recomputed exactly). ``precision`` of float32 products: "tf32x3" (each operand split into two TF32 parts:
-    about float32's accuracy), "tf32" (one TF32 product: about 1e-3 relative), "ieee" (true float32 products), or
+    about float32's accuracy), "tf32" (one TF32 product, operands rounded to TF32 to nearest: about ``2**-9``
+    relative of ``|x - c| |y - c|``), "ieee" (true float32 products), or
     None to follow ``torch.get_float32_matmul_precision()``; half-precision inputs multiply in their own dtype.
     ``block_m`` points of ``p1`` per program against tiles of ``block_n`` points of ``p2``, ``block_k`` feature
     columns per product step."""
@@ -40,11 +41,10 @@ class KnnConfig:
 
 
 def product_precision(dtype: torch.dtype, device: torch.device) -> str:
-    """The float32 product precision that ``torch.get_float32_matmul_precision()`` asks for, on ``device``: TF32
-    needs Ampere's tensor cores (elsewhere, and in the interpreter, true float32 products)."""
-    if dtype != torch.float32 or _device.interpreting() or _device.arch(device) < (8, 0):
-        return "ieee"
-    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    """The float32 product precision ``torch.get_float32_matmul_precision()`` asks for, on ``device``: the policy
+    of ``lik.nearest_neighbors`` (:func:`lik.config.nearest.float32_products`). Half-precision inputs multiply
+    in their own dtype ("ieee" here: no TF32)."""
+    return float32_products(device) if dtype == torch.float32 else "ieee"
 
 
 def knn_config(*, dim: int, k: int, norm: int, dtype: torch.dtype, device: torch.device) -> KnnConfig:

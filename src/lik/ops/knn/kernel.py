@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..._device import cdiv, next_power_of_2
 from ..._launch import launch
-from ..chamfer.kernel import tf32_parts
+from ..chamfer.kernel import tf32_parts, tf32_round
 from .gather import sort_neighbours, exact_distances
 from .heuristic import knn_config, product_precision
 from .validation import valid_slots
@@ -180,7 +180,7 @@ def centred_operands(p1: torch.Tensor, p2: torch.Tensor, lengths1: torch.Tensor,
     """The products route's operands ``a [N, P1, W]``, ``b [N, P2, W]`` (``a.b = x.y``) and float32 squared
     norms ``[N, P]``. Half-precision inputs multiply as they are; float32 is centred on the finite valid ``p1``
     points' mean (centring keeps the digits of nearby points far from the origin) and, for "tf32x3", split into
-    TF32 parts."""
+    TF32 parts, for "tf32" rounded to TF32 to nearest."""
     if p1.dtype != torch.float32:
         return p1.contiguous(), p2.contiguous(), p1.float().square().sum(-1), p2.float().square().sum(-1)
     rows = torch.arange(p1.shape[1], device=p1.device)[None, :] < lengths1[:, None]
@@ -191,6 +191,8 @@ def centred_operands(p1: torch.Tensor, p2: torch.Tensor, lengths1: torch.Tensor,
     a, b = x, y
     if precision == "tf32x3":
         a, b = tf32_parts(a, b)
+    elif precision == "tf32":
+        a, b = tf32_round(a), tf32_round(b)  # the tensor cores would truncate: half the error, no bias
     return a.contiguous(), b.contiguous(), x.square().sum(-1), y.square().sum(-1)
 
 
