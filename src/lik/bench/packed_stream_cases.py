@@ -62,8 +62,17 @@ def _inputs(kind: str, tag: str, nq: int):
         if dtype != torch.float16:
             d, d_scale = lik.quantize(rows, dtype)
             q, q_scale = lik.quantize(Q, dtype)
-        return dict(q=q, d=d, cu=cu, q_scale=q_scale, d_scale=d_scale, longest=max(lengths), tokens=sum(lengths),
-                    docs=len(lengths), device=device)
+        return dict(
+            q=q,
+            d=d,
+            cu=cu,
+            q_scale=q_scale,
+            d_scale=d_scale,
+            longest=max(lengths),
+            tokens=sum(lengths),
+            docs=len(lengths),
+            device=device,
+        )
 
     return inputs
 
@@ -71,8 +80,9 @@ def _inputs(kind: str, tag: str, nq: int):
 def _call(s: dict):
     import lik
 
-    return lambda: lik.maxsim_packed(s["q"], s["d"], s["cu"], max_seqlen_d=s["longest"], q_scale=s["q_scale"],
-                                     d_scale=s["d_scale"])
+    return lambda: lik.maxsim_packed(
+        s["q"], s["d"], s["cu"], max_seqlen_d=s["longest"], q_scale=s["q_scale"], d_scale=s["d_scale"]
+    )
 
 
 def _forced(stream: bool):
@@ -83,8 +93,9 @@ def _forced(stream: bool):
         q = s["q"]
         cfg = PackedStreamConfig(stream=False)
         if stream:
-            cfg = packed_stream_tiles(q_len=q.shape[1], n_queries=q.shape[0], dim=q.shape[2], dtype=s["d"].dtype,
-                                      device=s["device"])
+            cfg = packed_stream_tiles(
+                q_len=q.shape[1], n_queries=q.shape[0], dim=q.shape[2], dtype=s["d"].dtype, device=s["device"]
+            )
         call = _call(s)
 
         def forced():
@@ -100,8 +111,12 @@ def _floor(s: dict, ceilings) -> dict:
     q, d = s["q"], s["d"]
     n_rows, lq, dim = q.shape[0] * q.shape[1], q.shape[1], q.shape[2]
     scale_bytes = 0 if s["d_scale"] is None else 4.0 * (s["tokens"] + n_rows)
-    nbytes = d.element_size() * dim * (s["tokens"] + n_rows) + scale_bytes + 4.0 * (s["docs"] + 1) \
+    nbytes = (
+        d.element_size() * dim * (s["tokens"] + n_rows)
+        + scale_bytes
+        + 4.0 * (s["docs"] + 1)
         + 4.0 * q.shape[0] * s["docs"]
+    )
     return floor_record(2.0 * q.shape[0] * lq * s["tokens"] * dim, nbytes, ceilings)
 
 
@@ -111,16 +126,30 @@ def _reference(s: dict) -> torch.Tensor:
 
 def packed_stream_cases() -> list[Case]:
     """The cases, in table order: short documents (Nq 1, 32, 256), then ColPali pages (Nq 1, 32), per dtype."""
-    methods = {"lik": CaseMethod(_call), "lik-stream": CaseMethod(_forced(True)),
-               "lik-loop": CaseMethod(_forced(False))}
+    methods = {
+        "lik": CaseMethod(_call),
+        "lik-stream": CaseMethod(_forced(True)),
+        "lik-loop": CaseMethod(_forced(False)),
+    }
     cases = []
-    for kind, label, counts in (("short", "50 000 docs of 60-140 tokens", (1, 32, 256)),
-                                ("colpali", "5 000 pages of 1 030 tokens", (1, 32))):
+    for kind, label, counts in (
+        ("short", "50 000 docs of 60-140 tokens", (1, 32, 256)),
+        ("colpali", "5 000 pages of 1 030 tokens", (1, 32)),
+    ):
         for tag in _DTYPES:
             for nq in counts:
-                cases.append(Case(
-                    "packed-stream", f"packed-stream/{kind}-{tag}-nq{nq}", f"{label}, {tag}, Nq {nq}",
-                    _inputs(kind, tag, nq), methods, floor=_floor, reference=_reference, tolerance=1e-3,
-                    quick=tag == "fp16" and nq == 32, params={"corpus": kind, "dtype": tag, "nq": nq, "lq": LQ},
-                ))
+                cases.append(
+                    Case(
+                        "packed-stream",
+                        f"packed-stream/{kind}-{tag}-nq{nq}",
+                        f"{label}, {tag}, Nq {nq}",
+                        _inputs(kind, tag, nq),
+                        methods,
+                        floor=_floor,
+                        reference=_reference,
+                        tolerance=1e-3,
+                        quick=tag == "fp16" and nq == 32,
+                        params={"corpus": kind, "dtype": tag, "nq": nq, "lq": LQ},
+                    )
+                )
     return cases

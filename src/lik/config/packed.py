@@ -58,7 +58,14 @@ class PackedStreamConfig:
 
 
 def packed_stream_config(
-    *, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, device: torch.device, n_rows: int, n_docs: int,
+    *,
+    q_len: int,
+    n_queries: int,
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    n_rows: int,
+    n_docs: int,
 ) -> PackedStreamConfig | None:
     """The stream's tiles for ``n_queries`` dense queries of ``q_len`` tokens against ``n_docs`` packed documents
     of ``n_rows`` rows in all, or None when the document loop takes the call (long documents, embeddings wider
@@ -78,12 +85,14 @@ def packed_stream_config(
     return cfg
 
 
-def packed_stream_tiles(*, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, device: torch.device
-                        ) -> PackedStreamConfig:
+def packed_stream_tiles(
+    *, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, device: torch.device
+) -> PackedStreamConfig:
     """The stream's tiles whatever the documents' lengths (what :func:`packed_stream_config` returns where it
     takes the stream; a benchmark forces them to time the stream where the heuristic would not)."""
-    return _stream_tiles(q_len, n_queries, dim, dtype, _device.arch(device), _device.interpreting(),
-                         _device.shared_memory(device))
+    return _stream_tiles(
+        q_len, n_queries, dim, dtype, _device.arch(device), _device.interpreting(), _device.shared_memory(device)
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -114,5 +123,6 @@ def _stream_tiles(q_len, n_queries, dim, dtype, arch, interpreted, smem) -> Pack
     # 256 stacked 16-bit rows: the padded persistent loop's 256 x 64 tiles, 8 warps capped at 128 registers so that
     # two programs share an SM (115 KB of shared memory each; 12 bytes spilled).
     return PackedStreamConfig(padded.group_rows, padded.groups, 64, 8, 3, 2, 128)
+
 
 register("packed_stream", PackedStreamConfig)

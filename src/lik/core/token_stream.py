@@ -30,8 +30,20 @@ from .tile import NO_KEY, group_offsets, query_rows, tile_dot
 __all__ = ["token_stream_kernel", "lower_bound", "segment_max", "STREAM_RUNTIME_INTS"]
 
 STREAM_RUNTIME_INTS = [
-    "n_queries", "q_len", "n_docs", "n_d_rows", "n_chunks", "n_row_blocks", "programs", "search_steps",
-    "row_blocks_multiplier", "row_blocks_shift", "chunks_multiplier", "chunks_shift", "stride_qmn", "stride_pn",
+    "n_queries",
+    "q_len",
+    "n_docs",
+    "n_d_rows",
+    "n_chunks",
+    "n_row_blocks",
+    "programs",
+    "search_steps",
+    "row_blocks_multiplier",
+    "row_blocks_shift",
+    "chunks_multiplier",
+    "chunks_shift",
+    "stride_qmn",
+    "stride_pn",
     "stride_pc",
 ]
 
@@ -73,9 +85,31 @@ def _document_end(cu_d_ptr, doc, doc_end, start, run_end):
 
 @triton.jit
 def _fold_document(
-    sim, tile_lo, tile_hi, live, doc, doc_end, start, end, next_end, best, run_end, cu_d_ptr, partial_ptr,
-    row_valid, row_in_range, query, token, sum_offsets, sums_in_range, stride_pb, q_scale,
-    GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+    sim,
+    tile_lo,
+    tile_hi,
+    live,
+    doc,
+    doc_end,
+    start,
+    end,
+    next_end,
+    best,
+    run_end,
+    cu_d_ptr,
+    partial_ptr,
+    row_valid,
+    row_in_range,
+    query,
+    token,
+    sum_offsets,
+    sums_in_range,
+    stride_pb,
+    q_scale,
+    GROUP_ROWS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     LOADER: tl.constexpr,
 ):
     """One document's step in a tile (when ``live``): fold its columns into ``best``; if it ends in the tile,
@@ -86,9 +120,29 @@ def _fold_document(
         ended = end <= tile_hi
         if ended:
             write_document(
-                best, tl.full((BLOCK_M,), NO_KEY, tl.int32), (end - start).to(tl.int32), row_valid, row_in_range,
-                query, token, sum_offsets, sums_in_range, doc, partial_ptr, partial_ptr, stride_pb, 0, 0, 0, 0,
-                q_scale, GROUP_ROWS, GROUPS, True, False, LOADER,
+                best,
+                tl.full((BLOCK_M,), NO_KEY, tl.int32),
+                (end - start).to(tl.int32),
+                row_valid,
+                row_in_range,
+                query,
+                token,
+                sum_offsets,
+                sums_in_range,
+                doc,
+                partial_ptr,
+                partial_ptr,
+                stride_pb,
+                0,
+                0,
+                0,
+                0,
+                q_scale,
+                GROUP_ROWS,
+                GROUPS,
+                True,
+                False,
+                LOADER,
             )
             doc += 1
             start = end
@@ -101,12 +155,43 @@ def _fold_document(
 
 @triton.jit(do_not_specialize=STREAM_RUNTIME_INTS)
 def token_stream_kernel(
-    q_ptr, d_ptr, q_mask_ptr, cu_d_ptr, partial_ptr, q_scale_ptr, d_scale_ptr,
-    n_queries, q_len, n_docs, n_d_rows, n_chunks, n_row_blocks, programs, search_steps,
-    row_blocks_multiplier, row_blocks_shift, chunks_multiplier, chunks_shift,
-    stride_qn, stride_ql, stride_qk, stride_dl, stride_dk, stride_qmn, stride_qml, stride_pc, stride_pn, stride_pb,
-    DIM: tl.constexpr, GROUP_ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_Q_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADER: tl.constexpr,
+    q_ptr,
+    d_ptr,
+    q_mask_ptr,
+    cu_d_ptr,
+    partial_ptr,
+    q_scale_ptr,
+    d_scale_ptr,
+    n_queries,
+    q_len,
+    n_docs,
+    n_d_rows,
+    n_chunks,
+    n_row_blocks,
+    programs,
+    search_steps,
+    row_blocks_multiplier,
+    row_blocks_shift,
+    chunks_multiplier,
+    chunks_shift,
+    stride_qn,
+    stride_ql,
+    stride_qk,
+    stride_dl,
+    stride_dk,
+    stride_qmn,
+    stride_qml,
+    stride_pc,
+    stride_pn,
+    stride_pb,
+    DIM: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_Q_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LOADER: tl.constexpr,
     SEGMENTS: tl.constexpr = 3,
 ):
     """Scores of dense queries ``q [Nq, Lq, DIM]`` against the packed corpus ``d [n_d_rows, DIM]`` (documents
@@ -120,11 +205,28 @@ def token_stream_kernel(
     row_block = pid - program * n_row_blocks
 
     query, token, row_in_range, row_valid = query_rows(
-        row_block, n_queries, q_len, n_chunks, chunks_multiplier, chunks_shift, q_mask_ptr, stride_qmn, stride_qml,
-        GROUP_ROWS, GROUPS, HAS_Q_MASK,
+        row_block,
+        n_queries,
+        q_len,
+        n_chunks,
+        chunks_multiplier,
+        chunks_shift,
+        q_mask_ptr,
+        stride_qmn,
+        stride_qml,
+        GROUP_ROWS,
+        GROUPS,
+        HAS_Q_MASK,
     )
     sum_offsets, sums_in_range = group_offsets(
-        row_block, n_queries, n_chunks, chunks_multiplier, chunks_shift, stride_pc, stride_pn, GROUPS,
+        row_block,
+        n_queries,
+        n_chunks,
+        chunks_multiplier,
+        chunks_shift,
+        stride_pc,
+        stride_pn,
+        GROUPS,
     )
     offs_k = tl.arange(0, BLOCK_K)
     if DIM == BLOCK_K and not HAS_Q_MASK:
@@ -134,7 +236,8 @@ def token_stream_kernel(
     else:  # (a masked query row may hold NaN: it is never read)
         q_rows = tl.load(
             q_ptr + query[:, None] * stride_qn + token[:, None] * stride_ql + offs_k[None, :] * stride_qk,
-            mask=row_valid[:, None] & (offs_k[None, :] < DIM), other=0.0,
+            mask=row_valid[:, None] & (offs_k[None, :] < DIM),
+            other=0.0,
         )
     q_scale = row_scales(q_scale_ptr + query * q_len + token, row_valid, LOADER)
 
@@ -167,8 +270,9 @@ def token_stream_kernel(
         if DIM == BLOCK_K:
             d_tile = tl.load(d_ptr + rows[:, None] * stride_dl + offs_k[None, :] * stride_dk)
         else:
-            d_tile = tl.load(d_ptr + rows[:, None] * stride_dl + offs_k[None, :] * stride_dk,
-                             mask=offs_k[None, :] < DIM, other=0.0)
+            d_tile = tl.load(
+                d_ptr + rows[:, None] * stride_dl + offs_k[None, :] * stride_dk, mask=offs_k[None, :] < DIM, other=0.0
+            )
         col_scale = row_scales(d_scale_ptr + rows, rows >= 0, LOADER)
         sim = scale_columns(tile_dot(q_rows, tl.trans(d_tile), None, DOT_PRECISION, LOADER), col_scale, LOADER)
         # Every document that overlaps the tile, in order: fold its columns, write it where it ends. The first
@@ -177,24 +281,91 @@ def token_stream_kernel(
         live = doc < doc_end
         for _pass in tl.static_range(SEGMENTS):
             doc, start, end, next_end, best, live = _fold_document(
-                sim, tile_lo, tile_hi, live, doc, doc_end, start, end, next_end, best, run_end, cu_d_ptr,
-                partial_ptr, row_valid, row_in_range, query, token, sum_offsets, sums_in_range, stride_pb, q_scale,
-                GROUP_ROWS, GROUPS, BLOCK_M, BLOCK_T, LOADER,
+                sim,
+                tile_lo,
+                tile_hi,
+                live,
+                doc,
+                doc_end,
+                start,
+                end,
+                next_end,
+                best,
+                run_end,
+                cu_d_ptr,
+                partial_ptr,
+                row_valid,
+                row_in_range,
+                query,
+                token,
+                sum_offsets,
+                sums_in_range,
+                stride_pb,
+                q_scale,
+                GROUP_ROWS,
+                GROUPS,
+                BLOCK_M,
+                BLOCK_T,
+                LOADER,
             )
         if live:
             # documents [doc, last) end in the tile; `last` itself (if any) crosses its end
             last = lower_bound(cu_d_ptr + 1, tile_hi + 1, doc, doc_end, search_steps)
             for _more in range(doc, tl.minimum(last + 1, doc_end)):
                 doc, start, end, next_end, best, live = _fold_document(
-                    sim, tile_lo, tile_hi, live, doc, doc_end, start, end, next_end, best, run_end, cu_d_ptr,
-                    partial_ptr, row_valid, row_in_range, query, token, sum_offsets, sums_in_range, stride_pb,
-                    q_scale, GROUP_ROWS, GROUPS, BLOCK_M, BLOCK_T, LOADER,
+                    sim,
+                    tile_lo,
+                    tile_hi,
+                    live,
+                    doc,
+                    doc_end,
+                    start,
+                    end,
+                    next_end,
+                    best,
+                    run_end,
+                    cu_d_ptr,
+                    partial_ptr,
+                    row_valid,
+                    row_in_range,
+                    query,
+                    token,
+                    sum_offsets,
+                    sums_in_range,
+                    stride_pb,
+                    q_scale,
+                    GROUP_ROWS,
+                    GROUPS,
+                    BLOCK_M,
+                    BLOCK_T,
+                    LOADER,
                 )
         tile_lo = tile_hi
     # A run of empty documents takes no tile: each scores 0.
     while doc < doc_end:
         write_document(
-            best, no_key, (doc * 0).to(tl.int32), row_valid, row_in_range, query, token, sum_offsets, sums_in_range,
-            doc, partial_ptr, partial_ptr, stride_pb, 0, 0, 0, 0, q_scale, GROUP_ROWS, GROUPS, True, False, LOADER,
+            best,
+            no_key,
+            (doc * 0).to(tl.int32),
+            row_valid,
+            row_in_range,
+            query,
+            token,
+            sum_offsets,
+            sums_in_range,
+            doc,
+            partial_ptr,
+            partial_ptr,
+            stride_pb,
+            0,
+            0,
+            0,
+            0,
+            q_scale,
+            GROUP_ROWS,
+            GROUPS,
+            True,
+            False,
+            LOADER,
         )
         doc += 1

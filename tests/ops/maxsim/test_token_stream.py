@@ -90,8 +90,9 @@ def test_stream_few_documents(streamed, lengths):
 
 
 def test_stream_zero_documents(streamed):
-    got = lik.maxsim_packed(torch.randn(2, 5, 16), torch.randn(4, 16), torch.zeros(1, dtype=torch.int32),
-                            max_seqlen_d=0)
+    got = lik.maxsim_packed(
+        torch.randn(2, 5, 16), torch.randn(4, 16), torch.zeros(1, dtype=torch.int32), max_seqlen_d=0
+    )
     assert got.shape == (2, 0) and streamed == []
 
 
@@ -125,8 +126,9 @@ def test_stream_fp8_corpus():
     problem = packed_problem(q, d, cu, q_scale=q_scale, d_scale=d_scale)
     got = chunk_sums(packed_forward.launch_token_stream(problem, PackedStreamConfig(**SMALL, programs_per_sm=3)))
     # (non-negative scales: MaxSim of the dequantized rows, docs/design.md "8-bit corpora")
-    expected = maxsim_packed_reference(q.double() * q_scale.double()[..., None],
-                                       d.double() * d_scale.double()[:, None], cu)
+    expected = maxsim_packed_reference(
+        q.double() * q_scale.double()[..., None], d.double() * d_scale.double()[:, None], cu
+    )
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 

@@ -135,6 +135,7 @@ def test_past_two_to_the_31_elements(streamed):
     stream, loop = _both(q, d, cu, max(lengths), None, None)
     assert streamed == [1]
     _agree(stream, loop, torch.float16)
-    expected = lik.maxsim_packed_reference(q.double().cpu(), d[-300:].double().cpu(),
-                                           torch.tensor([0, 100, 100, 300], dtype=torch.int32))
+    expected = lik.maxsim_packed_reference(
+        q.double().cpu(), d[-300:].double().cpu(), torch.tensor([0, 100, 100, 300], dtype=torch.int32)
+    )
     torch.testing.assert_close(stream[:, 1:].double().cpu(), expected, rtol=2e-3, atol=2e-3)

@@ -25,8 +25,16 @@ __all__ = ["packed_forward", "packed_forward_problem", "packed_launch", "stream_
 
 def packed_forward_problem(inputs: PackedInputs):
     """The packed :class:`~lik.core.forward_launch.ForwardProblem` of validated packed inputs."""
-    return packed_problem(inputs.q, inputs.d, inputs.cu_d, inputs.q_mask, cu_q=inputs.cu_q,
-                          max_seqlen_q=inputs.max_seqlen_q, q_scale=inputs.q_scale, d_scale=inputs.d_scale)
+    return packed_problem(
+        inputs.q,
+        inputs.d,
+        inputs.cu_d,
+        inputs.q_mask,
+        cu_q=inputs.cu_q,
+        max_seqlen_q=inputs.max_seqlen_q,
+        q_scale=inputs.q_scale,
+        d_scale=inputs.d_scale,
+    )
 
 
 def stream_config(problem: ForwardProblem, store_argmax: bool) -> PackedStreamConfig | None:
@@ -37,8 +45,15 @@ def stream_config(problem: ForwardProblem, store_argmax: bool) -> PackedStreamCo
     q, d = problem.q, problem.d
     if q.numel() == 0 or d.numel() == 0 or problem.n_docs == 0:
         return None
-    return packed_stream_config(q_len=problem.q_len, n_queries=problem.n_queries, dim=q.shape[-1], dtype=d.dtype,
-                                device=q.device, n_rows=d.shape[0], n_docs=problem.n_docs)
+    return packed_stream_config(
+        q_len=problem.q_len,
+        n_queries=problem.n_queries,
+        dim=q.shape[-1],
+        dtype=d.dtype,
+        device=q.device,
+        n_rows=d.shape[0],
+        n_docs=problem.n_docs,
+    )
 
 
 def packed_launch(problem: ForwardProblem, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -68,14 +83,40 @@ def launch_token_stream(problem: ForwardProblem, cfg: PackedStreamConfig) -> tor
     q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
     scales = (partial, partial) if problem.d_scale is None else scale_pointers(problem.q_scale, problem.d_scale)
     launch(
-        token_stream_kernel, (n_row_blocks * programs,),
-        q, d, q_mask_arg, cu_d, partial, *scales,
-        n_q, l_q, n_docs, d.shape[0], n_chunks, n_row_blocks, programs, int(n_docs).bit_length(),
-        *divisor_constants(n_row_blocks), *divisor_constants(n_chunks),
-        *q.stride(), *d.stride(), *q_mask_strides, *partial.stride(),
-        DIM=dim, GROUP_ROWS=cfg.group_rows, GROUPS=cfg.groups, BLOCK_T=cfg.block_t, BLOCK_K=block_k,
-        HAS_Q_MASK=q_mask is not None, DOT_PRECISION=problem.dot_precision, LOADER=loader,
-        SEGMENTS=cfg.segments, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_registers or None,
+        token_stream_kernel,
+        (n_row_blocks * programs,),
+        q,
+        d,
+        q_mask_arg,
+        cu_d,
+        partial,
+        *scales,
+        n_q,
+        l_q,
+        n_docs,
+        d.shape[0],
+        n_chunks,
+        n_row_blocks,
+        programs,
+        int(n_docs).bit_length(),
+        *divisor_constants(n_row_blocks),
+        *divisor_constants(n_chunks),
+        *q.stride(),
+        *d.stride(),
+        *q_mask_strides,
+        *partial.stride(),
+        DIM=dim,
+        GROUP_ROWS=cfg.group_rows,
+        GROUPS=cfg.groups,
+        BLOCK_T=cfg.block_t,
+        BLOCK_K=block_k,
+        HAS_Q_MASK=q_mask is not None,
+        DOT_PRECISION=problem.dot_precision,
+        LOADER=loader,
+        SEGMENTS=cfg.segments,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        maxnreg=cfg.max_registers or None,
     )
     return partial
 
