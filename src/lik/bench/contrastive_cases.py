@@ -15,9 +15,10 @@ random data. Methods:
   the floor of a step's host time on this host (benchmarks/host_path.py's ``TrivialScorer``).
 
 Cases: ``contrastive/colbert-128``, ``contrastive/colbert-512`` (Nq = B, Lq 32, Ld 180) and
-``contrastive/colpali-32`` (Nq = B = 32, Lq 1024, Ld 1024), timed on the device (``do_bench``); and
-``contrastive/host-colbert-128``, the host's cost per step (:func:`lik.bench.cases.host_ms`: the calls issued
-without synchronising). Every method's output ``(loss, dQ, dD)`` is checked against ``lik-maxsim-ce``'s in float.
+``contrastive/colpali-32`` (Nq = B = 32, Lq 1024, Ld 1024), timed on the device (``do_bench``:
+:func:`contrastive_cases`); and ``host/contrastive-colbert-128`` (:func:`contrastive_host_cases`, for the host-time
+table), the host's cost per step (:func:`lik.bench.cases.host_ms`: the calls issued without synchronising). In the
+device cases every method's output ``(loss, dQ, dD)`` is checked against ``lik-maxsim-ce``'s in float.
 The floor: the forward's products (``2 Nq B Lq Ld d`` FLOPs at the cuBLAS fp16 rate) or reading ``Q`` and ``D``
 and writing their gradients once, whichever is longer.
 """
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from .cases import Case, CaseMethod, floor_record
 
-__all__ = ["contrastive_cases", "SHAPES", "TrivialScorer"]
+__all__ = ["contrastive_cases", "contrastive_host_cases", "main", "SHAPES", "TrivialScorer"]
 
 # name -> (Nq = B, Lq, Ld); d = 128
 SHAPES = {"colbert-128": (128, 32, 180), "colbert-512": (512, 32, 180), "colpali-32": (32, 1024, 1024)}
@@ -142,8 +143,8 @@ def _reference(s: dict):
 
 
 def contrastive_cases() -> list[Case]:
-    """The contrastive-step cases, in table order: device time per shape, then host time at ColBERT B 128."""
-    cases = [
+    """The device-time cases of the contrastive-step table (op ``contrastive``), one per shape."""
+    return [
         Case(
             "contrastive",
             f"contrastive/{name}",
@@ -162,18 +163,22 @@ def contrastive_cases() -> list[Case]:
             ("colpali-32", "ColPali", SHAPES["colpali-32"]),
         )
     ]
-    cases.append(
+
+
+def contrastive_host_cases() -> list[Case]:
+    """The host-time case (op ``host``, times in host microseconds per step): ColBERT B 128 beside the trivial
+    scorer, the floor of a step's host time on the same host."""
+    return [
         Case(
-            "contrastive",
-            "contrastive/host-colbert-128",
-            "host time per step, ColBERT B 128 (32 x 180)",
+            "host",
+            "host/contrastive-colbert-128",
+            "contrastive step (loss + gradients), ColBERT B 128 (32 x 180)",
             _inputs(SHAPES["colbert-128"]),
             _methods(True),
             host_time=True,
             params={"B": 128, "Lq": 32, "Ld": 180, "d": DIM},
         )
-    )
-    return cases
+    ]
 
 
 def main(rounds: int = 4) -> list[dict]:
@@ -190,7 +195,7 @@ def main(rounds: int = 4) -> list[dict]:
     timer = Timer(device) if cuda else Timer(device, warmup_ms=0, rep_ms=1)
     ceilings, _ = measure_ceilings(timer, copy_bytes=1 << 30 if cuda else 1 << 20, matmul_n=8192 if cuda else 64)
     entries = []
-    for case in contrastive_cases():
+    for case in contrastive_cases() + contrastive_host_cases():
         print(case.label)
         entry = run_case(case, device=device, timer=timer, ceilings=ceilings, rounds=rounds, smoke=not cuda, log=print)
         times = {name: cell["median_ms"] for name, cell in entry["cells"].items() if "median_ms" in cell}

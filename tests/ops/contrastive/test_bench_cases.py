@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lik.bench.cases import run_case
-from lik.bench.contrastive_cases import contrastive_cases
+from lik.bench.contrastive_cases import contrastive_cases, contrastive_host_cases
 from lik.bench.measure import Timer
 from lik.bench.roofline import Ceilings
 
@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("index", range(4))
 def test_each_case_runs_on_the_cpu(index, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the reference path stands in for the kernels
-    case = contrastive_cases()[index]
+    case = (contrastive_cases() + contrastive_host_cases())[index]
     entry = run_case(
         case,
         device=CPU,
