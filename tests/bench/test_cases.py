@@ -106,3 +106,19 @@ def test_the_run_notes_a_peer_whose_wheel_is_absent(tmp_path, capsys, monkeypatc
     assert all(e["cells"]["flash-maxsim"]["status"] == "unavailable" for e in results["shapes"])
     report = (tmp_path / "bench.md").read_text()
     assert "| n/a |" in report and "Not run here: flash-maxsim (import lik_no_such_peer failed" in report
+
+
+def test_index_cases_cover_queries_placements_dtypes_and_builds(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cases = select_ops("index")[0].cases()
+    names = [c.name for c in cases]
+    for tag in ("fp16", "int8", "fp8"):
+        for placement in ("gpu", "host"):
+            assert {f"index/{tag}-{placement}-nq{n}" for n in (1, 32, 256)} <= set(names)
+        assert {f"index/build-{tag}-from-gpu", f"index/build-{tag}-from-cpu"} <= set(names)
+    assert len(names) == len(set(names)) == 24
+    assert {c.name for c in cases if c.quick} >= {"index/fp16-gpu-nq1", "index/fp16-gpu-nq32", "index/fp16-gpu-nq256"}
+    for name in ("index/build-int8-from-cpu", "index/fp16-host-nq256"):  # a build, a search of many queries
+        entry = _run(next(c for c in cases if c.name == name))
+        assert entry["cells"]["lik"]["status"] == "ok", entry
+        assert entry["cells"]["lik"]["median_ms"] > 0
