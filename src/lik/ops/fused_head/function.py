@@ -1,16 +1,65 @@
-"""``lik.maxsim_from_hidden``: MaxSim against documents given as hidden states and a projection head, fused."""
+"""``lik.maxsim_from_hidden``: MaxSim against documents given as hidden states and a projection head, fused.
+
+The route (:mod:`lik._dispatch`): the reference on CPU without the interpreter and for float64; eager inference
+launches the forward directly; training goes through :class:`FusedHeadFunction`, whose forward and backward reach
+the kernels through the custom operators ``lik::fused_head_forward`` / ``lik::fused_head_backward`` (shape-only
+fake implementations), so ``torch.compile`` keeps a model with the head in one graph.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ..._dispatch import resolve_backward, uses_kernels
+from ..._dispatch import kernel_op, resolve_backward, router, uses_kernels
 from .backward import fused_head_backward
 from .forward import fused_head_forward
 from .reference import fused_head_reference_canonical
 from .validation import FusedHeadInputs
 
 __all__ = ["maxsim_from_hidden", "FusedHeadFunction"]
+
+
+def _n_docs(h, cu_seqlens) -> int:
+    return h.shape[1] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _forward_fake(q, h, w, b, q_mask, d_mask, cu_seqlens, mask_mode, normalize, per_query, store_argmax):
+    n_q, l_q, _ = q.shape
+    n_docs = _n_docs(h, cu_seqlens)
+    scores = q.new_empty((n_q, n_docs), dtype=torch.float32)
+    return scores, q.new_empty((n_q, n_docs, l_q) if store_argmax else (0,), dtype=torch.int32)
+
+
+@kernel_op("lik::fused_head_forward", fake=_forward_fake)
+def _forward(q: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, q_mask: torch.Tensor | None,
+             d_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, mask_mode: str, normalize: bool,
+             per_query: bool, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = FusedHeadInputs(q, h, w, b, q_mask, d_mask, cu_seqlens, mask_mode, normalize, False, per_query)
+    scores, argmax = fused_head_forward(inputs, store_argmax)
+    # (contiguous: an operator's outputs have the fake's strides; the copies are [Nq, B] and [Nq, B, Lq])
+    if argmax is None:
+        return scores.contiguous(), q.new_empty((0,), dtype=torch.int32)
+    return scores.contiguous(), argmax.contiguous()
+
+
+def _backward_fake(grad, argmax, q, h, w, b, q_mask, d_mask, cu_seqlens, mask_mode, normalize, per_query,
+                   deterministic, need_q, need_h, need_w, need_b):
+    def like(x, needed):
+        return x.new_empty(x.shape) if needed and x is not None else q.new_empty((0,))
+
+    return like(q, need_q), like(h, need_h), like(w, need_w), like(b, need_b)
+
+
+@kernel_op("lik::fused_head_backward", fake=_backward_fake)
+def _backward(grad: torch.Tensor, argmax: torch.Tensor, q: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
+              b: torch.Tensor | None, q_mask: torch.Tensor | None, d_mask: torch.Tensor | None,
+              cu_seqlens: torch.Tensor | None, mask_mode: str, normalize: bool, per_query: bool, deterministic: bool,
+              need_q: bool, need_h: bool, need_w: bool, need_b: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    inputs = FusedHeadInputs(q, h, w, b, q_mask, d_mask, cu_seqlens, mask_mode, normalize, False, per_query)
+    grads = fused_head_backward(inputs, argmax, grad, (need_q, need_h, need_w, need_b), deterministic)
+    # An operator returns tensors only: a 0-element placeholder for a gradient not asked for.
+    return tuple(q.new_empty((0,)) if g is None else g for g in grads)
 
 
 class FusedHeadFunction(torch.autograd.Function):
@@ -20,8 +69,7 @@ class FusedHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, h, w, b, q_mask, d_mask, cu_seqlens, mask_mode, normalize, per_query, deterministic):
-        inputs = FusedHeadInputs(q, h, w, b, q_mask, d_mask, cu_seqlens, mask_mode, normalize, False, per_query)
-        scores, argmax = fused_head_forward(inputs, True)
+        scores, argmax = _forward(q, h, w, b, q_mask, d_mask, cu_seqlens, mask_mode, normalize, per_query, True)
         ctx.save_for_backward(q, h, w, b, q_mask, d_mask, cu_seqlens, argmax)
         ctx.options = (mask_mode, normalize, per_query, deterministic)
         return scores
@@ -29,11 +77,34 @@ class FusedHeadFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_scores):
         q, h, w, b, q_mask, d_mask, cu_seqlens, argmax = ctx.saved_tensors
-        mask_mode, normalize, per_query, deterministic = ctx.options
-        inputs = FusedHeadInputs(q, h, w, b, q_mask, d_mask, cu_seqlens, mask_mode, normalize, False, per_query)
-        grads = fused_head_backward(inputs, argmax, grad_scores.float(), tuple(ctx.needs_input_grad[:4]),
-                                    deterministic)
-        return (*grads, None, None, None, None, None, None, None)
+        needs = tuple(ctx.needs_input_grad[:4])
+        needs = needs[:3] + (needs[3] and b is not None,)
+        grads = _backward(grad_scores.float().contiguous(), argmax, q, h, w, b, q_mask, d_mask, cu_seqlens,
+                          *ctx.options, *needs)
+        return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None, None)
+
+
+# The four paths of a validated call, each taking the canonical inputs and the backward choice.
+def _reference(inputs: FusedHeadInputs, deterministic: bool) -> torch.Tensor:
+    return fused_head_reference_canonical(inputs)
+
+
+def _autograd(inputs: FusedHeadInputs, deterministic: bool) -> torch.Tensor:
+    return FusedHeadFunction.apply(inputs.q, inputs.h, inputs.w, inputs.b, inputs.q_mask, inputs.d_mask,
+                                   inputs.cu_seqlens, inputs.mask_mode, inputs.normalize,
+                                   inputs.per_query_documents, deterministic)
+
+
+def _compiled(inputs: FusedHeadInputs, deterministic: bool) -> torch.Tensor:
+    return _forward.op(inputs.q, inputs.h, inputs.w, inputs.b, inputs.q_mask, inputs.d_mask, inputs.cu_seqlens,
+                       inputs.mask_mode, inputs.normalize, inputs.per_query_documents, False)[0]
+
+
+def _inference(inputs: FusedHeadInputs, deterministic: bool) -> torch.Tensor:
+    return fused_head_forward(inputs, False)[0]
+
+
+_route = router(reference=_reference, autograd=_autograd, compiled=_compiled, launch=_inference)
 
 
 def maxsim_from_hidden(
@@ -87,7 +158,8 @@ def maxsim_from_hidden(
     ``H W^T`` per step) to save the projected activations, which the unfused path keeps instead.
 
     CUDA tensors run the Triton kernel; CPU tensors run :func:`lik.maxsim_from_hidden_reference`
-    (memory-bounded), or the kernel through Triton's interpreter with ``TRITON_INTERPRET=1``.
+    (memory-bounded), or the kernel through Triton's interpreter with ``TRITON_INTERPRET=1``. Under
+    ``torch.compile`` the kernels are custom operators (``lik::fused_head_forward`` / ``_backward``): one graph.
 
     Example:
         >>> Q = torch.nn.functional.normalize(torch.randn(16, 32, 128), dim=-1).half().cuda()
@@ -98,12 +170,4 @@ def maxsim_from_hidden(
     deterministic = resolve_backward(backward)
     inputs = FusedHeadInputs.build(Q, H, W, b, q_mask, d_mask, normalize=normalize, mask_mode=mask_mode,
                                    cu_seqlens=cu_seqlens)
-    if not uses_kernels(inputs.q):
-        return inputs.finish(fused_head_reference_canonical(inputs))
-    if inputs.requires_grad():
-        scores = FusedHeadFunction.apply(inputs.q, inputs.h, inputs.w, inputs.b, inputs.q_mask, inputs.d_mask,
-                                         inputs.cu_seqlens, mask_mode, normalize, inputs.per_query_documents,
-                                         deterministic)
-    else:
-        scores = fused_head_forward(inputs, False)[0]
-    return inputs.finish(scores)
+    return inputs.finish(_route(uses_kernels(inputs.q), inputs.requires_grad(), inputs, deterministic))
