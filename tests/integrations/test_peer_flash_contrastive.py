@@ -99,18 +99,33 @@ def test_bad_input_is_refused_before_anything_is_written(rng, reference_path, ca
     assert D.grad is None
 
 
+def _close_to_max(got, want, fraction):
+    """Every element within ``fraction`` of ``want``'s largest magnitude (flash-maxsim adds its dD in the input
+    dtype by atomics, so elementwise tolerances would measure its rounding, not the step)."""
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= fraction * want.float().abs().max().item(), (err, want.float().abs().max().item())
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(4, 4, 8, 20, 16), (32, 32, 32, 300, 128), (128, 128, 32, 180, 128)])
+@pytest.mark.parametrize(
+    "dtype, shape",
+    [
+        (torch.float16, (4, 4, 8, 20, 16)),  # flash-maxsim's own test shapes
+        (torch.float16, (32, 32, 32, 300, 128)),
+        (torch.float16, (128, 128, 32, 180, 128)),  # ColBERT's training batch
+        (torch.bfloat16, (4, 4, 8, 20, 16)),
+        (torch.bfloat16, (32, 32, 32, 300, 128)),
+    ],
+)
 def test_the_step_matches_flash_maxsims_on_a_gpu(rng, dtype, shape):
     n_q, n_docs, l_q, l_d, dim = shape
     Q, D = _inputs(rng, n_q, n_docs, l_q, l_d, dim, dtype=dtype, device="cuda")
     Qp, Dp = Q.detach().clone().requires_grad_(), D.detach().clone().requires_grad_()
-    Qp.grad = torch.full_like(Qp, 0.25)
-    Q.grad = torch.full_like(Q, 0.25)
-    loss = colbert_contrastive_step(Q, D, torch.arange(n_q, device="cuda"))
-    their_loss = peer.colbert_contrastive_step(Qp, Dp, torch.arange(n_q, device="cuda"))
-    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=8e-3, rtol=8e-3)  # flash-maxsim's
-    torch.testing.assert_close(loss, their_loss, **tol)
-    torch.testing.assert_close(Q.grad.float(), Qp.grad.float(), **tol)
-    torch.testing.assert_close(D.grad.float(), Dp.grad.float(), **tol)
+    labels = torch.arange(n_q, device="cuda")
+    loss = colbert_contrastive_step(Q, D, labels)
+    their_loss = peer.colbert_contrastive_step(Qp, Dp, labels)
+    torch.testing.assert_close(loss, their_loss, rtol=1e-4, atol=1e-4)  # the same products, summed in fp32
+    fraction = 2e-2 if dtype == torch.float16 else 5e-2
+    _close_to_max(Q.grad, Qp.grad, fraction)
+    _close_to_max(D.grad, Dp.grad, fraction)
+    assert Q.grad.dtype == dtype and D.grad.dtype == dtype
