@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lik._device import interpreting
 from lik.retrieval import keys as K
 
 VALUES = torch.tensor([0.0, -0.0, 1.5, -1.5, float("inf"), float("-inf"), float("nan"), 2.0**-140, -(2.0**-140),
@@ -41,6 +42,21 @@ def test_keys_sort_as_the_search_order_and_read_back(rng, with_ids, monkeypatch)
     expected = scores.gather(1, want)
     torch.testing.assert_close(got_scores, expected, rtol=0, atol=0, equal_nan=True)
     assert not got_scores[expected == 0].signbit().any()  # a zero reads back as 0.0
+
+
+def test_decode_kernel_equals_the_pytorch_arithmetic(rng, monkeypatch):
+    if not interpreting() and not torch.cuda.is_available():
+        pytest.skip("the kernel needs Triton's interpreter or a CUDA device")
+    device = "cpu" if interpreting() else "cuda"
+    keys = K.candidate_keys(_scores(rng, 3, 300), 7).to(device)[:, ::2]  # strided: decoded as a contiguous copy
+    monkeypatch.setattr(K, "uses_kernels", lambda x: True)  # the kernel (the interpreter on the CPU)
+    got = K.decode_keys(keys)
+    assert K.decode_keys(keys[:0])[0].shape == (0, 150)
+    monkeypatch.setattr(K, "uses_kernels", lambda x: False)
+    want = K.decode_keys(keys)
+    assert torch.equal(got[1].cpu(), want[1].cpu()) and got[0].dtype == torch.float32
+    # bit for bit, NaN and zeros included
+    assert torch.equal(got[0].cpu().view(torch.int32), want[0].cpu().view(torch.int32))
 
 
 def test_keys_of_strided_scores_and_empty_rows(rng):

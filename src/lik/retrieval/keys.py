@@ -7,8 +7,8 @@ negative number's magnitude bits are flipped), NaN to the smallest int32 and bot
 order is the search order, and the largest ``k`` of a chunk and of the best so far is one ``topk``; scores and ids
 are read back from the keys at the end (NaN as a quiet NaN, a zero as ``0.0``). Ids must be below ``2**32``.
 
-:func:`candidate_keys` is one elementwise kernel (a search is a few launches per chunk, not a dozen), or, for CPU
-tensors outside Triton's interpreter, the same arithmetic in PyTorch.
+:func:`candidate_keys` and :func:`decode_keys` are one elementwise kernel each (a search is a few launches per chunk,
+not a dozen), or, for CPU tensors outside Triton's interpreter, the same arithmetic in PyTorch.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .._device import cdiv
 from .._dispatch import uses_kernels
 from .._launch import launch
 
-__all__ = ["candidate_keys", "top_keys", "decode_keys", "MAX_ID", "candidate_keys_kernel"]
+__all__ = ["candidate_keys", "top_keys", "decode_keys", "MAX_ID", "candidate_keys_kernel", "decode_keys_kernel"]
 
 MAX_ID = 2**32 - 1  # ids are stored as MAX_ID - id in the low 32 bits
 _INT32_MIN = -(2**31)
@@ -77,8 +77,29 @@ def top_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
     return keys.topk(k, dim=-1, sorted=True).values
 
 
+@triton.jit(do_not_specialize=["n"])
+def decode_keys_kernel(keys_ptr, scores_ptr, ids_ptr, n, BLOCK: tl.constexpr):
+    """``scores[i]`` (float32) and ``ids[i]`` (int64) of the contiguous keys ``keys[i]``, ``i < n``."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    key = tl.load(keys_ptr + offsets, mask=inside, other=0)
+    ordered = (key >> 32).to(tl.int32)
+    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    score = tl.where(ordered == -2147483648, float("nan"), bits.to(tl.float32, bitcast=True))
+    tl.store(scores_ptr + offsets, score, mask=inside)
+    tl.store(ids_ptr + offsets, tl.full((BLOCK,), 4294967295, tl.int64) - (key & 4294967295), mask=inside)
+
+
 def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scores float32, ids int64)`` of keys made by :func:`candidate_keys`."""
+    """``(scores float32, ids int64)`` of keys made by :func:`candidate_keys` (one kernel: the end of a search is a
+    few launches, not a dozen)."""
+    if uses_kernels(keys):
+        keys = keys.contiguous()
+        scores = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
+        ids = torch.empty(keys.shape, dtype=torch.int64, device=keys.device)
+        if keys.numel():
+            launch(decode_keys_kernel, (cdiv(keys.numel(), _BLOCK),), keys, scores, ids, keys.numel(), BLOCK=_BLOCK)
+        return scores, ids
     ordered = (keys >> 32).to(torch.int32)
     bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
     scores = torch.where(ordered == _INT32_MIN, float("nan"), bits.view(torch.float32))
