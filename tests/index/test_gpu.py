@@ -87,14 +87,34 @@ def test_nccl_ranks_match_one_gpu(tmp_path):
         torch.testing.assert_close(scores, want[0].cpu(), rtol=0, atol=0)
 
 
-def test_resident_index_scores_whole_shards_unless_chunk_tokens_is_given(tmp_path):
+def test_resident_index_is_one_call_over_all_its_documents_unless_chunk_tokens_is_given(tmp_path):
     docs = random_docs(300, seed=3)
     lik.Index.build(docs, out=tmp_path / "ix", shard_tokens=20_000, progress=False)
     Q = torch.nn.functional.normalize(torch.randn(4, 32, 128), dim=-1).cuda()
     whole = lik.Index.load(tmp_path / "ix", placement="gpu", device="cuda")
     chunked = lik.Index.load(tmp_path / "ix", placement="gpu", device="cuda", chunk_tokens=3_000)
     scores, ids = whole.search(Q, 10)
-    assert len(whole._chunk_source().plans) == len(whole.segments) > 1
+    # The shards lie back to back in one device buffer: one packed call scores the whole corpus.
+    assert len(whole.segments) > 1 and len(whole._chunk_source().plans) == 1
     assert len(chunked._chunk_source().plans) > len(chunked.segments)
     chunked_scores, chunked_ids = chunked.search(Q, 10)
     assert torch.equal(ids, chunked_ids) and torch.equal(scores, chunked_scores)
+    built = lik.Index.build([d.cuda() for d in docs], shard_tokens=20_000, placement="gpu", progress=False)
+    assert built.segments[0].tokens.is_cuda and len(built._chunk_source().plans) == 1
+    assert torch.equal(built.search(Q, 10)[1], ids)
+    whole.add(docs[:3])  # an added segment has a buffer of its own: a second call
+    assert len(whole._chunk_source().plans) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8, torch.float8_e4m3fn])
+def test_ragged_queries_on_the_gpu_equal_one_search_per_query(dtype):
+    docs = random_docs(400, seed=5)
+    index = lik.Index.build([d.cuda() for d in docs], dtype=dtype, placement="gpu", progress=False)
+    rng = torch.Generator().manual_seed(6)
+    qs = [torch.nn.functional.normalize(torch.randn(n, 128, generator=rng), dim=-1).cuda() for n in (32, 7, 0, 1, 300)]
+    scores, ids = index.search(qs, 10)
+    for number, q in enumerate(qs):
+        if q.shape[0]:
+            one = index.search(q, 10)
+            torch.testing.assert_close(one[0], scores[number], rtol=1e-5, atol=1e-4)
+            assert torch.equal(one[1], ids[number])

@@ -167,15 +167,19 @@ def _batches(docs: Iterable, d: int | None, limit: int) -> Iterator[tuple[torch.
         yield flush()
 
 
-def _to_host(tokens: torch.Tensor, dtype: torch.dtype, device: torch.device | None):
+def _convert(tokens: torch.Tensor, dtype: torch.dtype, device: torch.device | None, resident: bool):
     """``tokens`` in the index ``dtype`` (quantized per token for 8-bit: on the GPU when ``tokens`` or the index's
-    ``device`` is one), moved to host memory in one copy, with the fp32 scales of an 8-bit index."""
+    ``device`` is one), with the fp32 scales of an 8-bit index; moved to host memory in one copy, or, ``resident``,
+    to ``device``."""
+    cuda = device is not None and device.type == "cuda"
     if dtype in EIGHT_BIT:
-        if tokens.device.type == "cpu" and device is not None and device.type == "cuda" and tokens.numel():
+        if tokens.device.type == "cpu" and cuda and tokens.numel():
             tokens = tokens.to(device, non_blocking=tokens.is_pinned())
         stored, scale = quantize(tokens, dtype)
-        return stored.cpu(), scale.cpu()
-    return tokens.to(dtype).cpu(), None  # (converted first: a GPU batch crosses in the smaller dtype)
+    else:
+        stored, scale = tokens.to(dtype), None  # (converted first: a GPU batch crosses in the smaller dtype)
+    where = device if resident and cuda else torch.device("cpu")
+    return stored.to(where), None if scale is None else scale.to(where)
 
 
 class _ShardFiller:
@@ -207,16 +211,18 @@ class _ShardFiller:
         return shard
 
 
-def shards_from(docs: Iterable, d, dtype, shard_tokens: int, progress, device=None) -> Iterator[Shard]:
+def shards_from(docs: Iterable, d, dtype, shard_tokens: int, progress, device=None, resident: bool = False
+                ) -> Iterator[Shard]:
     """Yield :class:`Shard` s of about ``shard_tokens`` tokens from ``docs`` (``[L_i, d]`` tensors and
     :class:`DocumentBatch` es); never holds more than one shard's documents and one batch. ``device``: where an
-    8-bit index quantizes batches of CPU documents (a CUDA device; else where they are)."""
+    8-bit index quantizes batches of CPU documents (a CUDA device; else where they are). ``resident``: the shards'
+    tensors stay on that CUDA device (a GPU-resident index: no round trip through host memory)."""
     device = None if device is None else torch.device(device)
     filler = _ShardFiller(shard_tokens, dtype)
     bar = tqdm(desc="index documents", unit="doc", disable=quiet(progress))
     try:
         for tokens, lengths, _ in _batches(docs, d, min(BATCH_TOKENS, shard_tokens)):
-            stored, scale = _to_host(tokens, dtype, device)
+            stored, scale = _convert(tokens, dtype, device, resident)
             yield from filler.add(stored, scale, lengths)
             bar.update(len(lengths))
     finally:

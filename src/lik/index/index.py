@@ -114,13 +114,17 @@ class Index:
     def build(cls, docs: Iterable[torch.Tensor], *, dtype: torch.dtype = torch.float16, out=None,
               shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool | None = None,
               **load_options) -> Index:
-        """An index of ``docs`` (a list or any iterable of ``[L_i, d]`` float tensors, ``L_i`` may be 0).
+        """An index of ``docs``: a list or any iterable of ``[L_i, d]`` float tensors (``L_i`` may be 0) and / or
+        :class:`lik.index.DocumentBatch` es (encoder batches: padded with a mask or lengths, or packed).
 
         ``dtype``: float16 / bfloat16 / float32 (stored as is) or int8 / float8_e4m3fn (quantized per token
-        with :func:`lik.quantize`). With ``out``, shards are written to that directory as they fill (never
-        more than one shard in memory) and the saved index is loaded with ``load_options``; without, the index
-        is held in host memory. ``overwrite`` as in :meth:`save`.
-        """
+        with :func:`lik.quantize`). Documents are converted in batches where they are (CPU documents of an 8-bit
+        index on the CUDA ``device`` when there is one), one copy per batch. With ``out``, shards are written to
+        that directory as they fill (never more than one shard in memory) and the saved index is loaded with
+        ``load_options``; without, the index is held in host memory (``placement="gpu"``: on the device, built
+        there). ``overwrite`` as in :meth:`save`.
+
+        Example: ``lik.Index.build(lik.index.DocumentBatch.padded(e, mask=m) for e, m in batches)``."""
         dtype_name(dtype)
         shard_tokens = as_int(shard_tokens, "shard_tokens")
         if shard_tokens < 1:
@@ -135,7 +139,8 @@ class Index:
         if out is not None:
             _write(Path(out), shards_from(docs, None, dtype, shard_tokens, progress, device), dtype, overwrite, None)
             return cls.load(out, **load_options)
-        segments = list(shards_from(docs, None, dtype, shard_tokens, progress, device))
+        # An index built for the GPU keeps its converted batches there (they cross to the host only to be saved).
+        segments = list(shards_from(docs, None, dtype, shard_tokens, progress, device, resident=placement == "gpu"))
         if not segments:
             raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
         if placement in ("auto", "disk"):  # nothing is on disk yet: "disk" means host memory until saved
@@ -270,9 +275,8 @@ class Index:
 
     def _place_all(self, segments, placement: str) -> list[Shard]:
         """``segments`` placed; on the GPU back to back in one buffer (what :func:`coalesce` joins for search)."""
-        if placement != "gpu" or len(segments) < 2:
-            return [self._place(s, placement) for s in segments]
-        return place_together(segments, self.device)
+        together = placement == "gpu" and len(segments) > 1
+        return place_together(segments, self.device) if together else [self._place(s, placement) for s in segments]
 
     def _place(self, segment: Shard, placement: str) -> Shard:
         if placement == "disk":
@@ -301,8 +305,7 @@ class Index:
         return self._state.source(self._make_source)
 
     def _make_source(self, segments):
-        if self.device.type == "cuda" and self.placement == "gpu":
-            segments = coalesce(segments)
+        segments = coalesce(segments) if self.device.type == "cuda" and self.placement == "gpu" else segments
         first_ids, first = [], self.first_id
         for segment in segments:
             first_ids.append(first)
