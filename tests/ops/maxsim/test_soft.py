@@ -18,6 +18,9 @@ from .helpers import rand_problem
 
 SOFT = [("smooth", {"tau": 0.1}), ("smooth", {"tau": 2.0}), ("topk", {"top_k": 3}), ("topk", {"top_k": 1})]
 IDS = ["smooth0.1", "smooth2", "top3", "top1"]
+# Other tau / top_k values take the kernel paths the first of each takes: slow duplicates.
+SOFT_ALL = [pytest.param(*case, id=name, marks=[pytest.mark.slow] if i % 2 else [])
+            for i, (case, name) in enumerate(zip(SOFT, IDS))]
 
 
 def _grads(fn, Q, D, q_mask, d_mask, grad=None, dtype=None, **kw):
@@ -41,7 +44,7 @@ def _check(Q, D, q_mask, d_mask, *, atol=2e-5, grad=None, **kw):
     return got, want
 
 
-@pytest.mark.parametrize("reduction,kw", SOFT, ids=IDS)
+@pytest.mark.parametrize("reduction,kw", SOFT_ALL)
 @pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
 def test_kernel_matches_reference_masked_garbage(reduction, kw, mask_mode):
     rng = torch.Generator().manual_seed(1)

@@ -138,3 +138,32 @@ def test_int8_stored_documents_refusals_and_reference():
     # float64 runs the reference, where there is nothing to store: the same scores as without
     Q, D = torch.randn(3, 4, dtype=torch.float64), torch.randn(2, 5, 4, dtype=torch.float64)
     assert torch.equal(lik.maxsim(Q, D, save_d_as=torch.int8), lik.maxsim(Q, D))
+
+
+@pytest.mark.parametrize("layout", ["per_query", "squeeze"])
+def test_int8_stored_documents_layouts(layout):
+    rng = torch.Generator().manual_seed(10)
+    Q, D, q_mask, d_mask = rand_problem(rng, 2, 3, 2, 6, 16, per_query=layout == "per_query",
+                                        squeeze=layout == "squeeze")
+    grad = torch.randn(2 if layout == "squeeze" else (2, 2), generator=rng)
+    exact = _run(lik.maxsim, Q, D, q_mask, d_mask, grad, torch.float32, backward="deterministic")
+    stored = _run(lik.maxsim, Q, D, q_mask, d_mask, grad, torch.float32, backward="deterministic",
+                  save_d_as=torch.int8)
+    assert torch.equal(exact[0], stored[0]) and torch.equal(exact[2], stored[2])
+    torch.testing.assert_close(exact[1], stored[1], atol=grad.abs().sum().item() / 254, rtol=0)
+
+
+# (the smooth call is a graph break running the eager path: a slow duplicate)
+@pytest.mark.parametrize("reduction,kw", [("max", {}), pytest.param("smooth", {"tau": 0.5}, marks=pytest.mark.slow)])
+def test_under_torch_compile(reduction, kw):
+    rng = torch.Generator().manual_seed(11)
+    Q, D, q_mask, _ = rand_problem(rng, 2, 3, 3, 5, 8)
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    fn = torch.compile(lambda Q, D: lik.maxsim(Q, D, q_mask, reduction=reduction, normalize_by="query_tokens", **kw),
+                       backend="aot_eager")
+    s = fn(Qg, Dg)
+    grads = torch.autograd.grad(s.sum(), (Qg, Dg))
+    want = _run(maxsim_reference, Q, D, q_mask, None, torch.ones(2, 3), torch.float64, reduction=reduction,
+                normalize_by="query_tokens", **kw)
+    for g, w in zip((s, *grads), want):
+        torch.testing.assert_close(g.detach().double(), w.detach(), atol=2e-5, rtol=1e-4)

@@ -73,16 +73,19 @@ _PAIR_ARGS = ["n_pairs", "n_pair_steps"]
 @triton.jit(do_not_specialize=["q_len", "n_docs", "n_row_blocks", "n_k_blocks", *_BATCH_STRIDES, *_PAIR_ARGS])
 def maxsim_bwd_dq_kernel(
     d_ptr, grad_ptr, argmax_ptr, dq_ptr, cu_q_ptr,
+    d_scale_ptr,  # SCALED: fp32 per-row scales of int8 rows (lik.maxsim's save_d_as), contiguous; else unread
     q_len, n_docs, n_row_blocks, n_k_blocks, n_pairs, n_pair_steps,
     stride_dn, stride_db, stride_dl, stride_dk,
     stride_gn, stride_gb,
     stride_an, stride_ab, stride_al,
     stride_dqn, stride_dql, stride_dqk,
+    stride_sn, stride_sb,
     DIM: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOCS: tl.constexpr = 1,
     LAYOUT: tl.constexpr = 0,  # PADDED, PACKED or PAIRS (lik.core.segments)
+    SCALED: tl.constexpr = False,  # int8 rows times their scales: the gathered rows dequantized on chip
 ):
     pid = tl.program_id(0).to(tl.int64)
     k_block = pid % n_k_blocks
@@ -100,7 +103,9 @@ def maxsim_bwd_dq_kernel(
     stride_db64 = zero64 + stride_db
     stride_ab64 = zero64 + stride_ab
     stride_gb64 = zero64 + stride_gb
+    stride_sb64 = zero64 + stride_sb
     doc_ptr = d_ptr + query * stride_dn
+    scale_ptr = d_scale_ptr + query * stride_sn
     winner_ptrs = argmax_ptr + query * stride_an + tokens * stride_al
     weight_ptr = grad_ptr + query * stride_gn
     if LAYOUT == PAIRS:  # one document (the packed view); each token weighted by its own pair
@@ -122,8 +127,12 @@ def maxsim_bwd_dq_kernel(
                 mask=has_grad[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            acc += weight * rows.to(tl.float32)
+            rows = rows.to(tl.float32)
+            if SCALED:
+                rows *= tl.load(scale_ptr + u * stride_sb64 + winner.to(tl.int64), mask=has_grad, other=0.0)[:, None]
+            acc += weight * rows
         doc_ptr += DOCS * stride_db64
+        scale_ptr += DOCS * stride_sb64
         winner_ptrs += DOCS * stride_ab64
         weight_ptr += DOCS * stride_gb64
     tl.store(
@@ -197,10 +206,12 @@ def feature_blocks(dim: int, block_k: int) -> tuple[int, int]:
 
 
 def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor, q_shape, dtype, *,
-                       pairs: PairWeights | None = None) -> torch.Tensor:
+                       pairs: PairWeights | None = None, d_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``dQ [Nq, Lq, dim]`` in the input dtype from ``grad [Nq, B]`` (fp32) and the saved argmax ``[Nq, B, Lq]``.
 
-    ``pairs``: packed pairs as one query of every packed token (``grad [1, n_pairs]``, one document)."""
+    ``pairs``: packed pairs as one query of every packed token (``grad [1, n_pairs]``, one document).
+    ``d_scale``: ``d`` is int8 rows with these contiguous fp32 scales ``[n_sets, B, Ld]`` (each gathered row is
+    dequantized on chip: no dequantized copy of ``d``)."""
     n_q, l_q, dim = q_shape
     n_docs = d.shape[1]
     if n_q * l_q * dim == 0 or n_docs == 0:
@@ -213,12 +224,13 @@ def maxsim_backward_dq(grad: torch.Tensor, d: torch.Tensor, argmax: torch.Tensor
     cu_q, n_pairs, n_pair_steps, layout = _pair_args(pairs, argmax)
     launch(
         maxsim_bwd_dq_kernel, (n_q * n_row_blocks * n_k_blocks,),
-        d, grad, argmax, dq, cu_q,
+        d, grad, argmax, dq, cu_q, d_scale if d_scale is not None else grad,
         l_q, n_docs, n_row_blocks, n_k_blocks, n_pairs, n_pair_steps,
         # Pairs: the one query's stride would follow Tq (a new variant per parity of Tq * dim); 0 reads the same.
         *set_strides(d), *grad.stride(), *argmax.stride(), *(set_strides(dq) if pairs else dq.stride()),
+        *(set_strides(d_scale)[:2] if d_scale is not None else (0, 0)),
         DIM=dim, BLOCK_ROWS=cfg.block_rows, BLOCK_K=block_k, DOCS=1 if pairs else cfg.dq_docs, LAYOUT=layout.value,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SCALED=d_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dq
 

@@ -21,7 +21,7 @@ from .forward import forward_problem, maxsim_forward
 from .options import ScoreOptions, check_options
 from .reference import maxsim_reference_canonical
 from .replay import CALLS, Training, call_key, record_inference
-from .soft import SoftMaxSimFunction, StoredDocuments, inverse_counts, padded_layout
+from .soft import apply_soft, StoredDocuments, inverse_counts, padded_layout
 from .validation import QUANTIZED_DTYPES, MaxSimInputs
 
 __all__ = [
@@ -126,16 +126,35 @@ class EagerMaxSimFunction(torch.autograd.Function):
     def backward(ctx, grad_scores):
         if ctx.stored:
             Q, d_q, d_scale, argmax, scale = ctx.saved_tensors
-            shape, dtype = ctx.d_meta
-            # dD reads only D's shape and dtype: without dQ, nothing is dequantized
-            D = (StoredDocuments.load(d_q, d_scale, dtype) if ctx.needs_input_grad[0]
-                 else torch.empty((), dtype=dtype, device=d_q.device).expand(shape))
         else:
             Q, D, argmax, scale = ctx.saved_tensors
         if scale is not None:
             grad_scores = grad_scores * scale
-        dq, dd = ctx.run.gradients(grad_scores, Q, D, argmax, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        need_dq, need_dd = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.stored:
+            dq, dd = _stored_gradients(grad_scores, Q, d_q, d_scale, ctx.d_meta, argmax, ctx.run.training, need_dq,
+                                       need_dd)
+        else:
+            dq, dd = ctx.run.gradients(grad_scores, Q, D, argmax, need_dq, need_dd)
         return dq, dd, None, None, None, None, None
+
+
+def _stored_gradients(grad, Q, d_q, d_scale, d_meta, argmax, training: Training, need_dq: bool, need_dd: bool):
+    """The backward of a call with ``save_d_as=torch.int8`` (never replayed): dQ gathers the winning int8 rows and
+    dequantizes them on chip (no dequantized copy of ``D``); dD needs only ``Q`` and the winners."""
+    shape, dtype = d_meta
+    q = Q.unsqueeze(0) if training.squeeze else Q
+    d = d_q if training.per_query else d_q.unsqueeze(0)
+    scales = d_scale if training.per_query else d_scale.unsqueeze(0)
+    grad2d = grad.float().contiguous().view(q.shape[0], d.shape[1])
+    dq = dd = None
+    if need_dq:
+        dq = maxsim_backward_dq(grad2d, d, argmax, q.shape, Q.dtype, d_scale=scales.contiguous()).view(Q.shape)
+    if need_dd:
+        d_shape = (d.shape[0], *shape[-3:])
+        dd = maxsim_backward_dd(grad2d, q, argmax, d_shape, dtype, deterministic=training.deterministic,
+                                per_query=training.per_query).view(shape)
+    return dq, dd
 
 
 class _FullTraining:
@@ -331,7 +350,7 @@ def _with_options(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale, o
     n_q, l_q = inputs.q.shape[0], inputs.q.shape[1]
     scale = inverse_counts(inputs.q_mask, n_q, l_q, inputs.q.device) if options.normalized else None
     if options.reduction != "max":
-        return inputs.finish(SoftMaxSimFunction.apply(inputs.q, inputs.d, padded_layout(inputs), options, scale))
+        return inputs.finish(apply_soft(inputs.q, inputs.d, padded_layout(inputs), options, scale))
     caller_scale = None if scale is None else (scale[0] if inputs.squeeze_query else scale)
     if needs_grad and not torch.compiler.is_compiling():
         key = None

@@ -26,7 +26,7 @@ from ...core.soft import soft_bwd_dd_kernel, soft_bwd_dq_kernel, soft_fwd_kernel
 from .options import ScoreOptions, query_token_counts
 
 __all__ = ["SoftLayout", "padded_layout", "packed_layout", "soft_forward", "soft_backward", "SoftMaxSimFunction",
-           "StoredDocuments", "inverse_counts"]
+           "StoredDocuments", "inverse_counts", "apply_soft"]
 
 _FLAGS = {"smooth": 1, "topk": 2}
 
@@ -192,6 +192,13 @@ def inverse_counts(q_mask: torch.Tensor | None, n_queries: int, q_len: int, devi
     """fp32 ``[Nq, 1]``: one over each query's valid token count (:func:`~.options.query_token_counts`)."""
     mask = None if q_mask is None else q_mask != 0
     return (1.0 / query_token_counts(mask, n_queries, q_len, device))[:, None]
+
+
+@torch.compiler.disable
+def apply_soft(q, d, lay: SoftLayout, options: ScoreOptions, scale):
+    """:class:`SoftMaxSimFunction` over ``q`` and ``d``; under ``torch.compile`` a graph break (the soft kernels
+    have no custom operators yet), run eagerly with its autograd node."""
+    return SoftMaxSimFunction.apply(q, d, lay, options, scale)
 
 
 class SoftMaxSimFunction(torch.autograd.Function):

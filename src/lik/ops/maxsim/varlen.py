@@ -28,7 +28,7 @@ from .options import ScoreOptions, check_options
 from .packed_function import MaxSimPackedFunction, packed_route
 from .packing import PackedInputs
 from .reference_varlen import packed_reference
-from .soft import SoftMaxSimFunction, inverse_counts, packed_layout
+from .soft import apply_soft, inverse_counts, packed_layout
 
 __all__ = [
     "maxsim_varlen",
@@ -197,7 +197,7 @@ def _with_options(kernels: bool, inputs: PackedInputs, deterministic: bool, opti
             cu = inputs.cu_q.to(torch.int64)
             inputs = replace(inputs, max_seqlen_q=int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0)
         lay = packed_layout(inputs, max_seqlen_d)
-        return SoftMaxSimFunction.apply(inputs.q, inputs.d, lay, options, None if scale is None else (
+        return apply_soft(inputs.q, inputs.d, lay, options, None if scale is None else (
             scale[:, None] if inputs.pairs else scale))
     needs_grad = _needs_grad(inputs)
     if needs_grad and not torch.compiler.is_compiling():
