@@ -6,7 +6,9 @@ transformers (``lik.MultiScaleDeformableAttention`` is this class).
 
 :func:`enable` switches the ``forward`` of transformers' own ``MultiScaleDeformableAttention`` in every modeling
 module that defines one (Deformable DETR, Grounding DINO, MM Grounding DINO, RT-DETR, OmDet-Turbo, LW-DETR, RF-DETR,
-PP-DocLayout...) to lik, so every such model, whenever built or loaded, runs lik while the switch is on;
+PP-DocLayout...) and the ``multi_scale_deformable_attention_v2`` function of RT-DETRv2, D-FINE and DEIMv2 (a number
+of points per level, bilinear or discrete sampling) to lik, so every such model, whenever built or loaded, runs lik
+while the switch is on;
 :func:`disable` returns them all to transformers' code. :func:`patch_model` swaps lik's module into one model for
 good, switch or not.
 
@@ -23,7 +25,7 @@ import importlib
 import torch
 from torch import nn
 
-from ..ops.msda import ms_deform_attn
+from ..ops.msda import ms_deform_attn, ms_deform_attn_v2
 from . import _patching
 
 __all__ = ["MultiScaleDeformableAttention", "enable", "disable", "enabled", "is_enabled", "patch_model"]
@@ -81,7 +83,48 @@ _MODELING_MODULES = (
     "pp_doclayout_v2", "pp_doclayout_v3", "pp_doclayout_v4",
 )
 
+# Modeling modules defining multi_scale_deformable_attention_v2(value, value_spatial_shapes, sampling_locations,
+# attention_weights, num_points_list, method), which their attention layers call (D-FINE and DEIMv2 keep it as an
+# instance attribute: routing the function object itself reaches those too).
+_V2_MODULES = ("rt_detr_v2", "d_fine", "deimv2")
+
 _SWITCH = _patching.Switch(__name__, "transformers", "transformers")
+
+# ((H, W), ...), device -> (shapes, starts) tensors: transformers passes the levels as Python ints, and a fresh
+# tensor per call would cost a host-to-device copy and a new check of the table each time.
+_LEVEL_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _level_tensors(value_spatial_shapes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(value_spatial_shapes, value_level_start_index)`` tensors on ``device`` for levels given as ``(H, W)``
+    pairs of ints or as an int ``[L, 2]`` tensor (its starts are then computed on its device)."""
+    if isinstance(value_spatial_shapes, torch.Tensor):
+        shapes = value_spatial_shapes.to(device)
+        sizes = shapes[:, 0] * shapes[:, 1]
+        return shapes, torch.cumsum(sizes, 0) - sizes
+    levels = tuple((int(height), int(width)) for height, width in value_spatial_shapes)
+    key = (levels, device)
+    found = _LEVEL_TABLES.get(key)
+    if found is None:
+        sizes = [height * width for height, width in levels]
+        starts = [sum(sizes[:level]) for level in range(len(levels))]
+        found = (torch.tensor(levels, dtype=torch.int64).reshape(-1, 2).to(device),
+                 torch.tensor(starts, dtype=torch.int64).to(device))
+        if len(_LEVEL_TABLES) >= 64:
+            _LEVEL_TABLES.clear()
+        _LEVEL_TABLES[key] = found
+    return found
+
+
+def _lik_v2(value, value_spatial_shapes, sampling_locations, attention_weights, num_points_list,
+            method="default") -> torch.Tensor:
+    """transformers' ``multi_scale_deformable_attention_v2`` while the switch is on: the levels (H, W) become
+    cached tensors and :func:`lik.ms_deform_attn_v2` runs (``value [N, S, M, D]``, ``sampling_locations
+    [N, Lq, M, sum(num_points_list), 2]``, ``attention_weights [N, Lq, M, sum(num_points_list)]`` ->
+    ``[N, Lq, M * D]``)."""
+    shapes, starts = _level_tensors(value_spatial_shapes, value.device)
+    return ms_deform_attn_v2(value, shapes, starts, sampling_locations, attention_weights, list(num_points_list),
+                             method)
 
 
 def _stock_classes() -> list[type]:
@@ -98,6 +141,20 @@ def _stock_classes() -> list[type]:
     return classes
 
 
+def _stock_v2_functions() -> list:
+    """transformers' ``multi_scale_deformable_attention_v2`` functions of the modeling modules that import here."""
+    functions = []
+    for short in _V2_MODULES:
+        try:
+            module = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
+        except ImportError:
+            continue
+        stock = getattr(module, "multi_scale_deformable_attention_v2", None)
+        if callable(stock) and stock not in functions:
+            functions.append(stock)
+    return functions
+
+
 def is_enabled() -> bool:
     """Whether :func:`enable` is in effect."""
     return _SWITCH.on
@@ -108,9 +165,11 @@ def enable() -> None:
     """Make transformers' deformable attention run :func:`lik.ms_deform_attn`, until :func:`disable`.
 
     Changes: the ``forward`` of the ``MultiScaleDeformableAttention`` class of each modeling module in
-    ``_MODELING_MODULES`` that imports runs lik's. No class is replaced: every model of those families, built
-    before or after the switch or loaded from a pickle, runs lik while it is on and transformers' own code after
-    :func:`disable`; a model pickled meanwhile holds transformers' classes only. Idempotent; all or nothing.
+    ``_MODELING_MODULES`` that imports runs lik's, and so does the ``multi_scale_deformable_attention_v2`` function
+    of each module in ``_V2_MODULES`` (RT-DETRv2, D-FINE, DEIMv2: :func:`lik.ms_deform_attn_v2`, both methods).
+    No class or name is replaced: every model of those families, built before or after the switch or loaded from
+    a pickle, runs lik while it is on and transformers' own code after :func:`disable`; a model pickled meanwhile
+    holds transformers' classes only. Idempotent; all or nothing.
 
     Raises:
         ImportError: transformers is not installed; the message gives the pip command.
@@ -118,6 +177,8 @@ def enable() -> None:
     _SWITCH.import_host("transformers")
     for stock in _stock_classes():
         _SWITCH.route(stock.forward, _lik_forward)
+    for stock in _stock_v2_functions():
+        _SWITCH.route(stock, _lik_v2)
 
 
 def disable() -> None:

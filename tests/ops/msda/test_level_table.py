@@ -242,7 +242,7 @@ def _atomic_backward_into(value, shapes, starts, loc, weights, grad, guard):
     buffer, grad_value = _guarded(torch.zeros(value.shape, dtype=torch.float32, device=value.device), guard, 0.0)
     grad_loc, grad_weights = torch.empty_like(loc), torch.empty_like(weights)
     launch(msda_bwd_kernel, (cdiv(n_rows, cfg.block_rows), 1),
-           value, shapes, starts, starts, loc, weights, grad, grad_value, grad_loc, grad_weights, grad_value,
+           value, shapes, starts, starts, starts, loc, weights, grad, grad_value, grad_loc, grad_weights, grad_value,
            n_rows, n_pixels, n_queries, heads, n_levels, n_points, 0, 0, n_rows * n_levels * n_points,
            DIM=dim, BLOCK_R=cfg.block_rows, BLOCK_P=cfg.block_points, BLOCK_D=cfg.block_d, HEAD_MAJOR=False,
            ATOMIC_VALUE=True, WRITE_BUCKETS=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -26,16 +26,16 @@ from ..._launch import launch
 from ..._replay import NEVER, file, layout_key, made, note, plan_of, recording
 from ...config.msda import msda_backward_config
 from .forward import (RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, kernel_value,
-                      replay_key)
-from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, level_shape, level_spills, load_samples,
-                       query_rows)
+                      nearest_pixel, replay_key)
+from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, level_points, level_shape, level_spills,
+                       load_samples, query_rows)
 
-__all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward"]
+__all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward", "launch_backward"]
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS + ["n_cells", "no_bucket", "stride_gc"])
 def msda_bwd_kernel(
-    value_ptr, shapes_ptr, starts_ptr, cells_ptr, loc_ptr, attn_ptr, gout_ptr,
+    value_ptr, shapes_ptr, starts_ptr, points_ptr, cells_ptr, loc_ptr, attn_ptr, gout_ptr,
     gvalue_ptr, gloc_ptr, gattn_ptr, bucket_ptr,
     n_rows, n_pixels, n_queries, n_heads, n_levels, n_points, n_cells, no_bucket, stride_gc,
     DIM: tl.constexpr,
@@ -45,10 +45,14 @@ def msda_bwd_kernel(
     HEAD_MAJOR: tl.constexpr,
     ATOMIC_VALUE: tl.constexpr,
     WRITE_BUCKETS: tl.constexpr,
+    POINT_TABLE: tl.constexpr = False,
+    DISCRETE: tl.constexpr = False,
 ):
     # Every tensor is contiguous (the launcher makes it so); value and the fp32 value gradient share one layout.
+    # POINT_TABLE and DISCRETE as in the forward.
     (stride_vn, stride_vs, stride_vm, stride_ln, stride_lq, stride_lm, stride_ll, stride_an, stride_aq, stride_am,
-     stride_al, stride_on, stride_oq) = contiguous_strides(n_pixels, n_queries, n_heads, n_levels, n_points, DIM,
+     stride_al, stride_on, stride_oq) = contiguous_strides(n_pixels, n_queries, n_heads,
+                                                           1 if POINT_TABLE else n_levels, n_points, DIM,
                                                            HEAD_MAJOR)
     row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
     chunk = tl.program_id(1)
@@ -67,49 +71,91 @@ def msda_bwd_kernel(
     ).to(tl.float32)[:, None, :]
     gvalue_rows = gvalue_ptr + batch * stride_vn + head * stride_vm
     # Point gradients are written contiguously as [chunk, N, Lq, M, L * P] (times 2 for locations).
-    row_samples = ((batch * n_queries + query) * n_heads + head) * (n_levels * n_points)
+    row_samples = ((batch * n_queries + query) * n_heads + head) * (n_points if POINT_TABLE else n_levels * n_points)
 
     # As in the forward: one loop over levels, all points of a level in one [rows, BLOCK_P] tile.
     point = tl.arange(0, BLOCK_P)
     for level in range(n_levels):
         height, width, start = level_shape(level, shapes_ptr, starts_ptr, 2, 1, 1)
-        down = width.to(tl.int64) * stride_vs
-        live = row_ok[:, None] & (point < n_points)[None, :]
-        loc_x, loc_y, weight = load_samples(loc_rows, attn_rows, level, point, live, stride_ll, 2, 1, stride_al, 1)
-        x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = bilinear(loc_x, loc_y, height, width, live)
-        m00, m01, m10, m11 = corner_masks(in_x0, in_x1, in_y0, in_y1, chan_ok)
-        pixel = start + (y0 * width + x0)
-        if level_spills(height, width, start, n_pixels):
-            # As in the forward: a table that does not fit value reads and scatters nothing outside [0, S).
-            pixel = start + (y0.to(tl.int64) * width + x0)
-            m00, m01, m10, m11 = corners_inside(pixel, width, n_pixels, m00, m01, m10, m11)
-        ptr = (value_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
-        s00 = tl.sum(grad * tl.load(ptr, mask=m00, other=0.0).to(tl.float32), axis=2)
-        s01 = tl.sum(grad * tl.load(ptr + stride_vs, mask=m01, other=0.0).to(tl.float32), axis=2)
-        s10 = tl.sum(grad * tl.load(ptr + down, mask=m10, other=0.0).to(tl.float32), axis=2)
-        s11 = tl.sum(grad * tl.load(ptr + down + stride_vs, mask=m11, other=0.0).to(tl.float32), axis=2)
-        top = s00 + fx * (s01 - s00)
-        bottom = s10 + fx * (s11 - s10)
-        # d out / d px = lerp_y of the horizontal differences; px = x * W - 0.5, so d px / d x = W.
-        d_px = (s01 - s00) + fy * ((s11 - s10) - (s01 - s00))
-        sample = row_samples[:, None] + level * n_points + point[None, :]
+        first, count = level_points(level, points_ptr, n_points, POINT_TABLE)
+        live = row_ok[:, None] & (point < count)[None, :]
+        loc_x, loc_y, weight = load_samples(loc_rows, attn_rows, first, point, live, 2, 2, 1, 1, 1)
+        sample = row_samples[:, None] + first + point[None, :]
         index = chunk * stride_gc + sample
-        tl.store(gattn_ptr + index, top + fy * (bottom - top), mask=live)
-        tl.store(gloc_ptr + 2 * index, weight * width.to(tl.float32) * d_px, mask=live)
-        tl.store(gloc_ptr + 2 * index + 1, weight * height.to(tl.float32) * (bottom - top), mask=live)
-        if ATOMIC_VALUE:
-            w00, w01, w10, w11 = corner_weights(fx, fy, weight)
-            gptr = (gvalue_rows[:, None] + pixel * stride_vs)[:, :, None] + chan[None, None, :]
-            tl.atomic_add(gptr, grad * w00[:, :, None], mask=m00, sem="relaxed")
-            tl.atomic_add(gptr + stride_vs, grad * w01[:, :, None], mask=m01, sem="relaxed")
-            tl.atomic_add(gptr + down, grad * w10[:, :, None], mask=m10, sem="relaxed")
-            tl.atomic_add(gptr + down + stride_vs, grad * w11[:, :, None], mask=m11, sem="relaxed")
-        if WRITE_BUCKETS:
-            reaches = (in_x0 | in_x1) & (in_y0 | in_y1)
-            cell = tl.load(cells_ptr + level) + (y0 + 1).to(tl.int64) * (width + 1) + (x0 + 1)
-            bucket = tl.where(reaches, (batch * n_heads + head)[:, None] * n_cells + cell, no_bucket)
-            # Every channel chunk computes the same bucket; the duplicate stores are identical.
-            tl.store(bucket_ptr + sample, bucket, mask=live)
+        if DISCRETE:
+            _nearest_backward(value_rows, gvalue_rows, chan_off, chan_ok, grad, loc_x, loc_y, weight, height, width,
+                              start, n_pixels, live, stride_vs, cells_ptr, level, batch * n_heads + head, n_cells,
+                              no_bucket, gloc_ptr, gattn_ptr, bucket_ptr, sample, index, ATOMIC_VALUE, WRITE_BUCKETS)
+        else:
+            _bilinear_backward(value_rows, gvalue_rows, chan_off, chan_ok, grad, loc_x, loc_y, weight, height,
+                               width, start, n_pixels, live, stride_vs, cells_ptr, level, batch * n_heads + head,
+                               n_cells, no_bucket, gloc_ptr, gattn_ptr, bucket_ptr, sample, index, ATOMIC_VALUE,
+                               WRITE_BUCKETS)
+
+
+@triton.jit
+def _bilinear_backward(value_rows, gvalue_rows, chan_off, chan_ok, grad, loc_x, loc_y, weight, height, width, start,
+                       n_pixels, live, stride_vs, cells_ptr, level, map_index, n_cells, no_bucket, gloc_ptr,
+                       gattn_ptr, bucket_ptr, sample, index, ATOMIC_VALUE: tl.constexpr,
+                       WRITE_BUCKETS: tl.constexpr):
+    """One level of bilinear samples: their location and weight gradients, and the value gradient's atomics or
+    buckets (``map_index`` = batch * M + head, per row)."""
+    down = width.to(tl.int64) * stride_vs
+    x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = bilinear(loc_x, loc_y, height, width, live)
+    m00, m01, m10, m11 = corner_masks(in_x0, in_x1, in_y0, in_y1, chan_ok)
+    pixel = start + (y0 * width + x0)
+    if level_spills(height, width, start, n_pixels):
+        # As in the forward: a table that does not fit value reads and scatters nothing outside [0, S).
+        pixel = start + (y0.to(tl.int64) * width + x0)
+        m00, m01, m10, m11 = corners_inside(pixel, width, n_pixels, m00, m01, m10, m11)
+    ptr = (value_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
+    s00 = tl.sum(grad * tl.load(ptr, mask=m00, other=0.0).to(tl.float32), axis=2)
+    s01 = tl.sum(grad * tl.load(ptr + stride_vs, mask=m01, other=0.0).to(tl.float32), axis=2)
+    s10 = tl.sum(grad * tl.load(ptr + down, mask=m10, other=0.0).to(tl.float32), axis=2)
+    s11 = tl.sum(grad * tl.load(ptr + down + stride_vs, mask=m11, other=0.0).to(tl.float32), axis=2)
+    top = s00 + fx * (s01 - s00)
+    bottom = s10 + fx * (s11 - s10)
+    # d out / d px = lerp_y of the horizontal differences; px = x * W - 0.5, so d px / d x = W.
+    d_px = (s01 - s00) + fy * ((s11 - s10) - (s01 - s00))
+    tl.store(gattn_ptr + index, top + fy * (bottom - top), mask=live)
+    tl.store(gloc_ptr + 2 * index, weight * width.to(tl.float32) * d_px, mask=live)
+    tl.store(gloc_ptr + 2 * index + 1, weight * height.to(tl.float32) * (bottom - top), mask=live)
+    if ATOMIC_VALUE:
+        w00, w01, w10, w11 = corner_weights(fx, fy, weight)
+        gptr = (gvalue_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
+        tl.atomic_add(gptr, grad * w00[:, :, None], mask=m00, sem="relaxed")
+        tl.atomic_add(gptr + stride_vs, grad * w01[:, :, None], mask=m01, sem="relaxed")
+        tl.atomic_add(gptr + down, grad * w10[:, :, None], mask=m10, sem="relaxed")
+        tl.atomic_add(gptr + down + stride_vs, grad * w11[:, :, None], mask=m11, sem="relaxed")
+    if WRITE_BUCKETS:
+        reaches = (in_x0 | in_x1) & (in_y0 | in_y1)
+        cell = tl.load(cells_ptr + level) + (y0 + 1).to(tl.int64) * (width + 1) + (x0 + 1)
+        bucket = tl.where(reaches, map_index[:, None] * n_cells + cell, no_bucket)
+        # Every channel chunk computes the same bucket; the duplicate stores are identical.
+        tl.store(bucket_ptr + sample, bucket, mask=live)
+
+
+@triton.jit
+def _nearest_backward(value_rows, gvalue_rows, chan_off, chan_ok, grad, loc_x, loc_y, weight, height, width, start,
+                      n_pixels, live, stride_vs, cells_ptr, level, map_index, n_cells, no_bucket, gloc_ptr,
+                      gattn_ptr, bucket_ptr, sample, index, ATOMIC_VALUE: tl.constexpr,
+                      WRITE_BUCKETS: tl.constexpr):
+    """One level of discrete samples: the weight gradient is the pixel's dot product with the output gradient, the
+    location gradient is 0 (the nearest pixel is piecewise constant), and the value gradient goes to the one
+    pixel each sample read (its bucket is that pixel's cell, read as corner 0 by the gather)."""
+    pixel, mask, x, y, reads = nearest_pixel(chan_ok, loc_x, loc_y, height, width, start, n_pixels, live)
+    ptr = (value_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
+    found = tl.sum(grad * tl.load(ptr, mask=mask, other=0.0).to(tl.float32), axis=2)
+    tl.store(gattn_ptr + index, found, mask=live)
+    tl.store(gloc_ptr + 2 * index, tl.zeros_like(found), mask=live)
+    tl.store(gloc_ptr + 2 * index + 1, tl.zeros_like(found), mask=live)
+    if ATOMIC_VALUE:
+        gptr = (gvalue_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
+        tl.atomic_add(gptr, grad * weight[:, :, None], mask=mask, sem="relaxed")
+    if WRITE_BUCKETS:
+        cell = tl.load(cells_ptr + level) + (y + 1).to(tl.int64) * (width + 1) + (x + 1)
+        bucket = tl.where(reads, map_index[:, None] * n_cells + cell, no_bucket)
+        tl.store(bucket_ptr + sample, bucket, mask=live)
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS + ["n_pixels"])
@@ -117,20 +163,22 @@ def msda_bwd_value_kernel(
     shapes_ptr, starts_ptr, cells_ptr, loc_ptr, attn_ptr, gout_ptr, offsets_ptr, order_ptr, gvalue_ptr,
     n_rows, n_pixels, n_queries, n_heads, n_levels, n_points, n_cells,
     stride_sl, stride_sc, stride_st,
-    stride_ln, stride_lq, stride_lm, stride_ll, stride_lp, stride_lc,
-    stride_an, stride_aq, stride_am, stride_al, stride_ap,
+    stride_ln, stride_lq, stride_lm, stride_lp, stride_lc,
+    stride_an, stride_aq, stride_am, stride_ap,
     stride_on, stride_oq, stride_oc,
     stride_gvn, stride_gvs, stride_gvm, stride_gvd,
     DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DISCRETE: tl.constexpr = False,
 ):
-    # Rows here are value rows (batch, head, pixel), pixel fastest.
+    # Rows here are value rows (batch, head, pixel), pixel fastest. The samples are read as [N, Lq, M, n_points]
+    # with n_points every point of a row (L * P, or the sum of num_points_list): a sample's index in its row says
+    # where it is, whichever level it belongs to. DISCRETE: each sample reached one pixel, its bucket's corner 0.
     row_ok, batch, pixel, head = query_rows(tl.program_id(0), n_rows, n_pixels, n_heads, BLOCK_R)
     chan = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     chan_ok = chan < DIM
     chan_grad = (chan * stride_oc)[None, :]
-    points_per_row = n_levels * n_points
 
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
     for level in range(n_levels):
@@ -144,7 +192,7 @@ def msda_bwd_value_kernel(
         level_cells = tl.load(cells_ptr + level)
         bucket_row = (batch * n_heads + head) * n_cells
         # Fixed order: corner by corner, each bucket in sorted (= original point) order.
-        for corner in tl.static_range(4):
+        for corner in tl.static_range(1 if DISCRETE else 4):
             dy = corner // 2
             dx = corner % 2
             cell = level_cells + (y - dy + 1) * (width + 1) + (x - dx + 1)
@@ -158,17 +206,19 @@ def msda_bwd_value_kernel(
                 live = k < count
                 sample = tl.load(order_ptr + begin + k, mask=live, other=0)
                 point = sample % n_points
-                query = (sample // points_per_row // n_heads) % n_queries
-                loc = (loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm + level * stride_ll
-                       + point * stride_lp)
-                loc_x = tl.load(loc, mask=live, other=0.0).to(tl.float32)
-                loc_y = tl.load(loc + stride_lc, mask=live, other=0.0).to(tl.float32)
+                query = (sample // n_points // n_heads) % n_queries
                 weight = tl.load(attn_ptr + batch * stride_an + query * stride_aq + head * stride_am
-                                 + level * stride_al + point * stride_ap, mask=live, other=0.0).to(tl.float32)
-                _, _, fx, fy, _, _, _, _ = bilinear(loc_x, loc_y, height, width, live)
-                # The corner this pixel is, seen from the point (dx = 1: it is the point's right neighbour).
-                w00, w01, w10, w11 = corner_weights(fx, fy, weight)
-                if corner == 0:
+                                 + point * stride_ap, mask=live, other=0.0).to(tl.float32)
+                loc = loc_ptr + batch * stride_ln + query * stride_lq + head * stride_lm + point * stride_lp
+                if not DISCRETE:
+                    loc_x = tl.load(loc, mask=live, other=0.0).to(tl.float32)
+                    loc_y = tl.load(loc + stride_lc, mask=live, other=0.0).to(tl.float32)
+                    _, _, fx, fy, _, _, _, _ = bilinear(loc_x, loc_y, height, width, live)
+                    # The corner this pixel is, seen from the point (dx = 1: it is the point's right neighbour).
+                    w00, w01, w10, w11 = corner_weights(fx, fy, weight)
+                if DISCRETE:
+                    coef = weight  # the sample's whole weight went to its nearest pixel
+                elif corner == 0:
                     coef = w00
                 elif corner == 1:
                     coef = w01
@@ -239,15 +289,25 @@ def msda_backward(
 
 def _backward(grad_out, value, shapes, starts, loc, attn, deterministic: bool):
     """The full path of :func:`msda_backward`."""
+    return launch_backward(grad_out, value, shapes, starts, loc, attn, deterministic)
+
+
+def launch_backward(grad_out, value, shapes, starts, loc, attn, deterministic: bool, points=None, max_points=0,
+                    discrete=False):
+    """The backward's launches on checked inputs, in Deformable DETR's layout or, with ``points``, RT-DETRv2's
+    (``points``, ``max_points`` and ``discrete`` as for :func:`lik.ops.msda.forward.launch_forward`)."""
     check_pixel_count(value)
     n, n_pixels, heads, dim = value.shape
-    _, n_queries, _, n_levels, n_points, _ = loc.shape
+    n_levels, n_queries = shapes.shape[0], loc.shape[1]
+    n_points = loc.shape[-2]  # P per level, or every point of a row with a point table
+    tile_points = n_points if points is None else max_points
     device = value.device
     n_rows = n * n_queries * heads
-    cfg = msda_backward_config(n_rows=n_rows, dim=dim, n_points=n_points, device=device)
-    check_point_tile(cfg.block_points, n_points)
+    cfg = msda_backward_config(n_rows=n_rows, dim=dim, n_points=tile_points, device=device)
+    check_point_tile(cfg.block_points, tile_points)
     n_chunks = -(-dim // cfg.block_d) if dim else 1
-    n_samples = n_rows * n_levels * n_points
+    per_row = n_points if points is not None else n_levels * n_points
+    n_samples = n_rows * per_row
     if n_samples == 0 or dim == 0:
         return tuple(torch.zeros(t.shape, dtype=t.dtype, device=device) for t in (value, loc, attn))
     value, head_major = kernel_value(value, cfg.transpose)
@@ -276,11 +336,14 @@ def _backward(grad_out, value, shapes, starts, loc, attn, deterministic: bool):
         cells, n_cells, no_bucket, buckets = starts, 0, 0, gvalue
 
     grid = (-(-n_rows // cfg.block_rows), n_chunks)
-    tensors = (value, shapes, starts, cells, loc, attn, grad_out, gvalue, gloc, gattn, buckets)
+    tensors = (value, shapes, starts, starts if points is None else points, cells, loc, attn, grad_out, gvalue, gloc,
+               gattn, buckets)
     ints = (n_rows, n_pixels, n_queries, heads, n_levels, n_points, n_cells, no_bucket, n_samples)
     options = dict(DIM=dim, BLOCK_R=cfg.block_rows, BLOCK_P=cfg.block_points, BLOCK_D=cfg.block_d,
                    HEAD_MAJOR=head_major, ATOMIC_VALUE=not deterministic, WRITE_BUCKETS=deterministic,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if points is not None or discrete:
+        options.update(POINT_TABLE=points is not None, DISCRETE=discrete)
     launch(msda_bwd_kernel, grid, *tensors, *ints, **options)
     if n_chunks > 1:
         gloc = gloc.sum(0).to(loc.dtype)
@@ -296,16 +359,19 @@ def _backward(grad_out, value, shapes, starts, loc, attn, deterministic: bool):
     offsets = torch.searchsorted(sorted_buckets, torch.arange(no_bucket + 1, device=device))
     n_value_rows = n * n_pixels * heads
     grid = (cdiv(n_value_rows, cfg.gather_rows), cdiv(dim, cfg.block_d))
+    # The samples seen as [N, Lq, M, points of a row] (views: both are contiguous).
+    flat_loc, flat_attn = loc.view(n, n_queries, heads, per_row, 2), attn.view(n, n_queries, heads, per_row)
     launch(
         msda_bwd_value_kernel, grid,
         shapes, starts, cells, loc, attn, grad_out, offsets, order, gvalue,
-        n_value_rows, n_pixels, n_queries, heads, n_levels, n_points, n_cells,
-        shapes.stride(0), shapes.stride(1), starts.stride(0), *loc.stride(), *attn.stride(), *grad_out.stride(),
-        *gvalue.stride(),
+        n_value_rows, n_pixels, n_queries, heads, n_levels, per_row, n_cells,
+        shapes.stride(0), shapes.stride(1), starts.stride(0), *flat_loc.stride(), *flat_attn.stride(),
+        *grad_out.stride(), *gvalue.stride(),
         DIM=dim,
         BLOCK_R=cfg.gather_rows,
         BLOCK_D=cfg.block_d,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"DISCRETE": True} if discrete else {}),
     )
     return gvalue, gloc, gattn

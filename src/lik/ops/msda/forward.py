@@ -19,12 +19,12 @@ from ..._device import cdiv, current_device
 from ..._launch import launch
 from ..._replay import NEVER, allowed, file, layout_key, made, plan_of, recording
 from ...config.msda import msda_forward_config
-from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, level_shape, level_spills, load_samples,
-                       query_rows)
+from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, level_points, level_shape, level_spills,
+                       load_samples, nearest, query_rows)
 from .validation import check_level_table
 
-__all__ = ["msda_fwd_kernel", "msda_forward", "contiguous_strides", "kernel_value", "dense", "check_pixel_count",
-           "check_point_tile", "RUNTIME_INTS", "replay_key"]
+__all__ = ["msda_fwd_kernel", "nearest_pixel", "msda_forward", "launch_forward", "contiguous_strides", "kernel_value",
+           "dense", "check_pixel_count", "check_point_tile", "RUNTIME_INTS", "replay_key"]
 
 # Batch, query count, heads, levels and points vary per call and never trigger a recompile.
 RUNTIME_INTS = ["n_rows", "n_pixels", "n_queries", "n_heads", "n_levels", "n_points"]
@@ -59,19 +59,68 @@ def contiguous_strides(n_pixels, n_queries, n_heads, n_levels, n_points, DIM: tl
             stride_am, stride_al, stride_on, stride_oq)
 
 
+@triton.jit
+def nearest_pixel(chan_ok, loc_x, loc_y, height, width, start, n_pixels, live):
+    """RT-DETRv2's discrete sampling of one level: ``[rows, points]`` index along S of each sample's nearest pixel
+    and the ``[rows, points, channels]`` read mask; with the pixel's ``(x, y)`` and the per-point read mask for the
+    value gradient's buckets."""
+    x, y, reads = nearest(loc_x, loc_y, height, width, live)
+    mask = reads[:, :, None] & chan_ok
+    pixel = start + (y * width + x)
+    if level_spills(height, width, start, n_pixels):
+        pixel = start + (y.to(tl.int64) * width + x)
+        mask, _, _, _ = corners_inside(pixel, width, n_pixels, mask, mask, mask, mask)
+    return pixel, mask, x, y, reads
+
+
+@triton.jit
+def _nearest_sample(value_rows, chan_off, chan_ok, loc_x, loc_y, weight, height, width, start, n_pixels, live,
+                    stride_vs):
+    """``[rows, points, channels]`` weight times the nearest pixel (discrete sampling)."""
+    pixel, mask, _, _, _ = nearest_pixel(chan_ok, loc_x, loc_y, height, width, start, n_pixels, live)
+    ptr = (value_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
+    return weight[:, :, None] * tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _bilinear_sample(acc, value_rows, chan_off, chan_ok, loc_x, loc_y, weight, height, width, start, n_pixels, live,
+                     stride_vs):
+    """``acc`` plus the ``[rows, points, channels]`` weight times the bilinear sample (grid_sample's): four
+    independent gathers, each added straight into ``acc``."""
+    x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = bilinear(loc_x, loc_y, height, width, live)
+    w00, w01, w10, w11 = corner_weights(fx, fy, weight)
+    m00, m01, m10, m11 = corner_masks(in_x0, in_x1, in_y0, in_y1, chan_ok)
+    pixel = start + (y0 * width + x0)
+    if level_spills(height, width, start, n_pixels):
+        # A table that does not fit value (the host refuses these): mask every corner outside [0, S).
+        pixel = start + (y0.to(tl.int64) * width + x0)
+        m00, m01, m10, m11 = corners_inside(pixel, width, n_pixels, m00, m01, m10, m11)
+    ptr = (value_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
+    down = width.to(tl.int64) * stride_vs
+    acc += w00[:, :, None] * tl.load(ptr, mask=m00, other=0.0).to(tl.float32)
+    acc += w01[:, :, None] * tl.load(ptr + stride_vs, mask=m01, other=0.0).to(tl.float32)
+    acc += w10[:, :, None] * tl.load(ptr + down, mask=m10, other=0.0).to(tl.float32)
+    acc += w11[:, :, None] * tl.load(ptr + down + stride_vs, mask=m11, other=0.0).to(tl.float32)
+    return acc
+
+
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def msda_fwd_kernel(
-    value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, out_ptr,
+    value_ptr, shapes_ptr, starts_ptr, points_ptr, loc_ptr, attn_ptr, out_ptr,
     n_rows, n_pixels, n_queries, n_heads, n_levels, n_points,
     DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
+    POINT_TABLE: tl.constexpr = False,
+    DISCRETE: tl.constexpr = False,
 ):
-    # Every tensor is contiguous (the launcher makes it so); shapes is [L, 2] and starts [L].
+    # Every tensor is contiguous (the launcher makes it so); shapes is [L, 2] and starts [L]. With POINT_TABLE the
+    # samples are [N, Lq, M, n_points, ...] (every level's points flattened) and points_ptr says which are whose.
     (stride_vn, stride_vs, stride_vm, stride_ln, stride_lq, stride_lm, stride_ll, stride_an, stride_aq, stride_am,
-     stride_al, stride_on, stride_oq) = contiguous_strides(n_pixels, n_queries, n_heads, n_levels, n_points, DIM,
+     stride_al, stride_on, stride_oq) = contiguous_strides(n_pixels, n_queries, n_heads,
+                                                           1 if POINT_TABLE else n_levels, n_points, DIM,
                                                            HEAD_MAJOR)
     row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
     chan = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -92,22 +141,15 @@ def msda_fwd_kernel(
     point = tl.arange(0, BLOCK_P)
     for level in range(n_levels):
         height, width, start = level_shape(level, shapes_ptr, starts_ptr, 2, 1, 1)
-        live = row_ok[:, None] & (point < n_points)[None, :]
-        loc_x, loc_y, weight = load_samples(loc_rows, attn_rows, level, point, live, stride_ll, 2, 1, stride_al, 1)
-        x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1 = bilinear(loc_x, loc_y, height, width, live)
-        w00, w01, w10, w11 = corner_weights(fx, fy, weight)
-        m00, m01, m10, m11 = corner_masks(in_x0, in_x1, in_y0, in_y1, chan_ok)
-        pixel = start + (y0 * width + x0)
-        if level_spills(height, width, start, n_pixels):
-            # A table that does not fit value (the host refuses these): mask every corner outside [0, S).
-            pixel = start + (y0.to(tl.int64) * width + x0)
-            m00, m01, m10, m11 = corners_inside(pixel, width, n_pixels, m00, m01, m10, m11)
-        ptr = (value_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
-        down = width.to(tl.int64) * stride_vs
-        acc += w00[:, :, None] * tl.load(ptr, mask=m00, other=0.0).to(tl.float32)
-        acc += w01[:, :, None] * tl.load(ptr + stride_vs, mask=m01, other=0.0).to(tl.float32)
-        acc += w10[:, :, None] * tl.load(ptr + down, mask=m10, other=0.0).to(tl.float32)
-        acc += w11[:, :, None] * tl.load(ptr + down + stride_vs, mask=m11, other=0.0).to(tl.float32)
+        first, count = level_points(level, points_ptr, n_points, POINT_TABLE)
+        live = row_ok[:, None] & (point < count)[None, :]
+        loc_x, loc_y, weight = load_samples(loc_rows, attn_rows, first, point, live, 2, 2, 1, 1, 1)
+        if DISCRETE:
+            acc += _nearest_sample(value_rows, chan_off, chan_ok, loc_x, loc_y, weight, height, width, start,
+                                   n_pixels, live, stride_vs)
+        else:
+            acc = _bilinear_sample(acc, value_rows, chan_off, chan_ok, loc_x, loc_y, weight, height, width, start,
+                                   n_pixels, live, stride_vs)
 
     out = out_ptr + batch * stride_on + query * stride_oq + head * DIM
     tl.store(out[:, None] + chan[None, :], tl.sum(acc, axis=1),
@@ -202,19 +244,31 @@ def msda_forward(
 
 def _forward(value, shapes, starts, loc, attn) -> torch.Tensor:
     """The full path of :func:`msda_forward` past the level table's check."""
+    return launch_forward(value, shapes, starts, loc, attn)
+
+
+def launch_forward(value, shapes, starts, loc, attn, points=None, max_points=0, discrete=False) -> torch.Tensor:
+    """Launch the forward on checked inputs (the level table included). Deformable DETR's layout by default; with
+    ``points`` (int32 ``[L, 2]`` rows of (first, count), on value's device) RT-DETRv2's: ``loc [N, Lq, M, T, 2]``,
+    ``attn [N, Lq, M, T]``, every level's points flattened, ``max_points`` the largest count. ``discrete``:
+    nearest-pixel sampling instead of bilinear."""
     check_pixel_count(value)
     n, n_pixels, heads, dim = value.shape
-    _, n_queries, _, n_levels, n_points, _ = loc.shape
+    n_levels = shapes.shape[0]
+    n_queries, n_points = loc.shape[1], loc.shape[-2]
+    tile_points = n_points if points is None else max_points
     out = made(torch.empty((n, n_queries, heads * dim), dtype=value.dtype, device=value.device))
     n_rows = n * n_queries * heads
     if n_rows == 0 or dim == 0:
         return out.zero_()
-    cfg = msda_forward_config(n_rows=n_rows, dim=dim, n_points=n_points, device=value.device)
-    check_point_tile(cfg.block_points, n_points)
+    cfg = msda_forward_config(n_rows=n_rows, dim=dim, n_points=tile_points, device=value.device)
+    check_point_tile(cfg.block_points, tile_points)
     value, head_major = kernel_value(value, cfg.transpose)
     grid = (cdiv(n_rows, cfg.block_rows), cdiv(dim, cfg.block_d))
-    launch(msda_fwd_kernel, grid, value, dense(shapes), dense(starts), dense(loc), dense(attn), out,
-           n_rows, n_pixels, n_queries, heads, n_levels, n_points,
+    starts = dense(starts)
+    flags = {} if points is None and not discrete else dict(POINT_TABLE=points is not None, DISCRETE=discrete)
+    launch(msda_fwd_kernel, grid, value, dense(shapes), starts, starts if points is None else points, dense(loc),
+           dense(attn), out, n_rows, n_pixels, n_queries, heads, n_levels, n_points,
            DIM=dim, BLOCK_R=cfg.block_rows, BLOCK_P=cfg.block_points, BLOCK_D=cfg.block_d, HEAD_MAJOR=head_major,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
     return out

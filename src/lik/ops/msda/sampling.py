@@ -21,8 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["query_rows", "level_shape", "level_spills", "load_samples", "bilinear", "corner_weights", "corner_masks",
-           "corners_inside"]
+__all__ = ["query_rows", "level_shape", "level_points", "level_spills", "load_samples", "bilinear", "nearest",
+           "corner_weights", "corner_masks", "corners_inside"]
 
 
 @triton.jit
@@ -52,6 +52,22 @@ def level_shape(level, shapes_ptr, starts_ptr, stride_sl, stride_sc, stride_st):
     width = tl.load(shapes_ptr + level * stride_sl + stride_sc).to(tl.int32)
     start = tl.load(starts_ptr + level * stride_st).to(tl.int64)
     return height, width, start
+
+
+@triton.jit
+def level_points(level, points_ptr, n_points, POINT_TABLE: tl.constexpr):
+    """``(first, count)``: where a level's points start in a row of samples and how many it has.
+
+    Deformable DETR gives every level ``n_points`` (first = level * P). RT-DETRv2 / D-FINE give each level its own
+    count (``num_points_list``), the points of all levels flattened per row: then ``points_ptr`` is an int32
+    ``[L, 2]`` table of (first, count) and ``n_points`` is the row's total."""
+    if POINT_TABLE:
+        first = tl.load(points_ptr + 2 * level)
+        count = tl.load(points_ptr + 2 * level + 1)
+    else:
+        first = level * n_points
+        count = n_points
+    return first, count
 
 
 @triton.jit
@@ -111,6 +127,25 @@ def bilinear(loc_x, loc_y, height, width, live):
     x0 = tl.where(in_x0 | in_x1, x0f, -1.0).to(tl.int32)
     y0 = tl.where(in_y0 | in_y1, y0f, -1.0).to(tl.int32)
     return x0, y0, fx, fy, in_x0, in_x1, in_y0, in_y1
+
+
+@triton.jit
+def nearest(loc_x, loc_y, height, width, live):
+    """RT-DETRv2's discrete sampling: the pixel ``(x, y)`` = ``int(loc * size + 0.5)`` clamped to the map (int32
+    ``[rows, points]``), and whether it is read (``live`` on a non-empty map).
+
+    Clamping happens on the float coordinate, where NaN compares false: a NaN coordinate lands on 0 and an
+    infinite one on the border, as transformers' ``.to(torch.int64)`` followed by ``clamp`` does on a GPU; a
+    value below 0.5 pixels truncates to 0 either way."""
+    w = width.to(tl.float32)
+    h = height.to(tl.float32)
+    px = loc_x * w + 0.5
+    py = loc_y * h + 0.5
+    x = tl.where(px >= w - 1.0, w - 1.0, tl.where(px > 0.0, tl.floor(px), 0.0))
+    y = tl.where(py >= h - 1.0, h - 1.0, tl.where(py > 0.0, tl.floor(py), 0.0))
+    # On an empty map (W or H = 0) no clamped coordinate satisfies both bounds, so nothing is read there.
+    reads = (x >= 0.0) & (x < w) & (y >= 0.0) & (y < h) & live
+    return x.to(tl.int32), y.to(tl.int32), reads
 
 
 @triton.jit

@@ -12,11 +12,12 @@ import weakref
 
 import torch
 
-__all__ = ["check_inputs", "check_level_table", "level_table", "KERNEL_DTYPES"]
+__all__ = ["check_inputs", "check_inputs_v2", "check_level_table", "level_table", "KERNEL_DTYPES", "METHODS"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+METHODS = ("default", "discrete")
 
 
 def _tensor(name: str, x) -> torch.Tensor:
@@ -76,6 +77,51 @@ def check_inputs(value, value_spatial_shapes, value_level_start_index, sampling_
                     ("sampling_locations", loc), ("attention_weights", weights)):
         if t.device != value.device:
             raise ValueError(f"{name} is on {t.device} but value is on {value.device}")
+
+
+def check_inputs_v2(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+                    num_points_list, method="default") -> tuple[int, ...]:
+    """:func:`check_inputs` for RT-DETRv2 / D-FINE's layout; returns ``num_points_list`` as a tuple of ints.
+
+    Expected: ``sampling_locations [N, Lq, M, T, 2]`` and ``attention_weights [N, Lq, M, T]`` with every level's
+    points flattened (``T = sum(num_points_list)``), ``num_points_list`` L non-negative ints, ``method`` one of
+    ``"default"`` (bilinear) or ``"discrete"`` (nearest pixel).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be 'default' or 'discrete', got {method!r}")
+    if isinstance(num_points_list, torch.Tensor) or not isinstance(num_points_list, (list, tuple)):
+        raise TypeError(f"num_points_list must be a list of ints, got {type(num_points_list).__name__}")
+    if any(isinstance(p, bool) or not isinstance(p, int) for p in num_points_list):
+        raise TypeError(f"num_points_list must hold ints, got {list(num_points_list)!r}")
+    if any(p < 0 for p in num_points_list):
+        raise ValueError(f"num_points_list must be non-negative, got {list(num_points_list)}")
+    loc = _tensor("sampling_locations", sampling_locations)
+    weights = _tensor("attention_weights", attention_weights)
+    if loc.dim() != 5 or loc.shape[-1] != 2:
+        raise ValueError(f"sampling_locations must be [N, Lq, M, sum(num_points_list), 2], got shape "
+                         f"{list(loc.shape)}")
+    total = sum(num_points_list)
+    if loc.shape[3] != total:
+        raise ValueError(f"sampling_locations has {loc.shape[3]} points per head but num_points_list sums to "
+                         f"{total}")
+    if tuple(weights.shape) != tuple(loc.shape[:-1]):
+        raise ValueError(
+            f"attention_weights must be [N, Lq, M, sum(num_points_list)] = {list(loc.shape[:-1])}, got "
+            f"{list(weights.shape)}"
+        )
+    shapes = _tensor("value_spatial_shapes", value_spatial_shapes)
+    if shapes.dim() == 2 and shapes.shape[0] != len(num_points_list):
+        raise ValueError(f"num_points_list has {len(num_points_list)} levels but value_spatial_shapes has "
+                         f"{shapes.shape[0]}")
+    if isinstance(value, torch.Tensor) and value.dim() == 4 and (loc.shape[0], loc.shape[2]) != (value.shape[0],
+                                                                                                  value.shape[2]):
+        raise ValueError(f"sampling_locations has shape {list(loc.shape)}, which does not match N={value.shape[0]}, "
+                         f"M={value.shape[2]} of value")
+    # The common checks on [N, Lq, M, L, 1] stand-ins of the samples (their point counts are checked above).
+    levels = len(num_points_list)
+    check_inputs(value, shapes, value_level_start_index, loc.new_empty(()).expand(*loc.shape[:3], levels, 1, 2),
+                 weights.new_empty(()).expand(*loc.shape[:3], levels, 1))
+    return tuple(num_points_list)
 
 
 def level_table(value_spatial_shapes: torch.Tensor, value_level_start_index: torch.Tensor,
