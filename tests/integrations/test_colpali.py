@@ -288,8 +288,8 @@ def test_losses_with_enable_match_and_use_lik(colpali_scoring, rng, monkeypatch,
     args = (q, d, negatives) if "Negative" in loss_name else (q, d)
     results = []
     calls = []
-    real = lik_colpali.maxsim
-    monkeypatch.setattr(lik_colpali, "maxsim", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lik_colpali.score_dense
+    monkeypatch.setattr(lik_colpali, "score_dense", lambda *a, **k: calls.append(1) or real(*a, **k))
     for use_lik in (False, True):
         leaves = [a.clone().requires_grad_() for a in args]
         if use_lik:
@@ -312,7 +312,7 @@ def test_losses_with_enable_match_and_use_lik(colpali_scoring, rng, monkeypatch,
 def test_smooth_max_keeps_colpali_path(colpali_scoring, rng, monkeypatch):
     _, _, losses = colpali_scoring
     calls = []
-    monkeypatch.setattr(lik_colpali, "maxsim", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(lik_colpali, "score_dense", lambda *a, **k: calls.append(1))
     q, d = torch.randn(3, 4, 8, generator=rng), torch.randn(3, 5, 8, generator=rng)
     with lik_colpali.enabled():
         losses.ColbertLoss(use_smooth_max=True, normalize_scores=False)(q, d)
@@ -327,7 +327,7 @@ def test_enable_is_reversible_and_covers_every_binding(colpali_scoring, count_ca
     before = [getattr(m, n) for m, n in sites]
     stock_score = processing.BaseVisualRetrieverProcessor.__dict__["score_multi_vector"]
     q, d = torch.randn(2, 3, 8, generator=rng), torch.randn(2, 4, 8, generator=rng)
-    calls = count_calls(lik_colpali, "maxsim")
+    calls = count_calls(lik_colpali, "score_dense")
     with lik_colpali.enabled():
         assert [getattr(m, n) for m, n in sites] == before  # nothing rebound: colpali-engine's functions switched
         for module, name in sites:
@@ -364,7 +364,7 @@ def test_scoring_objects_pickle_while_enabled_and_load_as_the_switch_says(colpal
     assert not names_lik(modules), sorted(modules)
     saved.seek(0)
     q, d = torch.randn(2, 3, 8, generator=rng), torch.randn(2, 4, 8, generator=rng)
-    calls = count_calls(lik_colpali, "maxsim")
+    calls = count_calls(lik_colpali, "score_dense")
     for copy in (loaded, torch.load(saved, weights_only=False)):
         assert all(copy[name] is objects[name] for name in ("inbatch", "kd", "score"))
         expected = copy["loss"](q, d)
@@ -377,7 +377,7 @@ def test_scoring_objects_pickle_while_enabled_and_load_as_the_switch_says(colpal
 
 def test_disable_restores_what_was_taken_while_enabled(colpali_scoring, count_calls, rng, reference_path):
     _, processing, losses = colpali_scoring
-    calls = count_calls(lik_colpali, "maxsim")  # the losses
+    calls = count_calls(lik_colpali, "score_dense")  # the losses
     packed_calls = count_calls(lik_colpali, "score_packed")  # score_multi_vector's ragged pages
     q, d = torch.randn(2, 3, 8, generator=rng), torch.randn(2, 4, 8, generator=rng)
     qs, ps = _ragged(rng, (3, 2)), _ragged(rng, (4, 6))

@@ -185,7 +185,7 @@ def test_enable_reaches_every_call_site_and_disable_restores_them(count_calls, r
     sites = _call_sites()
     before = {(module.__name__, name): getattr(module, name) for module, name in sites}
     stock_call = pylate_scores.ColBERTScores.__call__
-    calls = count_calls(lik_pylate, "maxsim")
+    calls = count_calls(lik_pylate, "score_dense")
     with lik_pylate.enabled():
         assert lik_pylate.is_enabled()
         for module, name in sites:
@@ -206,13 +206,13 @@ def test_enable_reaches_every_call_site_and_disable_restores_them(count_calls, r
 
 def test_enabled_call_sites_run_lik(monkeypatch, rng, reference_path):
     calls = []
-    real = lik_pylate.maxsim
+    real = lik_pylate.score_dense
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("mask_mode"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(lik_pylate, "maxsim", counting)
+    monkeypatch.setattr(lik_pylate, "score_dense", counting)
     from pylate import losses, rank
 
     Q, D, q_mask, d_mask = _inputs(rng)
@@ -307,8 +307,8 @@ def _fine_tune(model, use_lik, steps=3):
 
 def test_fine_tuning_with_and_without_enable_agree(tiny_colbert, monkeypatch):
     calls = []
-    real = lik_pylate.maxsim
-    monkeypatch.setattr(lik_pylate, "maxsim", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lik_pylate.score_dense
+    monkeypatch.setattr(lik_pylate, "score_dense", lambda *a, **k: calls.append(1) or real(*a, **k))
     stock = _fine_tune(tiny_colbert, use_lik=False)
     assert calls == []
     with_lik = _fine_tune(tiny_colbert, use_lik=True)
@@ -324,8 +324,8 @@ def test_fine_tuning_with_and_without_enable_agree(tiny_colbert, monkeypatch):
 
 def test_model_similarity_scores_with_lik(tiny_colbert, monkeypatch, rng):
     calls = []
-    real = lik_pylate.maxsim
-    monkeypatch.setattr(lik_pylate, "maxsim", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lik_pylate.score_dense
+    monkeypatch.setattr(lik_pylate, "score_dense", lambda *a, **k: calls.append(1) or real(*a, **k))
     Q, D = torch.randn(2, 5, 64, generator=rng), torch.randn(3, 7, 64, generator=rng)
     stock = tiny_colbert.similarity(Q, D)
     assert calls == []
@@ -364,7 +364,7 @@ def test_models_and_losses_pickle_while_enabled_and_load_as_the_switch_says(tiny
     Q, D = torch.randn(2, 5, 16, generator=rng), torch.randn(3, 7, 16, generator=rng)
     D4 = torch.randn(2, 3, 7, 16, generator=rng)
     expected = (_stock("colbert_scores")(Q, D), _stock("colbert_kd_scores")(Q, D4))
-    calls = count_calls(lik_pylate, "maxsim")
+    calls = count_calls(lik_pylate, "score_dense")
     loaded, modules = load_recording_modules(payload)
     assert not names_lik(modules), sorted(modules)
     saved.seek(0)
@@ -383,7 +383,7 @@ def test_disable_restores_objects_configured_while_enabled(tiny_bert_path, count
     from pylate import losses
 
     model = _tiny_colbert(tiny_bert_path)
-    calls = count_calls(lik_pylate, "maxsim")
+    calls = count_calls(lik_pylate, "score_dense")
     Q, D = torch.randn(2, 5, 16, generator=rng), torch.randn(3, 7, 16, generator=rng)
     with lik_pylate.enabled():
         model.similarity_fn_name = "MaxSim"  # PyLate stores its scoring function again, under the switch
@@ -423,11 +423,56 @@ def test_retrieve_colbert_scores_with_lik(monkeypatch, rng):
     retriever = retrieve.ColBERT(index=_TokenIndex(documents))
     stock = retriever.retrieve(queries, k=3, device="cpu")
     calls = []
-    real = lik_pylate.maxsim
-    monkeypatch.setattr(lik_pylate, "maxsim", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lik_pylate.score_dense
+    monkeypatch.setattr(lik_pylate, "score_dense", lambda *a, **k: calls.append(1) or real(*a, **k))
     with lik_pylate.enabled():
         ours = retriever.retrieve(queries, k=3, device="cpu")
     assert len(calls) == 2  # one rerank call per query
     for a, b in zip(stock, ours):
         assert [r["id"] for r in a] == [r["id"] for r in b]
         assert [r["score"] for r in b] == pytest.approx([r["score"] for r in a], rel=1e-5, abs=1e-5)
+
+
+# ------------------------------------------------------------------- the integrations' door to MaxSim (score_dense)
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"], ids=["kernels", "reference"])
+def test_score_dense_checks_inference_once_and_keeps_training_on_lik_maxsim(monkeypatch, rng, interpret):
+    """Inference is validated once and scored by the internal entry (no public call, no replay key); a call that
+    wants a gradient goes through lik.maxsim (whose key replays a repeated training step). Both give lik.maxsim's
+    scores and gradients bit for bit; a bad argument is still named."""
+    import lik
+    from lik.integrations import _scoring
+    from lik.ops.maxsim.validation import MaxSimInputs
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    Q, D, q_mask, d_mask = _inputs(rng)
+    expected = lik.maxsim(Q, D, q_mask, d_mask, mask_mode="zero")
+    one_query = lik.maxsim(Q[0], D, q_mask[0], d_mask, mask_mode="zero")
+    builds, routes = [], []
+    real_build = MaxSimInputs.build
+    monkeypatch.setattr(MaxSimInputs, "build",
+                        classmethod(lambda cls, *a, **k: builds.append(1) or real_build(*a, **k)))
+    for name in ("maxsim", "score_canonical"):
+        real = getattr(_scoring, name)
+        monkeypatch.setattr(_scoring, name, lambda *a, _real=real, _name=name, **k: routes.append(_name)
+                            or _real(*a, **k))
+    assert torch.equal(_scoring.score_dense(Q, D, q_mask, d_mask, mask_mode="zero"), expected)
+    assert routes == ["score_canonical"] and builds == [1]
+    assert torch.equal(_scoring.score_dense(Q[0], D, q_mask[0], d_mask, mask_mode="zero"), one_query)  # 2-D Q
+
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    routes.clear()
+    with torch.no_grad():  # no gradient wanted: inference
+        assert torch.equal(_scoring.score_dense(Qg, Dg, q_mask, d_mask, mask_mode="zero"), expected)
+    assert routes == ["score_canonical"]
+    scores = _scoring.score_dense(Qg, Dg, q_mask, d_mask, mask_mode="zero")
+    assert routes == ["score_canonical", "maxsim"] and scores.requires_grad
+    assert torch.equal(scores.detach(), expected)
+    Q2, D2 = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    weights = torch.arange(scores.numel()).view_as(scores)  # a distinct gradient per score
+    (scores * weights).sum().backward()
+    (lik.maxsim(Q2, D2, q_mask, d_mask, mask_mode="zero") * weights).sum().backward()
+    assert torch.equal(Qg.grad, Q2.grad) and torch.equal(Dg.grad, D2.grad)
+    with pytest.raises(ValueError, match="d_mask must have shape"):
+        _scoring.score_dense(Q, D, q_mask, d_mask[:, :3])

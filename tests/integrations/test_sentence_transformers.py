@@ -76,7 +76,7 @@ def test_enable_switches_every_caller_and_restores(count_calls, rng, reference_p
 
     names = [n for n in ("maxsim", "maxsim_pairwise", "mean_maxsim", "mean_maxsim_pairwise") if hasattr(similarity, n)]
     before = {n: getattr(similarity, n) for n in names}
-    calls = count_calls(lik_st, "_lik_maxsim")
+    calls = count_calls(lik_st, "score_dense")
     A, B = torch.randn(2, 3, 8, generator=rng), torch.randn(4, 5, 8, generator=rng)
     with lik_st.enabled():
         assert {n: getattr(similarity, n) for n in names} == before  # nothing rebound: the functions switched
@@ -124,7 +124,7 @@ def test_models_pickle_while_enabled_and_load_as_the_switch_says(tiny_bert_path,
             saved.append(io.BytesIO())
             torch.save(model, saved[-1])
     expected = [_stock("maxsim")(A, B), _stock("mean_maxsim")(A, B)]
-    calls = count_calls(lik_st, "_lik_maxsim")
+    calls = count_calls(lik_st, "score_dense")
     for payload, buffer, scores in zip(payloads, saved, expected):
         loaded, modules = load_recording_modules(payload)
         assert not names_lik(modules), sorted(modules)
@@ -141,7 +141,7 @@ def test_models_pickle_while_enabled_and_load_as_the_switch_says(tiny_bert_path,
 def test_disable_restores_models_configured_while_enabled(tiny_bert_path, count_calls, rng, reference_path):
     model = _encoder(tiny_bert_path)
     A, B = torch.randn(2, 3, 8, generator=rng), torch.randn(4, 5, 8, generator=rng)
-    calls = count_calls(lik_st, "_lik_maxsim")
+    calls = count_calls(lik_st, "score_dense")
     with lik_st.enabled():
         model.similarity_fn_name = "maxsim"
         built = _encoder(tiny_bert_path, similarity_fn_name="meanmaxsim")

@@ -43,11 +43,11 @@ import os
 import numpy as np
 import torch
 
-from ..ops.maxsim import maxsim
 from ..ops.maxsim.function import score_canonical
 from ..ops.maxsim.packed_function import PackedQuery, score_packed
 from ..ops.maxsim.validation import MaxSimInputs
 from . import _patching
+from ._scoring import score_dense
 from .colpali_pages import (
     QueryRows,
     all_like_first,
@@ -90,7 +90,7 @@ def maxsim_inbatch(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
         >>> maxsim_inbatch(torch.randn(4, 20, 128), torch.randn(6, 1030, 128)).shape
         torch.Size([4, 6])
     """
-    return maxsim(_check_3d("query", query), _check_3d("doc", doc))
+    return score_dense(_check_3d("query", query), _check_3d("doc", doc))
 
 
 def maxsim_kd(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ def maxsim_kd(query: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
     _check_3d("query", query)
     if not isinstance(doc, torch.Tensor) or doc.dim() != 4:
         raise ValueError(f"doc must be a [B, N, Ld, d] tensor, got {getattr(doc, 'shape', type(doc).__name__)}")
-    return maxsim(query, doc)
+    return score_dense(query, doc)
 
 
 def score_multi_vector(

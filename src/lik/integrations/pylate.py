@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..ops.maxsim import maxsim, maxsim_varlen, pack
+from ..ops.maxsim import maxsim_varlen, pack
 from . import _patching
+from ._scoring import score_dense
 
 if TYPE_CHECKING:  # at run time, __getattr__ imports it (and PyLate) on first use
     from .pylate_index import Index
@@ -159,8 +160,8 @@ def colbert_scores(
     _check_dim("queries_embeddings", q, 3, "[Nq, Lq, d]")
     _check_dim("documents_embeddings", d, 3, "[B, Ld, d]")
     q, d = _autocast_dtypes(q, d)
-    return maxsim(q, d, _as_mask("queries_mask", queries_mask), _as_mask("documents_mask", documents_mask),
-                  mask_mode="zero")
+    return score_dense(q, d, _as_mask("queries_mask", queries_mask), _as_mask("documents_mask", documents_mask),
+                       mask_mode="zero")
 
 
 def colbert_kd_scores(
@@ -191,8 +192,8 @@ def colbert_kd_scores(
     _check_dim("queries_embeddings", q, 3, "[Nq, Lq, d]")
     _check_dim("documents_embeddings", d, 4, "[Nq, B, Ld, d]")
     q, d = _autocast_dtypes(q, d)
-    return maxsim(q, d, _as_mask("queries_mask", queries_mask), _as_mask("documents_mask", documents_mask),
-                  mask_mode="zero")
+    return score_dense(q, d, _as_mask("queries_mask", queries_mask), _as_mask("documents_mask", documents_mask),
+                       mask_mode="zero")
 
 
 def _items(name: str, x) -> list[torch.Tensor]:
@@ -239,7 +240,7 @@ def colbert_scores_pairwise(
             raise ValueError(f"queries_embeddings has {queries_embeddings.shape[0]} items but documents_embeddings "
                              f"has {documents_embeddings.shape[0]}: pairs need the same count")
         q, d = _autocast_dtypes(queries_embeddings, documents_embeddings)
-        return maxsim(q, d.unsqueeze(1))[:, 0]
+        return score_dense(q, d.unsqueeze(1))[:, 0]
     queries = _items("queries_embeddings", queries_embeddings)
     documents = _items("documents_embeddings", documents_embeddings)
     if len(queries) != len(documents):
@@ -284,8 +285,8 @@ class ColBERTScores:
                                  f"got {list(d_mask.shape)}")
             d_mask = d_mask.reshape(groups * slots, doc_len)
         q, d = _autocast_dtypes(q, d)
-        return maxsim(q, d.reshape(groups * slots, doc_len, dim), _as_mask("queries_mask", queries_mask), d_mask,
-                      mask_mode="zero")
+        return score_dense(q, d.reshape(groups * slots, doc_len, dim), _as_mask("queries_mask", queries_mask),
+                           d_mask, mask_mode="zero")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ import logging
 import numpy as np
 import torch
 
-from ..ops.maxsim import maxsim as _lik_maxsim
 from . import _patching
+from ._scoring import score_dense
 
 __all__ = ["maxsim", "maxsim_pairwise", "mean_maxsim", "mean_maxsim_pairwise", "enable", "disable", "enabled",
            "is_enabled", "EMPTY_DOCUMENT_SCORE"]
@@ -125,10 +125,10 @@ def _score(a, b, a_mask, b_mask, length_normalize, device, pairwise: bool) -> to
         dtype = torch.promote_types(q.dtype, d.dtype)
         q, d = q.to(dtype), d.to(dtype)
     if pairwise:
-        scores = _lik_maxsim(q, d.unsqueeze(1), q_mask, d_mask.unsqueeze(1))[:, 0]
+        scores = score_dense(q, d.unsqueeze(1), q_mask, d_mask.unsqueeze(1))[:, 0]
         empty = ~d_mask.any(dim=-1)
     else:
-        scores = _lik_maxsim(q, d, q_mask, d_mask)
+        scores = score_dense(q, d, q_mask, d_mask)
         empty = (~d_mask.any(dim=-1)).unsqueeze(0).expand_as(scores)
     scores = _fill_empty(scores.float(), empty).to(result_device)
     if length_normalize:
