@@ -45,23 +45,22 @@ def fused_head_config(*, d_model: int, d_out: int, rows: int, dtype: torch.dtype
                       ) -> FusedHeadConfig:
     """Tiles for ``d_out`` (padded to a power of two, at most 256), ``d_model`` and ``rows`` query rows per set.
 
-    A projected tile is ``[block_n, d_out]`` fp32 in registers, then ``block_n x d_out`` in the input dtype in shared
-    memory next to the pipelined ``H`` and ``W`` chunks. Each tile reads ``W`` again (from L2: ``d_out x d_model``),
-    so tall tiles (128 tokens at d_out <= 128) keep that traffic at the size of the hidden rows read from DRAM;
-    8 warps hold the accumulator at 64 registers a thread. fp32 operands take 32-deep ``k`` chunks and 2 stages to
-    stay within shared memory. Query rows stream in blocks of up to 64 (one block for a 32-token query). Not yet
-    swept on a GPU: ``forced_config`` overrides it."""
+    A projected tile is ``[block_n, d_out]`` fp32 in registers next to the ``[block_m, block_n]`` similarities. Each
+    tile reads ``W`` again (from L2: ``d_out x d_model``), so tall tiles (128 tokens) keep that traffic at the size of
+    the hidden rows read from DRAM; at d_out <= 128 in half precision they fit 8 warps' registers with 32-deep ``k``
+    chunks (sm_90 builds: 255 registers, no spill, 37-49 KiB of shared memory); fp32 operands and d_out = 256 take
+    64-token tiles (216-218 registers, no spill; 128 spilled). ``tests/ops/fused_head/test_compile_sm90.py`` keeps
+    every variant free of spills. Query rows stream in blocks of up to 64 (one block for a 32-token query). Not yet
+    timed on a GPU: ``forced_config`` overrides it."""
     if _FORCED:
         return _FORCED[-1]
     if interpreting():
         return FusedHeadConfig(block_m=16, block_n=16, block_k=32, min_split_rows=16, target_programs=8)
-    wide = dtype == torch.float32
     d_out_pad = max(16, next_power_of_2(d_out))
-    block_n = 128 if d_out_pad <= 128 else 64
+    block_n = 128 if d_out_pad <= 128 and dtype != torch.float32 else 64
     block_m = min(64, max(16, next_power_of_2(rows)))
-    block_k = min(32 if wide else 64, max(16, next_power_of_2(d_model)))
-    return FusedHeadConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=8,
-                           num_stages=2 if wide else 3)
+    block_k = min(32, max(16, next_power_of_2(d_model)))
+    return FusedHeadConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=8, num_stages=3)
 
 
 def row_splits(cfg: FusedHeadConfig, rows: int, programs: int, device: torch.device) -> tuple[int, int]:
