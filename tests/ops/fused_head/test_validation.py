@@ -63,3 +63,11 @@ def test_bad_packed_offsets_are_refused_by_the_reference():
         maxsim_from_hidden_reference(Q, torch.randn(5, 12), W, cu_seqlens=torch.tensor([0, 4, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
         maxsim_from_hidden_reference(Q, torch.randn(5, 12), W, cu_seqlens=torch.tensor([0, 6], dtype=torch.int32))
+
+
+def test_bad_packed_offsets_are_refused_by_the_backward():
+    """The kernels clamp offsets they cannot check without a synchronisation; the backward reads them anyway."""
+    H = torch.randn(5, 12, requires_grad=True)
+    scores = maxsim_from_hidden(Q, H, W, cu_seqlens=torch.tensor([0, 4, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        scores.sum().backward()

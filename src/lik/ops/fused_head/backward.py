@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..maxsim.backward import maxsim_backward_dd, maxsim_backward_dq
-from .reference import NORMALIZE_EPS
+from .reference import NORMALIZE_EPS, packed_bounds
 from .validation import FusedHeadInputs
 
 __all__ = ["fused_head_backward", "BACKWARD_BUDGET_BYTES"]
@@ -43,8 +43,7 @@ def _chunks(inputs: FusedHeadInputs, budget_bytes: int):
     padded gathers whose real rows ``rows[mask]`` are rows of the packed ``H``."""
     d_out, d_model = inputs.w.shape
     if inputs.packed:
-        bounds = inputs.cu_seqlens.tolist()
-        lengths = [max(0, end - start) for start, end in zip(bounds[:-1], bounds[1:])]
+        bounds, lengths = packed_bounds(inputs)
         per_token = 4 * (2 * d_model + 4 * d_out)
         first = 0
         while first < len(lengths):

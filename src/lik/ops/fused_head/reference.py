@@ -18,9 +18,21 @@ from ..maxsim.reference import DEFAULT_BUDGET_BYTES, connected_zeros, maxsim_ref
 from ..maxsim.validation import MaxSimInputs
 from .validation import FusedHeadInputs
 
-__all__ = ["maxsim_from_hidden_reference", "fused_head_reference_canonical", "padded_view", "NORMALIZE_EPS"]
+__all__ = [
+    "maxsim_from_hidden_reference", "fused_head_reference_canonical", "padded_view", "packed_bounds", "NORMALIZE_EPS",
+]
 
 NORMALIZE_EPS = 1e-12  # F.normalize's default
+
+
+def packed_bounds(inputs: FusedHeadInputs) -> tuple[list[int], list[int]]:
+    """``(bounds, lengths)`` of packed hidden states, read from ``cu_seqlens`` on the host (one synchronisation) and
+    checked: non-decreasing offsets within ``H``'s rows, else a ``ValueError`` naming ``cu_seqlens``."""
+    bounds = inputs.cu_seqlens.tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    if any(n < 0 for n in lengths) or (bounds and (bounds[0] < 0 or bounds[-1] > inputs.h.shape[0])):
+        raise ValueError(f"cu_seqlens must be non-decreasing within [0, {inputs.h.shape[0]}] (H's rows)")
+    return bounds, lengths
 
 
 def padded_view(inputs: FusedHeadInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -28,10 +40,7 @@ def padded_view(inputs: FusedHeadInputs) -> tuple[torch.Tensor, torch.Tensor | N
     ``cu_seqlens`` on the host; rows past a document are zeros and masked), padded ones as they are."""
     if not inputs.packed:
         return inputs.h, inputs.d_mask
-    bounds = inputs.cu_seqlens.tolist()
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
-    if any(n < 0 for n in lengths) or (bounds and (bounds[0] < 0 or bounds[-1] > inputs.h.shape[0])):
-        raise ValueError(f"cu_seqlens must be non-decreasing within [0, {inputs.h.shape[0]}] (H's rows)")
+    bounds, lengths = packed_bounds(inputs)
     l_d = max(lengths, default=0)
     rows = torch.arange(l_d, device=inputs.h.device)
     starts = torch.tensor(bounds[:-1], dtype=torch.long, device=inputs.h.device)
