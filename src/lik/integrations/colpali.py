@@ -31,6 +31,9 @@ its model zoo and through it torchvision, so without a torchvision that loads be
 raises an ImportError naming it: modules loaded around the failing package would be ones the user's code cannot
 import either.
 
+How :func:`score_multi_vector` reads colpali-engine's lists (checks, joins, lengths, packed groups, the query rows)
+is in :mod:`lik.integrations.colpali_pages`; each group of pages is scored through the internal entries, unchecked.
+
 Example:
     >>> import lik.integrations.colpali as lik_colpali
     >>> lik_colpali.enable()         # processor.score_multi_vector and ColbertLoss now use lik
