@@ -24,8 +24,14 @@ from ..ops.maxsim.validation import MaxSimInputs
 __all__ = ["score_dense"]
 
 
-def score_dense(Q: torch.Tensor, D: torch.Tensor, q_mask: torch.Tensor | None = None,
-                d_mask: torch.Tensor | None = None, *, mask_mode: str = "exclude") -> torch.Tensor:
+def score_dense(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    mask_mode: str = "exclude",
+) -> torch.Tensor:
     """:func:`lik.maxsim` ``(Q, D, q_mask, d_mask, mask_mode=mask_mode)`` for an integration: the same arguments,
     checks and scores (``Q [Lq, d]`` or ``[Nq, Lq, d]``, ``D [B, Ld, d]`` or ``[Nq, B, Ld, d]``, optional masks ->
     float32 ``[B]`` / ``[Nq, B]``, float64 for float64 inputs), inference scored through the internal entry.

@@ -18,9 +18,25 @@ import torch
 from ..ops.maxsim.validation import KERNEL_DTYPES, check_real, check_width
 
 __all__ = [
-    "PACK_BUDGET_BYTES", "as_items", "checked_sizes", "name_bad_item", "lengths_of", "join", "zero_row", "ZERO_ROWS",
-    "overlaps_host", "on_device", "join_early", "all_like_first", "needs_zero_token", "page_groups", "page_lengths",
-    "counted_lengths", "join_pages", "QueryRows", "check_rows",
+    "PACK_BUDGET_BYTES",
+    "as_items",
+    "checked_sizes",
+    "name_bad_item",
+    "lengths_of",
+    "join",
+    "zero_row",
+    "ZERO_ROWS",
+    "overlaps_host",
+    "on_device",
+    "join_early",
+    "all_like_first",
+    "needs_zero_token",
+    "page_groups",
+    "page_lengths",
+    "counted_lengths",
+    "join_pages",
+    "QueryRows",
+    "check_rows",
 ]
 
 #: The packed copy of a list of pages is made in groups of at most this many bytes.
@@ -32,8 +48,9 @@ def as_items(name: str, x) -> list[torch.Tensor] | torch.Tensor:
     :func:`checked_sizes`)."""
     if isinstance(x, torch.Tensor):
         if x.dim() != 3:
-            raise ValueError(f"{name} must be a [n, L, d] tensor or a list of [L_i, d] tensors, got shape "
-                             f"{list(x.shape)}")
+            raise ValueError(
+                f"{name} must be a [n, L, d] tensor or a list of [L_i, d] tensors, got shape {list(x.shape)}"
+            )
         return x
     if isinstance(x, (list, tuple)):
         if not all(map(isinstance, x, repeat(torch.Tensor))):
@@ -107,8 +124,12 @@ def on_device(x: torch.Tensor, device: torch.device) -> bool:
     """Whether ``x.to(device)`` is ``x`` itself ("cuda" without an index is the current CUDA device)."""
     if x.device == device:
         return True
-    return (device.type == "cuda" and device.index is None and x.device.type == "cuda"
-            and x.device.index == torch.cuda.current_device())
+    return (
+        device.type == "cuda"
+        and device.index is None
+        and x.device.type == "cuda"
+        and x.device.index == torch.cuda.current_device()
+    )
 
 
 def join_early(pages: list[torch.Tensor], device: torch.device, max_pages: int) -> torch.Tensor | None:
@@ -147,8 +168,8 @@ def needs_zero_token(lengths: np.ndarray, batch_size: int) -> np.ndarray:
         return np.zeros(len(lengths), dtype=bool)
     n_blocks = -(-len(lengths) // batch_size)
     blocks = np.full(n_blocks * batch_size, -1, dtype=np.int64)
-    blocks[:len(lengths)] = lengths
-    longest = np.repeat(blocks.reshape(n_blocks, batch_size).max(axis=1), batch_size)[:len(lengths)]
+    blocks[: len(lengths)] = lengths
+    longest = np.repeat(blocks.reshape(n_blocks, batch_size).max(axis=1), batch_size)[: len(lengths)]
     return lengths < longest
 
 
