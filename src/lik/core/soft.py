@@ -63,7 +63,7 @@ def _doc_span(cu_d_ptr, b, doc_len, n_d_rows, LAYOUT: tl.constexpr):
 @triton.jit
 def _rows(ptr, rows, valid, kk, stride_l, stride_k, DIM: tl.constexpr):
     """A ``[rows, features]`` tile; rows not ``valid`` (masked, padded, past the end) read as zeros, never read."""
-    return tl.load(ptr + rows[:, None] * stride_l + kk[None, :] * stride_k,
+    return tl.load(ptr + rows.to(tl.int64)[:, None] * stride_l + kk[None, :] * stride_k,
                    mask=valid[:, None] & (kk[None, :] < DIM), other=0.0)
 
 
@@ -208,7 +208,12 @@ def _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION: tl.con
     if REDUCTION == REDUCE_SMOOTH:
         w = tl.exp2(sim * scale2 - row_stat[:, None])
     else:
-        hits = tl.sum((toks[:, :, None] == cols[None, None, :]).to(tl.float32), axis=1)
+        # One [rows, BLOCK_N] compare per slot (a [rows, slots, BLOCK_N] one would not fit in registers at 16 slots).
+        slots = tl.arange(0, SLOTS)
+        hits = tl.zeros(sim.shape, tl.float32)
+        for j in tl.static_range(TOP_K):
+            token = tl.sum(tl.where(slots[None, :] == j, toks, 0), axis=1)
+            hits += (token[:, None] == cols[None, :]).to(tl.float32)
         w = hits * row_stat[:, None]
     return tl.where(counted[None, :], w * grad, 0.0)
 
