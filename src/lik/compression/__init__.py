@@ -1,0 +1,24 @@
+"""PLAID compression: ColBERTv2's residual codec (k-means centroids plus 1/2/4-bit residual buckets, packed as
+ColBERT packs them) and readers for the indexes ColBERT writes.
+
+Files by role: ``kmeans`` (centroid training on the data's device), ``sampling`` (ColBERTv2's training plan:
+sample sizes, centroid count, held-out split, bucket quantiles), ``packing`` (the bit layout and ColBERT's lookup
+tables), ``codec`` (:class:`ResidualCodec`: compress, decompress, train), ``colbert_format`` (reading a colbert-ai
+index directory).
+"""
+
+from .codec import ResidualCodec
+from .colbert_format import ColbertIndex, is_colbert_index, load_colbert_index
+from .kmeans import assign_to_centroids, kmeans
+from .packing import pack_residual_bits, unpack_residual_bits
+
+__all__ = [
+    "ResidualCodec",
+    "ColbertIndex",
+    "is_colbert_index",
+    "load_colbert_index",
+    "kmeans",
+    "assign_to_centroids",
+    "pack_residual_bits",
+    "unpack_residual_bits",
+]
