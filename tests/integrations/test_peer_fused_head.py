@@ -85,3 +85,24 @@ def test_errors_keep_the_peers_words(rng, change, words):
     args.update(change)
     with pytest.raises(ValueError, match=words):
         fused_head.maxsim_from_hidden(**args)
+
+
+@pytest.mark.gpu
+def test_scores_and_gradients_equal_the_peers_kernel_on_a_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    Q = F.normalize(torch.randn(4, 32, 128, device="cuda", generator=gen), dim=-1).half()
+    H = torch.randn(50, 180, 768, device="cuda", generator=gen).half()
+    W = (torch.randn(128, 768, device="cuda", generator=gen) / 768**0.5).half()
+    b = (0.1 * torch.randn(128, device="cuda", generator=gen)).half()
+    d_mask = torch.rand(50, 180, device="cuda", generator=gen) > 0.2
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_() for x in (Q, H, W, b)]
+        scores = fn(*leaves, d_mask)
+        return scores, torch.autograd.grad(scores.sum(), leaves)
+
+    theirs, their_grads = run(peer_head.maxsim_from_hidden)
+    mine, my_grads = run(fused_head.maxsim_from_hidden)
+    torch.testing.assert_close(mine, theirs, rtol=2e-2, atol=2e-2)  # both round the projected rows to fp16
+    for g, e in zip(my_grads, their_grads):
+        assert ((g.float() - e.float()).norm() / e.float().norm()).item() < 2e-2

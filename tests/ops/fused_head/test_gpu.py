@@ -47,10 +47,14 @@ TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
                                    (3, 7, 9, 65, 100, 40), (2, 32, 5, 300, 768, 256)])
 @pytest.mark.parametrize("backward", ["fast", "deterministic"])
 def test_matches_float64(dtype, shape, backward):
+    previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
-    p = _problem(*shape, dtype)
-    weights = torch.randn(shape[0], shape[2], device=CUDA)
-    scores, got = _grads(maxsim_from_hidden, p, weights, backward=backward)
+    try:
+        p = _problem(*shape, dtype)
+        weights = torch.randn(shape[0], shape[2], device=CUDA)
+        scores, got = _grads(maxsim_from_hidden, p, weights, backward=backward)
+    finally:
+        torch.set_float32_matmul_precision(previous)
     ref_scores, expected = _grads(maxsim_from_hidden_reference, p, weights.double(), torch.float64)
     assert _rel(scores, ref_scores) < TOL[dtype]
     for name, g, e in zip(NAMES, got, expected):
@@ -116,3 +120,21 @@ def test_peak_memory_has_no_projected_copy():
         maxsim_from_hidden(p["Q"], p["H"], p["W"], p["b"], p["q_mask"], p["d_mask"])
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < projected_bytes / 4
+
+
+def test_inductor_training_step():
+    """torch.compile with inductor: the kernels are custom operators, the step is one graph with eager's values."""
+    torch._dynamo.reset()
+    p = _problem(8, 32, 16, 180, 768, 128, torch.bfloat16)
+    weights = torch.randn(8, 16, device=CUDA)
+
+    def step(Q, H, W, b):
+        return (maxsim_from_hidden(Q, H, W, b, p["q_mask"], p["d_mask"], backward="deterministic") * weights).sum()
+
+    leaves = [p[n].detach().clone().requires_grad_() for n in NAMES]
+    eager = [p[n].detach().clone().requires_grad_() for n in NAMES]
+    got = torch.compile(step, fullgraph=True)(*leaves)
+    expected = step(*eager)
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(expected, eager)):
+        torch.testing.assert_close(g, e)
