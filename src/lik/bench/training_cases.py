@@ -22,11 +22,14 @@ recomputes or gathers, so the step's floor is at least that.
 
 from __future__ import annotations
 
+import json
+import sys
+
 import torch
 
 from .cases import Case, CaseMethod, floor_record
 
-__all__ = ["training_cases", "reduction_cases", "stored_cases"]
+__all__ = ["training_cases", "reduction_cases", "stored_cases", "main"]
 
 # (family, B, Lq, Ld, quick)
 SHAPES = (("colbert", 128, 32, 180, True), ("colpali", 32, 1024, 1024, True))
@@ -176,3 +179,36 @@ def stored_cases() -> list[Case]:
 def training_cases() -> list[Case]:
     """Every training-option case, in table order."""
     return reduction_cases() + stored_cases()
+
+
+def main(argv: list[str]) -> None:
+    """``python -m lik.bench.training_cases [--smoke] [--out FILE]``: every case through :func:`~.cases.run_case`
+    (4 interleaved rounds on CUDA), a line per method with its ratio to ``lik`` and its peak memory, the saved bytes
+    of the ``stored`` cases, and the entries as JSON in ``FILE`` (default ``training_cases.json``)."""
+    from .cases import run_case
+    from .measure import Timer, measure_ceilings
+
+    smoke = "--smoke" in argv
+    device = torch.device("cpu" if smoke else "cuda")
+    timer = Timer(device, warmup_ms=2.0 if smoke else 25.0, rep_ms=2.0 if smoke else 100.0)
+    ceilings, _ = measure_ceilings(timer, copy_bytes=2**20 if smoke else 2**30, matmul_n=256 if smoke else 8192)
+    entries = []
+    for case in training_cases():
+        print(case.name, flush=True)
+        entry = run_case(case, device=device, timer=timer, ceilings=ceilings, rounds=2 if smoke else 4, smoke=smoke,
+                         log=print)
+        entries.append(entry)
+        base = entry["cells"].get("lik", {}).get("median_ms")
+        for name, cell in entry["cells"].items():
+            if "median_ms" in cell:
+                ratio = f"  {cell['median_ms'] / base:.2f}x lik" if base else ""
+                print(f"    {name:32s} {cell['median_ms']:9.4f} ms  peak {cell.get('peak_MB')} MB{ratio}", flush=True)
+        if (entry.get("floor") or {}).get("saved_bytes"):
+            print("    saved bytes:", entry["floor"]["saved_bytes"], flush=True)
+    out = argv[argv.index("--out") + 1] if "--out" in argv else "training_cases.json"
+    with open(out, "w") as f:
+        json.dump(entries, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
