@@ -150,7 +150,7 @@ class ResidualCodec:
         for block in embs.split(_COMPRESS_BLOCK):
             codes = self.compress_into_codes(block)
             residual = block.float() - self._centroids32[codes.long()]
-            buckets = torch.bucketize(residual, self._cutoffs32)
+            buckets = torch.bucketize(residual.contiguous(), self._cutoffs32)
             codes_out.append(codes)
             residuals_out.append(pack_residual_bits(buckets, self.nbits))
         if not codes_out:
