@@ -44,7 +44,15 @@ class MultiScaleDeformableAttention(nn.Module):
         >>> for module in model.modules():
         ...     if hasattr(module, "attn") and type(module.attn).__name__ == "MultiScaleDeformableAttention":
         ...         module.attn = lik.MultiScaleDeformableAttention()
+
+    It is also the layer Hugging Face's ``kernels`` maps transformers' layers to (``kernels.kernelize`` swaps this
+    ``forward`` in; :mod:`lik.integrations.hf_kernels`): stateless, and flagged for ``kernels`` as trainable and
+    ``torch.compile``-able.
     """
+
+    # Read by the kernels package's kernelize: a backward exists, and torch.compile traces the op in one graph.
+    has_backward = True
+    can_torch_compile = True
 
     def forward(
         self,
