@@ -114,7 +114,8 @@ def test_progress_bar_counts_documents_per_second(rng, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float16])
-def test_gpu_batches_quantize_on_the_device_as_lik_quantize(dtype):
+def test_gpu_batches_quantize_on_the_device_as_lik_quantize(dtype, monkeypatch):
+    monkeypatch.setattr(building, "BATCH_TOKENS", 4096)  # several batches: the pinned staging buffer is reused
     rng = torch.Generator().manual_seed(0)
     docs = [torch.randn(n, 128, generator=rng) for n in torch.randint(0, 200, (300,), generator=rng).tolist()]
     on_gpu = lik.Index.build([d.cuda() for d in docs], dtype=dtype, shard_tokens=5_000, placement="host",
@@ -122,6 +123,10 @@ def test_gpu_batches_quantize_on_the_device_as_lik_quantize(dtype):
     from_cpu = lik.Index.build(docs, dtype=dtype, shard_tokens=5_000, placement="host", device="cuda",
                                progress=False)
     same_shards(on_gpu, from_cpu)
+    resident = lik.Index.build(docs, dtype=dtype, shard_tokens=5_000, placement="gpu", device="cuda", progress=False)
+    assert resident.segments[0].tokens.is_cuda
+    assert torch.equal(torch.cat([s.tokens for s in resident.segments]).cpu().view(torch.uint8),
+                       torch.cat([s.tokens for s in on_gpu.segments]).view(torch.uint8))
     tokens = torch.cat([s.tokens for s in on_gpu.segments])
     if dtype == torch.float16:
         assert torch.equal(tokens, torch.cat(docs).half())

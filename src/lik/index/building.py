@@ -125,14 +125,14 @@ class DocumentBatch:
         return cls(tokens, lengths)
 
 
-def _batches(docs: Iterable, d: int | None, limit: int) -> Iterator[tuple[torch.Tensor, list[int], int]]:
-    """``(tokens [T, d], lengths, first item number)`` of runs of single documents (one device and dtype, about
-    ``limit`` tokens) and of each :class:`DocumentBatch`; every item's width checked against ``d``."""
+def _batches(docs: Iterable, d: int | None, limit: int) -> Iterator[tuple[list[torch.Tensor], list[int], int]]:
+    """``(token tensors [T_i, d] to concatenate, lengths, first item number)`` of runs of single documents (one
+    device and dtype, about ``limit`` tokens) and of each :class:`DocumentBatch`; every item's width checked
+    against ``d``."""
     group, lengths, count, first, kind = [], [], 0, 0, None
 
     def flush():
-        tokens = group[0] if len(group) == 1 else torch.cat(group)
-        return tokens, lengths, first
+        return group, lengths, first
 
     for number, item in enumerate(docs):
         if isinstance(item, DocumentBatch):
@@ -142,7 +142,7 @@ def _batches(docs: Iterable, d: int | None, limit: int) -> Iterator[tuple[torch.
             if d is not None and item.tokens.shape[1] != d:
                 raise ValueError(f"docs[{number}] has d={item.tokens.shape[1]}, the index has d={d}")
             d = item.tokens.shape[1]
-            yield item.tokens, list(item.lengths), number
+            yield [item.tokens], list(item.lengths), number
             continue
         if not isinstance(item, torch.Tensor):
             raise TypeError(f"docs[{number}] must be a torch.Tensor [L, d] or a lik.index.DocumentBatch, got "
@@ -165,6 +165,27 @@ def _batches(docs: Iterable, d: int | None, limit: int) -> Iterator[tuple[torch.
         count += item.shape[0]
     if group:
         yield flush()
+
+
+class _Staging:
+    """A pinned host buffer that CPU batches bound for the GPU are concatenated into, so each crosses in one
+    asynchronous copy at the link's pinned rate (reused: the previous batch's copy is waited for first)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.buffer, self.used = device, None, False
+
+    def gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        rows = sum(t.shape[0] for t in parts)
+        if rows == 0:
+            return torch.cat(parts)
+        first = parts[0]
+        if self.buffer is None or self.buffer.shape[0] < rows or self.buffer.dtype != first.dtype or \
+                self.buffer.shape[1:] != first.shape[1:]:
+            self.buffer = torch.empty((max(rows, BATCH_TOKENS), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+        elif self.used:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.used = True
+        return torch.cat(parts, out=self.buffer[:rows])
 
 
 def _convert(tokens: torch.Tensor, dtype: torch.dtype, device: torch.device | None, resident: bool):
@@ -219,9 +240,14 @@ def shards_from(docs: Iterable, d, dtype, shard_tokens: int, progress, device=No
     tensors stay on that CUDA device (a GPU-resident index: no round trip through host memory)."""
     device = None if device is None else torch.device(device)
     filler = _ShardFiller(shard_tokens, dtype)
+    staging = _Staging(device) if dtype in EIGHT_BIT and device is not None and device.type == "cuda" else None
     bar = tqdm(desc="index documents", unit="doc", disable=quiet(progress))
     try:
-        for tokens, lengths, _ in _batches(docs, d, min(BATCH_TOKENS, shard_tokens)):
+        for parts, lengths, _ in _batches(docs, d, min(BATCH_TOKENS, shard_tokens)):
+            if staging is not None and parts[0].device.type == "cpu":
+                tokens = staging.gather(parts)
+            else:
+                tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
             stored, scale = _convert(tokens, dtype, device, resident)
             yield from filler.add(stored, scale, lengths)
             bar.update(len(lengths))
