@@ -6,6 +6,10 @@ Public functions (see README.md for shapes and semantics):
 * :func:`lik.maxsim_reference` -- the pure-PyTorch specification (CPU path, tests).
 * :func:`lik.maxsim_varlen` / :func:`lik.maxsim_packed` -- packed variable-length MaxSim (ragged pairs, ragged
   corpora, no padding); :func:`lik.pack` / :func:`lik.unpack` build and split the packed layout.
+* :func:`lik.maxsim_from_hidden` -- MaxSim of documents given as hidden states, the projection head fused in
+  (the projected documents are never written), trainable.
+* :func:`lik.contrastive_loss` -- in-batch contrastive loss on MaxSim scores (cross-entropy, hard negatives) as one
+  fused autograd node.
 * :func:`lik.search` -- exact top-k MaxSim search over a corpus, in memory-bounded chunks.
 * :class:`lik.Index` -- a saved, sharded corpus searched exactly on the GPU, in host RAM, on disk or across GPUs.
 * :func:`lik.quantize` / :func:`lik.dequantize` -- per-row symmetric int8 / float8 storage of embeddings.
@@ -36,6 +40,8 @@ from .ops.maxsim import (
 )
 from .integrations.transformers import MultiScaleDeformableAttention
 from .ops.chamfer import chamfer_distance, nearest_neighbors
+from .ops.contrastive import contrastive_loss, contrastive_loss_reference
+from .ops.fused_head import maxsim_from_hidden, maxsim_from_hidden_reference
 from .ops.knn import knn_points
 from .ops.msda import (
     MSDeformAttnFunction,
@@ -59,6 +65,10 @@ __all__ = [
     "maxsim_packed_reference",
     "pack",
     "unpack",
+    "maxsim_from_hidden",
+    "maxsim_from_hidden_reference",
+    "contrastive_loss",
+    "contrastive_loss_reference",
     "search",
     "Index",
     "quantize",

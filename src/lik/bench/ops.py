@@ -71,9 +71,40 @@ def _chamfer():
 
 
 def _host():
+    from .contrastive_cases import contrastive_host_cases
     from .host_cases import host_cases
 
-    return host_cases()
+    return host_cases() + contrastive_host_cases()
+
+
+def _packed_stream():
+    from .packed_stream_cases import packed_stream_cases
+
+    return packed_stream_cases()
+
+
+def _reductions():
+    from .training_cases import reduction_cases
+
+    return reduction_cases()
+
+
+def _stored():
+    from .training_cases import stored_cases
+
+    return stored_cases()
+
+
+def _contrastive():
+    from .contrastive_cases import contrastive_cases
+
+    return contrastive_cases()
+
+
+def _fused_head():
+    from .fused_head_cases import fused_head_cases
+
+    return fused_head_cases()
 
 
 MAXSIM_FLOOR = "max(FLOPs / cuBLAS fp16 rate, bytes / copy bandwidth), both measured in the run"
@@ -92,16 +123,32 @@ OPS: tuple[Op, ...] = (
     Op("width", "MaxSim at any embedding width", ("lik",), PEERS, suites=("width",), floor=MAXSIM_FLOOR, weight=1.0),
     Op("packed", "Packed (variable-length) MaxSim", ("lik",), PEERS, ("einsum-padded",), cases=_packed,
        floor="the real (unpadded) tokens' FLOPs and bytes, as for dense MaxSim", weight=0.5),
+    Op("packed-stream", "Packed corpora at search scale: the token stream against the document loop",
+       ("lik", "lik-stream", "lik-loop"), cases=_packed_stream,
+       floor="the real tokens' FLOPs / cuBLAS fp16 rate (int8 / fp8: its own rate), their bytes / copy bandwidth",
+       weight=1.0),
     Op("index", "lik.Index search", ("lik",), cases=_index,
        floor="gpu: one maxsim_packed call over the resident corpus; host: a pinned host-to-device copy of it",
        weight=1.0),
+    Op("reductions", "Soft maxima in training (max, smooth, top-k; forward + cross-entropy + backward)",
+       ("lik", "lik-smooth", "lik-topk"), ("late-interaction-kernels", "late-interaction-kernels-smooth"),
+       ("eager-smooth", "eager-topk"), cases=_reductions, floor=MAXSIM_FLOOR, weight=1.0),
+    Op("stored", "Documents stored as int8 between forward and backward (training step)", ("lik", "lik-int8"),
+       ("flash-maxsim", "flash-maxsim-int8"), cases=_stored, floor=MAXSIM_FLOOR, weight=1.0),
+    Op("contrastive", "Contrastive training step (MaxSim + cross-entropy + backward)", ("lik",), PEERS,
+       ("lik-maxsim-ce",), cases=_contrastive,
+       floor="forward FLOPs / cuBLAS fp16 rate, or Q and D read and their gradients written once", weight=1.0),
+    Op("fused_head", "Fused projection head (hidden states -> projection -> normalise -> MaxSim)",
+       ("lik", "lik packed"), ("late-interaction-kernels",), ("lik unfused",), cases=_fused_head,
+       floor="projection + scoring FLOPs of the real tokens / cuBLAS fp16 rate, their hidden rows once / copy "
+       "bandwidth (training: three projections, H read twice, dH written)", weight=1.0),
     Op("msda", "Multi-scale deformable attention", ("lik",), ("cuda-op",), ("pytorch",), cases=_msda,
        floor="minimal bytes (inputs read once, outputs written once) / copy bandwidth", weight=1.0),
     Op("chamfer", "Chamfer distance (forward + backward, both directions)", ("lik",),
        ("flash-maxsim", "chamferdist", "keops"), ("cdist",), cases=_chamfer,
        floor="distance FLOPs (2 x 2 D N P^2) / cuBLAS float32 rate", weight=1.5),
     Op("host", "Host time of small calls", ("lik",), ("flash-maxsim", "late-interaction-kernels", "cuda-op"),
-       ("pytorch",), cases=_host, weight=0.5, host=True),
+       ("pytorch", "lik-maxsim-ce", "trivial-scorer"), cases=_host, weight=0.5, host=True),
 )
 OP_NAMES = tuple(op.name for op in OPS)
 
@@ -111,7 +158,11 @@ DISPLAY = {
     "lik-fp8": "lik fp8", "eager": "eager einsum", "eager-chunked": "eager, chunked (best)", "compile": "torch.compile",
     "flash-maxsim-int8x8": "flash-maxsim int8x8", "late-interaction-kernels-fp8": "late-interaction-kernels fp8",
     "einsum-padded": "einsum, padded", "cuda-op": "original CUDA op", "pytorch": "PyTorch (grid_sample)",
-    "cdist": "cdist + min",
+    "cdist": "cdist + min", "lik-maxsim-ce": "lik.maxsim + cross-entropy",
+    "trivial-scorer": "trivial scorer + cross-entropy", "lik-stream": "lik, token stream forced",
+    "lik-loop": "lik, document loop forced", "lik-smooth": "lik smooth", "lik-topk": "lik top-k",
+    "late-interaction-kernels-smooth": "late-interaction-kernels smooth", "eager-smooth": "eager smooth",
+    "eager-topk": "eager top-k", "flash-maxsim-int8": "flash-maxsim int8 training",
 }
 
 
