@@ -170,7 +170,7 @@ def index_cases() -> list[Case]:
             into = "GPU-resident" if source == "gpu" else "pinned host"
             cases.append(Case(
                 "index", f"index/build-{tag}-from-{source}",
-                f"build {tag} from {source.upper()} tensors into a {into} index: {BUILD_DOCS} docs of {BUILD_LEN}",
+                f"build {tag} from {source.upper()} tensors into a {into} index: 20 000 docs of {BUILD_LEN}",
                 _build_inputs(dtype, source), {"lik": CaseMethod(_build)}, floor=_build_floor,
                 quick=tag == "int8" or (tag == "fp16" and source == "gpu"),
                 params={"dtype": tag, "source": source, "docs": BUILD_DOCS, "build": True},
