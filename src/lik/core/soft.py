@@ -68,11 +68,14 @@ def _rows(ptr, rows, valid, kk, stride_l, stride_k, DIM: tl.constexpr):
 
 
 @triton.jit
-def _similarity(q_base, q_rows, q_ok, stride_ql, stride_qk, d_base, d_rows, d_ok, stride_dl, stride_dk,
-                DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _similarity(q_tile, d_tile, q_base, q_rows, q_ok, stride_ql, stride_qk, d_base, d_rows, d_ok, stride_dl,
+                stride_dk, DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 NUM_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """fp32 ``[BLOCK_M, BLOCK_N]`` products of query rows and document rows (invalid ones read as zeros), the
-    features in ``NUM_K`` chunks of ``BLOCK_K``."""
+    """fp32 ``[BLOCK_M, BLOCK_N]`` products of query rows and document rows (invalid ones read as zeros): of the
+    tiles already on chip (``q_tile``, ``d_tile``) when one chunk holds every feature, else read in ``NUM_K``
+    chunks of ``BLOCK_K``."""
+    if NUM_K == 1:
+        return tl.dot(q_tile, tl.trans(d_tile), input_precision=DOT_PRECISION)
     sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kc in range(NUM_K):
         kk = kc * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -163,11 +166,16 @@ def soft_fwd_kernel(
         toks = tl.full((BLOCK_M, SLOTS), -1, tl.int32)
         has_nan = tl.zeros((BLOCK_M,), tl.int1)
         n_counted = tl.zeros((), tl.int32)
+        kk = tl.arange(0, BLOCK_K)
+        q_tile = _rows(q_base, rows, row_ok, kk, stride_ql, stride_qk, DIM)  # (read once per row block: d fits)
         for t0 in range(0, d_length, BLOCK_N):
             cols = t0 + tl.arange(0, BLOCK_N)
             loaded, counted = _columns(d_mask_base, cols, d_length, stride_dml, HAS_D_MASK, EXCLUDE)
-            sim = _similarity(q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded, stride_dl, stride_dk,
-                              DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
+            d_tile = q_tile
+            if NUM_K == 1:
+                d_tile = _rows(d_base, cols, loaded, kk, stride_dl, stride_dk, DIM)
+            sim = _similarity(q_tile, d_tile, q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded,
+                              stride_dl, stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
             sim = tl.where(counted[None, :], sim, float("-inf"))
             n_counted += tl.sum(counted.to(tl.int32), axis=0)
             if REDUCTION == REDUCE_SMOOTH:
@@ -265,6 +273,7 @@ def soft_bwd_dq_kernel(
     if PER_QUERY:
         doc_set = n
     out = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    q_tile = _rows(q_base, rows, row_ok, ff, stride_ql, stride_qk, DIM)  # (used by the products when d fits)
     first = split * split_docs
     last = tl.minimum(first + split_docs, n_docs)
     dq_rows = n * q_len + rows
@@ -282,12 +291,12 @@ def soft_bwd_dq_kernel(
         for t0 in range(0, d_length, BLOCK_N):
             cols = t0 + tl.arange(0, BLOCK_N)
             loaded, counted = _columns(d_mask_base, cols, d_length, stride_dml, HAS_D_MASK, EXCLUDE)
+            d_tile = _rows(d_base, cols, loaded, ff, stride_dl, stride_dk, DIM)  # (with one chunk: all of d)
             sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             if REDUCTION == REDUCE_SMOOTH:
-                sim = _similarity(q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded, stride_dl,
-                                  stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
+                sim = _similarity(q_tile, d_tile, q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded,
+                                  stride_dl, stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
             w = _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION, TOP_K, SLOTS)
-            d_tile = _rows(d_base, cols, loaded, ff, stride_dl, stride_dk, DIM)
             out = tl.dot(w.to(d_tile.dtype), d_tile, out, input_precision=DOT_PRECISION)
     tl.store(dq_ptr + split * split_stride + dq_rows[:, None] * DIM + ff[None, :], out.to(dq_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (ff[None, :] < DIM))
@@ -322,6 +331,7 @@ def soft_bwd_dd_kernel(
     ff = f_block * BLOCK_K + tl.arange(0, BLOCK_K)
     slots = tl.arange(0, SLOTS)
     out = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    d_tile = _rows(d_base, cols, loaded, ff, stride_dl, stride_dk, DIM)  # (used by the products when d fits)
     if LAYOUT == PAIRS:
         first = b
         last = b + 1
@@ -343,12 +353,12 @@ def soft_bwd_dd_kernel(
                                   other=0) != 0
             row_stat, toks = _row_stats(stats_ptr, n * stride_tn + b * stride_tb + q_start, rows, row_ok, slots,
                                         REDUCTION, TOP_K)
+            q_tile = _rows(q_base, rows, row_ok, ff, stride_ql, stride_qk, DIM)  # (with one chunk: all of d)
             sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             if REDUCTION == REDUCE_SMOOTH:
-                sim = _similarity(q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded, stride_dl,
-                                  stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
+                sim = _similarity(q_tile, d_tile, q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded,
+                                  stride_dl, stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
             w = _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION, TOP_K, SLOTS)
-            q_tile = _rows(q_base, rows, row_ok, ff, stride_ql, stride_qk, DIM)
             out = tl.dot(tl.trans(w.to(q_tile.dtype)), q_tile, out, input_precision=DOT_PRECISION)
     # (a token of mask_mode "zero"'s masked ones takes part in the reduction but is a constant 0: no gradient)
     if LAYOUT == PADDED:
