@@ -1,7 +1,9 @@
-"""Deformable attention's launch heuristics: the forward tile and the backward tiles."""
+"""Deformable attention's launch heuristics: the forward tile and the backward tiles; and the opt-in switch of the
+value gradient's accumulation for fp16 / bf16 values."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -11,7 +13,9 @@ from .. import _device
 from .._device import next_power_of_2
 from .forced import FORCED, register
 
-__all__ = ["MsdaForwardConfig", "MsdaBackwardConfig", "msda_forward_config", "msda_backward_config"]
+__all__ = ["MsdaForwardConfig", "MsdaBackwardConfig", "msda_forward_config", "msda_backward_config",
+           "VALUE_GRAD_ACCUMULATIONS", "value_grad_accumulation", "set_value_grad_accumulation",
+           "accumulate_value_grad_in"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +97,47 @@ def _msda_configs(n_rows: int, dim: int, n_points: int, device: torch.device
 
 register("msda_forward", MsdaForwardConfig)
 register("msda_backward", MsdaBackwardConfig)
+
+
+# How the atomic backward accumulates the value gradient of an fp16 / bf16 value. "float32" (the default): into an
+# fp32 buffer, cast once at the end (the rounding of an fp32 sum, then one rounding to the value's dtype).
+# "input": atomics straight into a gradient of the value's dtype, which rounds after every add (relative error
+# about sqrt(k) * 2**-9 for bf16 and sqrt(k) * 2**-12 for fp16 on a pixel that k samples reach), and saves the fp32
+# buffer's memset and the cast pass (3x the value gradient's bytes). fp32 values and the deterministic backward
+# are unaffected.
+VALUE_GRAD_ACCUMULATIONS = ("float32", "input")
+_VALUE_GRAD = {"mode": "float32"}
+
+
+def value_grad_accumulation() -> str:
+    """The current mode: ``"float32"`` (default) or ``"input"`` (see :func:`set_value_grad_accumulation`)."""
+    return _VALUE_GRAD["mode"]
+
+
+def set_value_grad_accumulation(mode: str) -> None:
+    """Choose how the atomic deformable-attention backward accumulates the gradient of an fp16 / bf16 ``value``:
+    ``"float32"`` (default: an fp32 buffer cast once) or ``"input"`` (atomics in the value's own dtype: faster,
+    rounds at every add). Process-wide; fp32 values and the deterministic backward ignore it.
+
+    Example:
+        >>> lik.config.msda.set_value_grad_accumulation("input")   # bf16 training, rounding at every add accepted
+    """
+    if mode not in VALUE_GRAD_ACCUMULATIONS:
+        raise ValueError(f"mode must be one of {VALUE_GRAD_ACCUMULATIONS}, got {mode!r}")
+    _VALUE_GRAD["mode"] = mode
+
+
+@contextlib.contextmanager
+def accumulate_value_grad_in(mode: str):
+    """:func:`set_value_grad_accumulation` for a ``with`` block, then back to the mode before it.
+
+    Example:
+        >>> with lik.config.msda.accumulate_value_grad_in("input"):
+        ...     loss.backward()
+    """
+    saved = value_grad_accumulation()
+    set_value_grad_accumulation(mode)
+    try:
+        yield
+    finally:
+        _VALUE_GRAD["mode"] = saved

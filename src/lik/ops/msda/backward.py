@@ -24,7 +24,7 @@ import triton.language as tl
 from ..._device import cdiv
 from ..._launch import launch
 from ..._replay import NEVER, file, layout_key, made, note, plan_of, recording
-from ...config.msda import msda_backward_config
+from ...config.msda import msda_backward_config, value_grad_accumulation
 from .forward import (RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, kernel_value,
                       nearest_pixel, replay_key)
 from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, level_points, level_shape, level_spills,
@@ -123,10 +123,12 @@ def _bilinear_backward(value_rows, gvalue_rows, chan_off, chan_ok, grad, loc_x, 
     if ATOMIC_VALUE:
         w00, w01, w10, w11 = corner_weights(fx, fy, weight)
         gptr = (gvalue_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
-        tl.atomic_add(gptr, grad * w00[:, :, None], mask=m00, sem="relaxed")
-        tl.atomic_add(gptr + stride_vs, grad * w01[:, :, None], mask=m01, sem="relaxed")
-        tl.atomic_add(gptr + down, grad * w10[:, :, None], mask=m10, sem="relaxed")
-        tl.atomic_add(gptr + down + stride_vs, grad * w11[:, :, None], mask=m11, sem="relaxed")
+        # The buffer is fp32 unless the opt-in "input" accumulation gave it the value's dtype (a no-op cast then).
+        kind = gvalue_rows.dtype.element_ty
+        tl.atomic_add(gptr, (grad * w00[:, :, None]).to(kind), mask=m00, sem="relaxed")
+        tl.atomic_add(gptr + stride_vs, (grad * w01[:, :, None]).to(kind), mask=m01, sem="relaxed")
+        tl.atomic_add(gptr + down, (grad * w10[:, :, None]).to(kind), mask=m10, sem="relaxed")
+        tl.atomic_add(gptr + down + stride_vs, (grad * w11[:, :, None]).to(kind), mask=m11, sem="relaxed")
     if WRITE_BUCKETS:
         reaches = (in_x0 | in_x1) & (in_y0 | in_y1)
         cell = tl.load(cells_ptr + level) + (y0 + 1).to(tl.int64) * (width + 1) + (x0 + 1)
@@ -151,7 +153,7 @@ def _nearest_backward(value_rows, gvalue_rows, chan_off, chan_ok, grad, loc_x, l
     tl.store(gloc_ptr + 2 * index + 1, tl.zeros_like(found), mask=live)
     if ATOMIC_VALUE:
         gptr = (gvalue_rows[:, None] + pixel * stride_vs)[:, :, None] + chan_off
-        tl.atomic_add(gptr, grad * weight[:, :, None], mask=mask, sem="relaxed")
+        tl.atomic_add(gptr, (grad * weight[:, :, None]).to(gvalue_rows.dtype.element_ty), mask=mask, sem="relaxed")
     if WRITE_BUCKETS:
         cell = tl.load(cells_ptr + level) + (y + 1).to(tl.int64) * (width + 1) + (x + 1)
         bucket = tl.where(reads, map_index[:, None] * n_cells + cell, no_bucket)
@@ -243,13 +245,21 @@ _REPLAYS: dict[tuple, object] = {}
 
 def _replay_atomic(plan, sources: tuple, value: torch.Tensor):
     """The atomic backward replayed from ``plan`` with ``sources = (value, shapes, starts, loc, attn, grad_out)``."""
-    (gvalue_shape, _), (gloc_shape, gloc_dtype), (gattn_shape, gattn_dtype) = plan.buffers
+    (gvalue_shape, gvalue_dtype), (gloc_shape, gloc_dtype), (gattn_shape, gattn_dtype) = plan.buffers
     device = plan.device
-    buffers = (torch.zeros(gvalue_shape, dtype=torch.float32, device=device),
+    buffers = (torch.zeros(gvalue_shape, dtype=gvalue_dtype, device=device),
                torch.empty(gloc_shape, dtype=gloc_dtype, device=device),
                torch.empty(gattn_shape, dtype=gattn_dtype, device=device))
     plan(sources, buffers)
     return _in_value_dtype(buffers[0], value), buffers[1], buffers[2]
+
+
+def _atomic_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The atomic value gradient's buffer dtype: fp32, or fp16 / bf16 itself under the opt-in "input"
+    accumulation (:func:`lik.config.msda.set_value_grad_accumulation`)."""
+    if dtype in (torch.float16, torch.bfloat16) and value_grad_accumulation() == "input":
+        return dtype
+    return torch.float32
 
 
 def _in_value_dtype(gvalue: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -272,7 +282,9 @@ def msda_backward(
     """Gradients ``(grad_value, grad_sampling_locations, grad_attention_weights)``, each in its input's dtype (any
     strides: non-contiguous inputs are copied once). An atomic backward whose shapes were launched before replays
     that launch."""
-    key = None if deterministic else replay_key(value, shapes, starts, loc, attn, layout_key(grad_out))
+    # The value gradient's buffer dtype is part of the key: the opt-in accumulation changes the recorded launch.
+    key = None if deterministic else replay_key(value, shapes, starts, loc, attn, layout_key(grad_out),
+                                                _atomic_dtype(value.dtype))
     plan = None if key is None else _REPLAYS.get(key)
     sources = (value, shapes, starts, loc, attn, grad_out)
     if plan is not None and plan is not NEVER:
@@ -331,7 +343,7 @@ def launch_backward(grad_out, value, shapes, starts, loc, attn, deterministic: b
         no_bucket = n * heads * n_cells
         buckets = torch.empty(n_samples, dtype=torch.int64, device=device)
     else:
-        gvalue = made(torch.zeros(value.shape, dtype=torch.float32, device=device))
+        gvalue = made(torch.zeros(value.shape, dtype=_atomic_dtype(value.dtype), device=device))
         made(gloc), made(gattn)
         cells, n_cells, no_bucket, buckets = starts, 0, 0, gvalue
 
