@@ -178,3 +178,58 @@ def chamfer_cases() -> list[Case]:
                           floor=_floor, reference=None if p >= 1_000_000 else _reference, tolerance=1e-4,
                           quick=quick, params={"n": n, "p": p, "d": d}))
     return cases
+
+
+# Candidate launches of the dot route for ``sweep``: (block_m, block_n, num_warps, num_stages, one_pass).
+DOT_TILES = ((128, 64, 8, 3, True), (128, 64, 8, 2, True), (128, 128, 8, 2, True), (64, 64, 4, 3, True),
+             (64, 128, 4, 3, True), (256, 64, 8, 2, True), (128, 64, 8, 3, False))
+
+
+def sweep(p: int = 100_000, d: int = 128, dtypes=("fp32-high", "fp16", "bf16"), device: str = "cuda") -> list[dict]:
+    """Forward + backward of ``lik.chamfer_distance`` (N 1, ``p`` points each side, ``torch.rand``) under each
+    candidate dot-route launch against the heuristic's, and flash-maxsim's ``flash_chamfer_train`` where it
+    imports: the data behind :func:`lik.config.nearest_config`. One JSON line per launch."""
+    import json
+
+    import triton.testing
+
+    import lik
+    from lik.config import NearestConfig, override
+
+    rows = []
+    device = torch.device(device)
+    for name in dtypes:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(name, torch.float32)
+        torch.set_float32_matmul_precision("high" if name == "fp32-high" else "highest")
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.rand(1, p, d, device=device, generator=gen).to(dtype).requires_grad_()
+        y = torch.rand(1, p, d, device=device, generator=gen).to(dtype).requires_grad_()
+        launches = {"heuristic": None}
+        launches.update({f"{bm}x{bn}/{w}w/{s}s" + ("" if one else "/two-pass"): NearestConfig(
+            "dot", "tf32", block_m=bm, block_n=bn, num_warps=w, num_stages=s, one_pass=one)
+            for bm, bn, w, s, one in DOT_TILES})
+        for label, cfg in launches.items():
+            def step(cfg=cfg):
+                with override(**({} if cfg is None else {"nearest": cfg})):
+                    return torch.autograd.grad(lik.chamfer_distance(x, y)[0], (x, y))
+
+            try:
+                ms = triton.testing.do_bench(step, warmup=5, rep=100, return_mode="median")
+            except Exception as exc:  # noqa: BLE001 (a launch that fails is reported, the sweep goes on)
+                ms = f"{type(exc).__name__}: {exc}"[:160]
+            rows.append(dict(dtype=name, p=p, d=d, launch=label, ms=ms))
+            print(json.dumps(rows[-1]), flush=True)
+        if name == "fp32-high":
+            try:
+                ms = triton.testing.do_bench(lambda: torch.autograd.grad(_flash(x, y), (x, y)), warmup=5, rep=100,
+                                             return_mode="median")
+            except Exception as exc:  # noqa: BLE001 (flash-maxsim may be absent)
+                ms = f"{type(exc).__name__}: {exc}"[:160]
+            rows.append(dict(dtype=name, p=p, d=d, launch="flash-maxsim", ms=ms))
+            print(json.dumps(rows[-1]), flush=True)
+    torch.set_float32_matmul_precision("high")
+    return rows
+
+
+if __name__ == "__main__":
+    sweep()

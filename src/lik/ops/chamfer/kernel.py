@@ -150,12 +150,13 @@ def nearest_dot_kernel(
                     prod = tl.dot(xk, tl.trans(yk), prod, input_precision=DOT_PRECISION)
             if AUGMENTED:
                 dist = tl.where(row_ok[:, None] & col_ok[None, :], prod, float("inf"))
+                # An infinite point gives inf - inf = NaN where its true distance to a finite point is +inf.
+                dist = tl.where(dist == dist, tl.maximum(dist, 0.0), float("inf"))
             else:
+                # Non-finite points come with zero operands and an infinite norm (_finite_rows): no NaN here, so
+                # no select. Cancellation can dip below 0, whose float bits would order wrongly as keys.
                 y_sq = tl.load(y_sq_ptr + cloud.to(tl.int64) * stride_tn + cols, mask=col_ok, other=float("inf"))
-                dist = x_sq[:, None] + y_sq[None, :] - 2.0 * prod
-            # An infinite point gives inf - inf = NaN where its true distance to a finite point is +inf; and
-            # cancellation can dip below 0, whose float bits would order wrongly as keys.
-            dist = tl.where(dist == dist, tl.maximum(dist, 0.0), float("inf"))
+                dist = tl.maximum(x_sq[:, None] + y_sq[None, :] - 2.0 * prod, 0.0)
             best_key, best_col = fold_key_tile(dist, start, best_key, best_col, BLOCK_N, COL_BITS)
             if BOTH_WAYS:
                 fold_reverse_tile(dist, row_start, cols, col_ok, y_key_ptr + cloud.to(tl.int64) * stride_kn, ROW_BITS)
@@ -263,7 +264,8 @@ def _dot_operands(x, y, x_lengths, augmented: bool, split: bool, tf32: bool):
     float32 norms."""
     if x.dtype != torch.float32:
         x_sq, y_sq = x.float().square().sum(-1), y.float().square().sum(-1)
-        return x.contiguous(), y.contiguous(), x_sq.contiguous(), y_sq.contiguous()
+        (xa, x_sq), (ya, y_sq) = _finite_rows(x, x_sq), _finite_rows(y, y_sq)
+        return xa.contiguous(), ya.contiguous(), x_sq.contiguous(), y_sq.contiguous()
     xc, yc, x_sq, y_sq = _centred(x, y, x_lengths)
     if augmented:
         ones_x, ones_y = torch.ones_like(x_sq)[..., None], torch.ones_like(y_sq)[..., None]
@@ -275,7 +277,17 @@ def _dot_operands(x, y, x_lengths, augmented: bool, split: bool, tf32: bool):
         xa, ya = tf32_parts(xa, ya)
     elif tf32:
         xa, ya = tf32_round(xa), tf32_round(ya)
+    if not augmented:
+        (xa, x_sq), (ya, y_sq) = _finite_rows(xa, x_sq), _finite_rows(ya, y_sq)
     return xa.contiguous(), ya.contiguous(), x_sq.contiguous(), y_sq.contiguous()
+
+
+def _finite_rows(a: torch.Tensor, sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Operands ``a [N, P, W]`` and float32 squared norms ``sq [N, P]`` with every point whose norm is not finite
+    (an inf or NaN coordinate, or an overflow) given zero operands and an infinite norm: its distance to every
+    point is then +inf, never NaN, and the caller settles such rows as the reference does."""
+    bad = ~torch.isfinite(sq)
+    return torch.where(bad[..., None], 0, a), torch.where(bad, float("inf"), sq)
 
 
 def _core_nearest(x, y, x_lengths, y_lengths, split: bool) -> torch.Tensor:
