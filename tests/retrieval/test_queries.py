@@ -134,6 +134,14 @@ def test_index_search_ragged_exact_against_float64(rng, path, monkeypatch):
     # A chunk whose [Nq, documents] scores pass the budget is scored in runs of documents.
     monkeypatch.setattr(index_search, "DEFAULT_BUDGET_BYTES", 2 * len(qs) * index_search.BYTES_PER_CANDIDATE)
     assert_exact(index.search(qs, len(docs)), want)
+    # ... and its selected documents (removed ones left out, a filter) go run by run.
+    index.remove([2, 3, 5])
+    alive = [0, 1, 4, 6, 7, 8, 9]
+    scores, positions = brute_force(qs, [docs[i] for i in alive], 5)
+    assert_exact(index.search(qs, 5), (scores, torch.tensor(alive)[positions]))
+    chosen = [1, 6, 7]
+    scores, positions = brute_force(qs, [docs[i] for i in chosen], 3)
+    assert_exact(index.search(qs, 3, doc_ids=chosen + [2]), (scores, torch.tensor(chosen)[positions]))
 
 
 def test_bad_ragged_queries_are_named(rng):

@@ -132,8 +132,17 @@ def search_buckets(
     for chunk, plan, local in zip(source.chunks(numbers), plans, locals_):
         if packed is None:
             packed = [(b, packed_query(b.q, b.mask, chunk.tokens.dtype)) for b in queries]
-        # (a chunk with selected positions is scored whole, then gathered; others in runs within the budget)
-        for first_id, scores in _scored(packed, n_queries, chunk, plan, source, step if local is None else None):
+        # A chunk past the budget is scored in runs of documents; its selected positions (sorted) then go run by run
+        # (read once on the host: only a large chunk with removed or filtered documents pays that sync).
+        split = local is not None and chunk.num_docs > step
+        host_local = local.cpu() if split else None
+        for first_id, scores in _scored(packed, n_queries, chunk, plan, source, step):
+            if split:
+                a = first_id - chunk.first_id
+                lo, hi = torch.searchsorted(host_local, torch.tensor([a, a + scores.shape[1]])).tolist()
+                if hi == lo:
+                    continue
+                local = (host_local[lo:hi] - a).to(device, non_blocking=True)
             if keyed:
                 keys = candidate_keys(scores if local is None else scores[:, local], first_id, local)
                 keys = keys if best is None else torch.cat([best, keys], dim=1)
@@ -148,10 +157,10 @@ def search_buckets(
     return best_scores, best_ids
 
 
-def _scored(packed, n_queries: int, chunk: Chunk, plan: ChunkPlan, source: ChunkSource, step: int | None):
+def _scored(packed, n_queries: int, chunk: Chunk, plan: ChunkPlan, source: ChunkSource, step: int):
     """``(first id, scores fp32 [Nq, n])`` of the chunk's documents, in runs of at most ``step`` documents."""
     runs = [(0, chunk.num_docs)]
-    if step is not None and chunk.num_docs > step:
+    if chunk.num_docs > step:
         runs = [(a, min(a + step, chunk.num_docs)) for a in range(0, chunk.num_docs, step)]
     offsets = None
     for a, b in runs:
