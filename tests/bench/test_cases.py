@@ -116,9 +116,9 @@ def test_index_cases_cover_queries_placements_dtypes_and_builds(monkeypatch):
         for placement in ("gpu", "host"):
             assert {f"index/{tag}-{placement}-nq{n}" for n in (1, 32, 256)} <= set(names)
         assert {f"index/build-{tag}-from-gpu", f"index/build-{tag}-from-cpu"} <= set(names)
-    assert len(names) == len(set(names)) == 24
+    assert len(names) == len(set(names)) == 25 and "index/fp16-gpu-ragged32" in names
     assert {c.name for c in cases if c.quick} >= {"index/fp16-gpu-nq1", "index/fp16-gpu-nq32", "index/fp16-gpu-nq256"}
-    for name in ("index/build-int8-from-cpu", "index/fp16-host-nq256"):  # a build, a search of many queries
+    for name in ("index/build-int8-from-cpu", "index/fp16-host-nq256", "index/fp16-gpu-ragged32"):
         entry = _run(next(c for c in cases if c.name == name))
         assert entry["cells"]["lik"]["status"] == "ok", entry
         assert entry["cells"]["lik"]["median_ms"] > 0

@@ -7,6 +7,9 @@ one ``lik.maxsim_packed`` call over the whole resident corpus (the same FLOPs, n
 search), with the roofline max(bytes / bandwidth, FLOPs / matmul rate) of fp16 beside it; ``host`` (pinned host RAM
 streamed in chunks) against one pinned host-to-device copy of the corpus bytes. Queries per second is ``Nq / time``.
 
+A ragged cell searches 32 queries of 4 to 32 tokens given as a list (one call) against the bare call of the same
+queries padded to 32 tokens.
+
 Build cases: 20 000 documents of 100 tokens (d = 128) from GPU tensors (fp16, into a GPU-resident index) and from CPU
 tensors (fp32, into a pinned host index quantized on the GPU); documents per second is ``20 000 / time``. Their floor
 is the bytes the build must move: device memory traffic for GPU documents, a pinned host-to-device copy of the
@@ -63,7 +66,7 @@ def _index(dtype, placement: str, device: torch.device, smoke: bool):
     return _cache[key]
 
 
-def _search_inputs(dtype: torch.dtype, placement: str, n_queries: int):
+def _search_inputs(dtype: torch.dtype, placement: str, n_queries: int, ragged: bool = False):
     def inputs(device: torch.device, smoke: bool) -> dict:
         where = placement if device.type == "cuda" else "host"
         index = _index(dtype, where, device, smoke)
@@ -74,8 +77,10 @@ def _search_inputs(dtype: torch.dtype, placement: str, n_queries: int):
         Q = Q.to(device=device, dtype=torch.float16 if device.type == "cuda" else torch.float32)
         tokens = sum(s.tokens.numel() * s.tokens.element_size() for s in index.segments)
         scales = sum(0 if s.scale is None else s.scale.numel() * 4 for s in index.segments)
-        return dict(index=index, Q=Q, corpus_bytes=tokens + scales, lengths=lengths, device=device, placement=where,
-                    dtype=dtype)
+        # Ragged: query i keeps its first 4..Lq tokens (a list), against the padded batch's bare call as the floor.
+        queries = [q[: n] for q, n in zip(Q, torch.randint(min(4, lq), lq + 1, (nq,), generator=gen).tolist())]
+        return dict(index=index, Q=Q, queries=queries if ragged else Q, corpus_bytes=tokens + scales, lengths=lengths,
+                    device=device, placement=where, dtype=dtype)
 
     return inputs
 
@@ -109,7 +114,7 @@ def _search_floor(s: dict, ceilings) -> dict | None:
 
 
 def _search(s: dict):
-    return lambda: s["index"].search(s["Q"], K)
+    return lambda: s["index"].search(s["queries"], K)
 
 
 def _build_inputs(dtype: torch.dtype, source: str):
@@ -165,6 +170,11 @@ def index_cases() -> list[Case]:
                     quick=quick, params={"dtype": tag, "placement": placement, "docs": SEARCH_DOCS, "nq": n_queries,
                                          "k": K},
                 ))
+    cases.append(Case(
+        "index", "index/fp16-gpu-ragged32", f"fp16, gpu: 50 000 docs (5M tokens), 32 queries of 4-32 tokens, k {K}",
+        _search_inputs(torch.float16, "gpu", 32, ragged=True), {"lik": CaseMethod(_search)}, floor=_search_floor,
+        params={"dtype": "fp16", "placement": "gpu", "docs": SEARCH_DOCS, "nq": 32, "k": K, "ragged": True},
+    ))
     for dtype, tag in DTYPES:
         for source in ("gpu", "cpu"):
             into = "GPU-resident" if source == "gpu" else "pinned host"
