@@ -122,9 +122,8 @@ class Index:
         index on the CUDA ``device`` when there is one), one copy per batch. With ``out``, shards are written to
         that directory as they fill (never more than one shard in memory) and the saved index is loaded with
         ``load_options``; without, the index is held in host memory (``placement="gpu"``: on the device, built
-        there). ``overwrite`` as in :meth:`save`.
-
-        Example: ``lik.Index.build(lik.index.DocumentBatch.padded(e, mask=m) for e, m in batches)``."""
+        there). ``overwrite`` as in :meth:`save`. Example (encoder batches of embeddings and their masks):
+        ``lik.Index.build(lik.index.DocumentBatch.padded(e, mask=m) for e, m in batches)``."""
         dtype_name(dtype)
         shard_tokens = as_int(shard_tokens, "shard_tokens")
         if shard_tokens < 1:
