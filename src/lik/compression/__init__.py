@@ -4,19 +4,23 @@ ColBERT packs them) and readers for the indexes ColBERT writes.
 Files by role: ``kmeans`` (centroid training on the data's device), ``sampling`` (ColBERTv2's training plan:
 sample sizes, centroid count, held-out split, bucket quantiles), ``packing`` (the bit layout and ColBERT's lookup
 tables), ``codec`` (:class:`ResidualCodec`: compress, decompress, train), ``colbert_format`` (reading a colbert-ai
-index directory).
+index directory), ``fast_plaid_format`` (reading a fast-plaid one, PyLate's default index).
 """
 
 from .codec import ResidualCodec
-from .colbert_format import ColbertIndex, is_colbert_index, load_colbert_index
+from .colbert_format import PlaidIndex, is_colbert_index, load_colbert_index
+from .fast_plaid_format import is_fast_plaid_index, load_fast_plaid_index, load_plaid_index
 from .kmeans import assign_to_centroids, kmeans
 from .packing import pack_residual_bits, unpack_residual_bits
 
 __all__ = [
     "ResidualCodec",
-    "ColbertIndex",
+    "PlaidIndex",
+    "load_plaid_index",
     "is_colbert_index",
     "load_colbert_index",
+    "is_fast_plaid_index",
+    "load_fast_plaid_index",
     "kmeans",
     "assign_to_centroids",
     "pack_residual_bits",

@@ -27,12 +27,12 @@ import torch
 
 from .codec import ResidualCodec
 
-__all__ = ["ColbertIndex", "is_colbert_index", "load_colbert_index"]
+__all__ = ["PlaidIndex", "is_colbert_index", "load_colbert_index"]
 
 
 @dataclass
-class ColbertIndex:
-    """The contents of a colbert-ai index directory.
+class PlaidIndex:
+    """The contents of a PLAID index directory (colbert-ai's or fast-plaid's: the same codec, other files).
 
     Attributes:
         codec: the :class:`ResidualCodec` (centroids as stored, fp16).
@@ -43,6 +43,7 @@ class ColbertIndex:
             ColBERT pads the tail, so only ``ivf[:ivf_lengths.sum()]`` is meaningful.
         ivf_lengths: int64 ``[K]`` or ``None``.
         metadata: the parsed ``metadata.json`` (or ``plan.json``).
+        source: ``"colbert"`` or ``"fast-plaid"``, the writer whose layout was read.
     """
 
     path: Path
@@ -53,6 +54,7 @@ class ColbertIndex:
     ivf: torch.Tensor | None
     ivf_lengths: torch.Tensor | None
     metadata: dict = field(repr=False)
+    source: str = "colbert"
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
@@ -117,7 +119,7 @@ def _config(directory: Path) -> tuple[Path, dict]:
     return source, data
 
 
-def load_colbert_index(path) -> ColbertIndex:
+def load_colbert_index(path) -> PlaidIndex:
     """Read a colbert-ai index directory into CPU tensors (see the module docstring for the files).
 
     Example::
@@ -199,4 +201,4 @@ def load_colbert_index(path) -> ColbertIndex:
         used = ivf[: int(ivf_lengths.sum())]
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= doclens_all.shape[0]):
             raise ValueError(f"{ivf_path}: passage ids outside [0, {doclens_all.shape[0]})")
-    return ColbertIndex(directory, codec, codes_all, residuals_all, doclens_all, ivf, ivf_lengths, meta)
+    return PlaidIndex(directory, codec, codes_all, residuals_all, doclens_all, ivf, ivf_lengths, meta)
