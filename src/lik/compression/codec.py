@@ -207,6 +207,7 @@ class ResidualCodec:
         niters: int = 20,
         seed: int = 0,
         heldout: torch.Tensor | None = None,
+        matmul_dtype: torch.dtype = torch.float32,
     ) -> ResidualCodec:
         """Train a codec as ColBERTv2 does, on ``sample``'s device.
 
@@ -216,6 +217,8 @@ class ResidualCodec:
             num_centroids: ``K`` (ColBERT: :func:`lik.compression.sampling.num_partitions`).
             nbits: 1, 2 or 4.
             niters: k-means iterations. seed: shuffling, split and k-means start.
+            matmul_dtype: the k-means assignment product's dtype (:func:`lik.compression.kmeans`); the buckets'
+                codes are always fp32, as ColBERT's CPU path computes them.
             heldout: tokens for the buckets; by default ColBERT's split of ``sample`` (5%, at most 50 000; the
                 whole sample when that is empty).
 
@@ -237,7 +240,9 @@ class ResidualCodec:
             if heldout.shape[1] != sample.shape[1] or heldout.shape[0] == 0:
                 raise ValueError(f"heldout must be a non-empty [h, {sample.shape[1]}] tensor")
             train_part = sample
-        centroids = F.normalize(kmeans(train_part, num_centroids, niters=niters, seed=seed), dim=-1)
+        centroids = F.normalize(
+            kmeans(train_part, num_centroids, niters=niters, seed=seed, matmul_dtype=matmul_dtype), dim=-1
+        )
         provisional = cls(centroids, torch.zeros(2**nbits - 1), torch.zeros(2**nbits), nbits)
         codes = provisional.compress_into_codes(heldout)
         residuals = heldout.to(centroids.device).float() - centroids[codes.long()]

@@ -28,11 +28,16 @@ def _chunk_rows(k: int) -> int:
     return max(1, _CHUNK_BYTES // (4 * max(k, 1)))
 
 
-def assign_to_centroids(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def assign_to_centroids(
+    x: torch.Tensor, centroids: torch.Tensor, *, matmul_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Nearest centroid (L2) of every row of ``x``, in chunks.
 
     Args:
         x: float ``[N, d]``; centroids: float ``[k, d]`` on the same device.
+        matmul_dtype: dtype of the ``x @ centroids.T`` product (fp32 by default, which follows
+            ``torch.get_float32_matmul_precision()``; fp16 / bf16 run on tensor cores, products rounded to that
+            dtype, so near-ties may go either way). Norms and the rest stay fp32.
 
     Returns:
         ``(codes int64 [N], squared_distance fp32 [N])``. Ties go to the lower centroid index.
@@ -42,14 +47,18 @@ def assign_to_centroids(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch
         >>> assign_to_centroids(torch.tensor([[0.0, 1.0]]), torch.eye(2))[0].tolist()
         [1]
     """
+    if matmul_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"matmul_dtype must be a floating dtype, got {matmul_dtype}")
     c = centroids.float()
     half_norms = 0.5 * (c * c).sum(-1)
+    c_mm = centroids.to(matmul_dtype)
     codes = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     dist = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     step = _chunk_rows(c.shape[0])
     for start in range(0, x.shape[0], step):
         chunk = x[start : start + step].float()
-        scores = chunk @ c.T - half_norms  # argmax of this is argmin of |x - c|^2
+        product = chunk @ c.T if matmul_dtype == torch.float32 else (chunk.to(matmul_dtype) @ c_mm.T).float()
+        scores = product - half_norms  # argmax of this is argmin of |x - c|^2
         idx = scores.argmax(dim=1)  # argmax: the first of equal maxima
         best = scores.gather(1, idx.unsqueeze(1)).squeeze(1)
         codes[start : start + step] = idx
@@ -65,6 +74,7 @@ def kmeans(
     niters: int = 20,
     seed: int = 0,
     tol: float = 0.0,
+    matmul_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Lloyd's k-means on ``x``'s device.
 
@@ -75,6 +85,8 @@ def kmeans(
         seed: the initial centroids are ``k`` distinct rows of ``x`` drawn by ``torch.Generator().manual_seed(seed)``
             on the CPU (so the same on every device).
         tol: stop early once no centroid moves more than ``tol`` (L2); 0 runs every iteration unless nothing moves.
+        matmul_dtype: the assignment product's dtype (see :func:`assign_to_centroids`); fp16 / bf16 make the
+            assignment a tensor-core product (fast-plaid assigns in fp16 on GPUs). Sums and means stay fp32.
 
     Returns:
         fp32 ``[k, d]`` on ``x``'s device (not normalised: ColBERT normalises its centroids after training, which
@@ -107,7 +119,7 @@ def kmeans(
         start = torch.cat([start, extra])
     centroids = x[start.to(x.device)].float()
     for _ in range(niters):
-        codes, dist = assign_to_centroids(x, centroids)
+        codes, dist = assign_to_centroids(x, centroids, matmul_dtype=matmul_dtype)
         sums = torch.zeros(k, d, dtype=torch.float32, device=x.device)
         step = _chunk_rows(k)
         for s in range(0, n, step):

@@ -91,9 +91,9 @@ def bucket_cutoffs_and_weights(residuals: torch.Tensor, nbits: int) -> tuple[tor
 
     Example::
 
-        >>> cut, w = bucket_cutoffs_and_weights(torch.linspace(-1, 1, 101).reshape(101, 1), 1)
+        >>> cut, w = bucket_cutoffs_and_weights(torch.arange(9.0).reshape(9, 1), 1)
         >>> cut.tolist(), w.tolist()
-        ([0.0], [-0.5, 0.5])
+        ([4.0], [2.0, 6.0])
     """
     num_options = 2**nbits
     # ColBERT's expression, kept as is so that its float32 quantile levels are the same numbers.
