@@ -162,3 +162,27 @@ def test_gpu_codec_equals_cpu_codec(nbits):
     same = g_codes.cpu() == codes
     assert (g_residuals.cpu()[same] != residuals[same]).any(dim=1).sum() <= 5
     torch.testing.assert_close(gpu.decompress(codes.cuda(), residuals.cuda()).cpu(), codec.decompress(codes, residuals))
+
+
+def test_train_codec_follows_colberts_plan():
+    from lik.compression import train_codec
+
+    g = torch.Generator().manual_seed(11)
+    lengths = torch.randint(0, 9, (300,), generator=g)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    tokens = F.normalize(torch.randn(int(cu[-1]), 16, generator=g), dim=-1).half()
+    codec = train_codec(tokens, cu.int(), 2, seed=1)
+    sampled = sample_document_ids(300, seed=1)
+    assert sampled.numel() == 300  # 16 * sqrt(120 * 300) > 300: every document
+    assert codec.num_centroids == num_partitions(300 * int(lengths.sum()) / 300)
+    # The same codec as training on the sampled documents' tokens directly.
+    rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in sampled.tolist()])
+    direct = ResidualCodec.train(tokens[rows], codec.num_centroids, 2, seed=1)
+    assert torch.equal(codec.centroids, direct.centroids) and torch.equal(codec.bucket_weights, direct.bucket_weights)
+    assert train_codec(tokens, cu, 1, num_centroids=8, niters=1).num_centroids == 8
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0"):
+        train_codec(tokens, cu[:-1], 2)
+    with pytest.raises(TypeError, match="cu_seqlens must be an integer tensor"):
+        train_codec(tokens, cu.float(), 2)
+    with pytest.raises(ValueError, match="hold no token"):
+        train_codec(tokens[:0], torch.zeros(4, dtype=torch.int64), 2)

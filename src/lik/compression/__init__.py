@@ -1,10 +1,11 @@
 """PLAID compression: ColBERTv2's residual codec (k-means centroids plus 1/2/4-bit residual buckets, packed as
-ColBERT packs them) and readers for the indexes ColBERT writes.
+ColBERT packs them) and readers for the indexes ColBERT and fast-plaid write.
 
 Files by role: ``kmeans`` (centroid training on the data's device), ``sampling`` (ColBERTv2's training plan:
 sample sizes, centroid count, held-out split, bucket quantiles), ``packing`` (the bit layout and ColBERT's lookup
-tables), ``codec`` (:class:`ResidualCodec`: compress, decompress, train), ``colbert_format`` (reading a colbert-ai
-index directory), ``fast_plaid_format`` (reading a fast-plaid one, PyLate's default index).
+tables), ``codec`` (:class:`ResidualCodec`: compress, decompress, train), ``training`` (ColBERTv2's plan over a
+packed corpus), ``colbert_format`` (reading a colbert-ai index directory), ``fast_plaid_format`` (reading a
+fast-plaid one, PyLate's default index).
 """
 
 from .codec import ResidualCodec
@@ -12,9 +13,11 @@ from .colbert_format import PlaidIndex, is_colbert_index, load_colbert_index
 from .fast_plaid_format import is_fast_plaid_index, load_fast_plaid_index, load_plaid_index
 from .kmeans import assign_to_centroids, kmeans
 from .packing import pack_residual_bits, unpack_residual_bits
+from .training import train_codec
 
 __all__ = [
     "ResidualCodec",
+    "train_codec",
     "PlaidIndex",
     "load_plaid_index",
     "is_colbert_index",

@@ -204,7 +204,7 @@ class ResidualCodec:
         num_centroids: int,
         nbits: int,
         *,
-        niters: int = 20,
+        niters: int = 4,
         seed: int = 0,
         heldout: torch.Tensor | None = None,
         matmul_dtype: torch.dtype = torch.float32,
@@ -216,7 +216,7 @@ class ResidualCodec:
                 :func:`lik.compression.sampling.sample_document_ids`).
             num_centroids: ``K`` (ColBERT: :func:`lik.compression.sampling.num_partitions`).
             nbits: 1, 2 or 4.
-            niters: k-means iterations. seed: shuffling, split and k-means start.
+            niters: k-means iterations (ColBERT's default ``kmeans_niters``). seed: shuffling, split and k-means start.
             matmul_dtype: the k-means assignment product's dtype (:func:`lik.compression.kmeans`); the buckets'
                 codes are always fp32, as ColBERT's CPU path computes them.
             heldout: tokens for the buckets; by default ColBERT's split of ``sample`` (5%, at most 50 000; the
