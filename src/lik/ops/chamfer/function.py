@@ -162,9 +162,10 @@ def nearest_neighbors(
     Precision (kernels): point clouds (``D <= 8``) and ``norm=1`` compare exact distances, with candidates
     within about ``2**-17`` relative of the nearest ordered by index rather than by value. Wider ``norm=2``
     feature sets choose the neighbour with tensor-core products ``|x-c|^2 + |y-c|^2 - 2 (x-c).(y-c)`` (``c``: the
-    mean of the valid finite ``x`` points; half-precision inputs are not centred, ``c = 0``), as
-    ``torch.get_float32_matmul_precision()`` says for float32: "highest" TF32-split products (about float32's
-    accuracy), "high" / "medium" one TF32 product; float16 / bfloat16 inputs multiply in their own dtype. The
+    mean of the valid finite ``x`` points, in Chamfer's one pass those of the larger cloud; half-precision inputs
+    are not centred, ``c = 0``), as ``torch.get_float32_matmul_precision()`` says for float32: "highest"
+    TF32-split products (about float32's accuracy), "high" / "medium" one TF32 product; float16 / bfloat16
+    inputs multiply in their own dtype. The
     winner's distance is then recomputed exactly in float32 from the two points, so the distance and its
     gradient are exact for the neighbour returned; only which of near-tied candidates wins can differ from
     float64: the returned ``d_w`` exceeds the true nearest ``d_n`` by at most ``e_w + e_n + 2**-16 d_n``, where
@@ -252,6 +253,9 @@ def chamfer_distance(
         with ``point_reduction=None`` a pair of ``[N, P1]`` and ``[N, P2]`` terms (one ``[N, P1]`` tensor if
         ``single_directional``); ``normals_distance`` is None without normals. Autograd reaches ``x``, ``y``, the
         normals and ``weights``.
+
+    Precision: as :func:`nearest_neighbors` (``torch.get_float32_matmul_precision()`` picks the products that
+    choose each point's neighbour; its distance and gradient are exact for the neighbour chosen).
 
     Differences from PyTorch3D: giving only one of ``x_normals`` / ``y_normals`` raises instead of being ignored;
     ``Pointclouds`` objects are not accepted (pass ``points_padded()`` and ``num_points_per_cloud()``).
