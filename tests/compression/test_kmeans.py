@@ -115,8 +115,10 @@ def test_gpu_matches_cpu_and_is_fast():
     try:
         cpu = kmeans(x[:20_000], 256, niters=4, seed=0)
         gpu = kmeans(x[:20_000].cuda(), 256, niters=4, seed=0)
-        # Same start, same assignments up to near-ties: the centroids agree closely.
-        assert (gpu.cpu() - cpu).abs().max() < 1e-3
+        # Same start, same assignments up to near-ties (cuBLAS and the CPU round the products differently; a
+        # flipped point moves two centroids by about 1 / 80 of a point): most centroids agree to 1e-4.
+        close = (gpu.cpu() - cpu).norm(dim=1) < 1e-4
+        assert close.float().mean() > 0.9, close.float().mean()
         assert torch.equal(kmeans(x[:20_000].cuda(), 256, niters=4, seed=0), gpu)  # bitwise repeatable
     finally:
         torch.use_deterministic_algorithms(False)
@@ -135,3 +137,40 @@ def test_gpu_matches_cpu_and_is_fast():
     # 10 iterations of a 200k x 4096 x 128 product (2.1 TFLOP in all) plus the updates: about 35 ms of fp32
     # (non-TF32) matmul and a few of fp16 on an H200; the bounds leave room for the updates and launches.
     assert times[torch.float32] < 1.0 and times[torch.float16] < 0.5, times
+
+
+@pytest.mark.gpu
+def test_gpu_speed_against_fastkmeans():
+    # fast-plaid's k-means (PyLate's default index); install with
+    # `pip install --no-deps .whl_pylate/fastkmeans-0.5.0-py3-none-any.whl`.
+    fastkmeans = pytest.importorskip("fastkmeans")
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(2048, 128, generator=g)
+    x = torch.nn.functional.normalize(
+        centers[torch.randint(0, 2048, (1_000_000,), generator=g)] + 0.3 * torch.randn(1_000_000, 128, generator=g),
+        dim=-1,
+    ).half()
+    data = x.float().numpy()
+    theirs = fastkmeans.FastKMeans(128, 8192, niter=4, gpu=True, seed=0, dtype=torch.float16)
+    theirs.train(data)  # warm-up (Triton compiles)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    theirs.train(data)
+    torch.cuda.synchronize()
+    t_theirs = time.perf_counter() - start
+    resident = x.cuda()
+    kmeans(resident, 8192, niters=4, matmul_dtype=torch.float16)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    ours = kmeans(resident, 8192, niters=4, matmul_dtype=torch.float16)
+    torch.cuda.synchronize()
+    t_ours = time.perf_counter() - start
+    codes, dist = assign_to_centroids(resident, ours)
+    their_c = torch.from_numpy(theirs.centroids).cuda()
+    _, their_dist = assign_to_centroids(resident, their_c)
+    print(
+        f"k-means 1M x 128 -> 8192, 4 iterations: lik {t_ours:.3f} s, fastkmeans {t_theirs:.3f} s; "
+        f"inertia lik {float(dist.sum()):.1f}, fastkmeans {float(their_dist.sum()):.1f}"
+    )
+    assert float(dist.sum()) <= 1.02 * float(their_dist.sum())  # as good a clustering
+    assert t_ours <= 1.2 * t_theirs  # and no slower (lik's data stays on the GPU; fastkmeans streams it)
