@@ -143,6 +143,9 @@ def test_bad_arguments_are_refused():
         codec.decompress(torch.tensor([0]), torch.zeros(1, 8, dtype=torch.uint8))
     with pytest.raises(TypeError, match="codes must be int32 or int64"):
         codec.decompress(torch.tensor([0.0]), torch.zeros(1, 4, dtype=torch.uint8))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="embs must be finite"):
+            codec.compress(torch.tensor([[0.0] * 15 + [bad]]))
     with pytest.raises(ValueError, match="num_centroids must be a positive int"):
         ResidualCodec.train(torch.randn(10, 8), 0, 2)
     with pytest.raises(ValueError, match="x must be finite"):

@@ -140,12 +140,16 @@ class ResidualCodec:
         """Encode tokens.
 
         Args:
-            embs: float ``[N, d]`` (any float dtype; ColBERT indexes fp16), any device (moved to the codec's).
+            embs: float ``[N, d]`` (any float dtype; ColBERT indexes fp16), finite, any device (moved to the
+                codec's).
 
         Returns:
             ``(codes int32 [N], residuals uint8 [N, d * nbits // 8])``: ColBERT's ``.codes`` and ``.residuals``.
         """
         embs = self._check_embs(embs)
+        # A NaN token would get an arbitrary centroid and the last bucket everywhere; refuse it instead.
+        if embs.numel() and not bool(torch.isfinite(embs).all()):
+            raise ValueError("embs must be finite (no NaN or inf)")
         codes_out, residuals_out = [], []
         for block in embs.split(_COMPRESS_BLOCK):
             codes = self.compress_into_codes(block)
