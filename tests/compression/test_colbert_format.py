@@ -61,6 +61,8 @@ def test_hand_written_index_loads(tmp_path):
     assert index.ivf_lengths.shape == (8,) and int(index.ivf_lengths.sum()) <= index.ivf.shape[0]
     out = index.codec.decompress(index.codes, index.residuals)
     torch.testing.assert_close(out.norm(dim=1), torch.ones(9))
+    assert torch.equal(index.decompress(), out.half())
+    assert torch.equal(index.decompress(torch.float32, device="cpu"), out)
 
 
 def test_index_without_ivf_or_avg_residual_loads(tmp_path):

@@ -61,6 +61,13 @@ class PlaidIndex:
         """int64 ``[N + 1]`` document offsets into ``codes`` / ``residuals``."""
         return torch.cat([torch.zeros(1, dtype=torch.int64), self.doclens.cumsum(0)])
 
+    def decompress(self, dtype: torch.dtype = torch.float16, device=None) -> torch.Tensor:
+        """Every token decoded, ``dtype`` ``[T, d]`` on ``device`` (the codec's by default), in ``cu_seqlens``
+        order: with :attr:`cu_seqlens` a packed corpus any exact lik search takes (a decompressed copy, so
+        ``2 * d`` bytes a token in fp16, where the codes take ``4 + d * nbits / 8``)."""
+        codec = self.codec if device is None else self.codec.to(device)
+        return codec.decompress(self.codes, self.residuals, dtype=dtype)
+
 
 def is_colbert_index(path) -> bool:
     """Whether ``path`` looks like a colbert-ai index (a config file, ``centroids.pt`` and ``buckets.pt``)."""
