@@ -36,8 +36,9 @@ def assign_to_centroids(
     Args:
         x: float ``[N, d]``; centroids: float ``[k, d]`` on the same device.
         matmul_dtype: dtype of the ``x @ centroids.T`` product (fp32 by default, which follows
-            ``torch.get_float32_matmul_precision()``; fp16 / bf16 run on tensor cores, products rounded to that
-            dtype, so near-ties may go either way). Norms and the rest stay fp32.
+            ``torch.get_float32_matmul_precision()``; fp16 / bf16 run on tensor cores and keep the scores in that
+            dtype, so near-ties may go either way: bf16's 8-bit mantissa makes it the coarser, and fp16 needs the
+            scores under 65504, true of embeddings). Norms, distances, sums and means stay fp32.
 
     Returns:
         ``(codes int64 [N], squared_distance fp32 [N])``. Ties go to the lower centroid index.
@@ -53,18 +54,20 @@ def assign_to_centroids(
     half_norms = 0.5 * (c * c).sum(-1)
     neg_half_norms = -half_norms
     c_mm = centroids.to(matmul_dtype)
+    neg_bias_mm = neg_half_norms.to(matmul_dtype)
     codes = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     dist = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     step = _chunk_rows(c.shape[0])
     for start in range(0, x.shape[0], step):
         chunk = x[start : start + step].float()
-        # argmax of <x, c> - |c|^2 / 2 is argmin of |x - c|^2; fp32 adds the bias inside the GEMM (one pass less).
+        # argmax of <x, c> - |c|^2 / 2 is argmin of |x - c|^2. The bias is added inside the GEMM and the scores
+        # stay in the product's dtype: the [rows, k] block is written once and read once by the argmax.
         if matmul_dtype == torch.float32:
             scores = torch.addmm(neg_half_norms, chunk, c.T)
         else:
-            scores = (chunk.to(matmul_dtype) @ c_mm.T).float() - half_norms
+            scores = torch.addmm(neg_bias_mm, chunk.to(matmul_dtype), c_mm.T)
         idx = scores.argmax(dim=1)  # argmax: the first of equal maxima
-        best = scores.gather(1, idx.unsqueeze(1)).squeeze(1)
+        best = scores.gather(1, idx.unsqueeze(1)).squeeze(1).float()
         codes[start : start + step] = idx
         # |x - c|^2 = |x|^2 - 2 (<x, c> - |c|^2 / 2); clamp the rounding below zero.
         dist[start : start + step] = ((chunk * chunk).sum(-1) - 2 * best).clamp_min(0)
