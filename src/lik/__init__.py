@@ -11,12 +11,14 @@ Public functions (see README.md for shapes and semantics):
 * :func:`lik.contrastive_loss` -- in-batch contrastive loss on MaxSim scores (cross-entropy, hard negatives) as one
   fused autograd node.
 * :func:`lik.search` -- exact top-k MaxSim search over a corpus, in memory-bounded chunks.
+* :class:`lik.DocumentBatch` -- an encoder's batch (padded with a mask or lengths, or packed) for ``Index.build``.
 * :class:`lik.Index` -- a saved, sharded corpus searched exactly on the GPU, in host RAM, on disk or across GPUs.
 * :func:`lik.quantize` / :func:`lik.dequantize` -- per-row symmetric int8 / float8 storage of embeddings.
 * :func:`lik.warmup` -- compile the kernel variants given query shapes need, before serving.
 * :func:`lik.chamfer_distance` / :func:`lik.nearest_neighbors` -- Chamfer distance (PyTorch3D's contract) and
   k = 1 nearest neighbours between point sets, trainable, O(P) memory.
 * :func:`lik.knn_points` -- K nearest neighbours (PyTorch3D's ``knn_points``), trainable, O(P K) memory.
+* :func:`lik.ms_deform_attn_v2` -- RT-DETRv2 / D-FINE's variant (points per level, ``"discrete"`` sampling).
 * :func:`lik.ms_deform_attn` -- multi-scale deformable attention (Deformable DETR family), trainable; aliases
   :class:`lik.MSDeformAttnFunction` / :class:`lik.MultiScaleDeformableAttnFunction` and the stateless
   :class:`lik.MultiScaleDeformableAttention` module with the transformers signature.
@@ -46,13 +48,16 @@ from .ops.knn import knn_points
 from .ops.msda import (
     MSDeformAttnFunction,
     MultiScaleDeformableAttnFunction,
+    MSDeformAttnV2Function,
     ms_deform_attn,
     ms_deform_attn_reference,
+    ms_deform_attn_v2,
+    ms_deform_attn_v2_reference,
 )
 from .ops.quantization import dequantize, quantize
 from .precompile import warmup
 from .retrieval import search
-from .index import Index
+from .index import DocumentBatch, Index
 
 __version__ = "0.1.0"
 
@@ -71,6 +76,7 @@ __all__ = [
     "contrastive_loss_reference",
     "search",
     "Index",
+    "DocumentBatch",
     "quantize",
     "dequantize",
     "warmup",
@@ -79,6 +85,9 @@ __all__ = [
     "knn_points",
     "ms_deform_attn",
     "ms_deform_attn_reference",
+    "ms_deform_attn_v2",
+    "ms_deform_attn_v2_reference",
+    "MSDeformAttnV2Function",
     "MSDeformAttnFunction",
     "MultiScaleDeformableAttnFunction",
     "MultiScaleDeformableAttention",

@@ -33,5 +33,5 @@ def test_integrations_package_is_lazy():
     import lik.integrations as integrations
 
     assert set(integrations.__all__) == {"pylate", "colpali", "sentence_transformers", "transformers",
-                                         "flash_maxsim", "late_interaction_kernels"}
+                                         "hf_kernels", "flash_maxsim", "late_interaction_kernels"}
     assert integrations.flash_maxsim.__name__ == "lik.integrations.flash_maxsim"

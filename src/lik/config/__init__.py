@@ -10,7 +10,8 @@ and users chasing the last percent force a configuration for a ``with`` block::
         lik.maxsim(Q, D)
 
 The heuristics live one module per op: :mod:`lik.config.maxsim`, :mod:`lik.config.msda`,
-:mod:`lik.config.nearest`; the device facts they read, in :mod:`lik._device`.
+:mod:`lik.config.nearest`, :mod:`lik.config.packed` (the token stream of packed corpora, key ``packed_stream``); the
+device facts they read, in :mod:`lik._device`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .maxsim import (
 )
 from .msda import MsdaBackwardConfig, MsdaForwardConfig, msda_backward_config, msda_forward_config
 from .nearest import NEAREST_POINT_MAX_DIM, NearestConfig, nearest_config
+from .packed import PackedStreamConfig, packed_stream_config, packed_stream_tiles
 
 __all__ = [
     "override", "forced",
@@ -36,4 +38,5 @@ __all__ = [
     "maxsim_backward_config", "maxsim_varlen_config", "feature_chunks", "LONG_DOCUMENT", "MAX_RESIDENT_DIM",
     "MsdaForwardConfig", "MsdaBackwardConfig", "msda_forward_config", "msda_backward_config",
     "NearestConfig", "nearest_config", "NEAREST_POINT_MAX_DIM",
+    "PackedStreamConfig", "packed_stream_config", "packed_stream_tiles",
 ]

@@ -7,7 +7,10 @@
 * :mod:`lik.integrations.sentence_transformers` -- ``util.maxsim`` / ``maxsim_pairwise`` (and the MeanMaxSim
   forms) of sentence-transformers 6, and ``enable()``.
 * :mod:`lik.integrations.transformers` -- the ``MultiScaleDeformableAttention`` module of Deformable DETR,
-  Grounding DINO, RT-DETR..., and ``enable()`` so every such model uses it.
+  Grounding DINO, RT-DETR..., and ``enable()`` so every such model uses it (RT-DETRv2, D-FINE and DEIMv2's
+  variant too).
+* :mod:`lik.integrations.hf_kernels` -- the same layer served to Hugging Face ``kernels.kernelize`` (a kernel
+  mapping and a local kernel repository), so a transformers model picks lik without patching.
 * :mod:`lik.integrations.flash_maxsim` / :mod:`lik.integrations.late_interaction_kernels` -- the public functions
   of the two peer libraries, for people migrating.
 
@@ -25,7 +28,8 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["pylate", "colpali", "sentence_transformers", "transformers", "flash_maxsim", "late_interaction_kernels"]
+__all__ = ["pylate", "colpali", "sentence_transformers", "transformers", "hf_kernels", "flash_maxsim",
+           "late_interaction_kernels"]
 
 
 def __getattr__(name: str):
