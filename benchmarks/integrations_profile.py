@@ -174,6 +174,7 @@ def memory(step, lik_pylate, batch):
 def colpali_phases(n_pages=1000, page_len=1030, dim=128, query_counts=(16, 128), repeats=50):
     """Wall time (synchronised) of each phase of ``score_multi_vector`` on a list of pages, and of the call."""
     import lik.integrations.colpali as lik_colpali
+    import lik.integrations.colpali_pages as pages_module
     from lik import maxsim
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -194,15 +195,14 @@ def colpali_phases(n_pages=1000, page_len=1030, dim=128, query_counts=(16, 128),
         lengths = torch.randint(18, 23, (n_queries,), generator=torch.Generator().manual_seed(n_queries)).tolist()
         queries = [torch.nn.functional.normalize(torch.randn(n, dim, device="cuda", generator=g), dim=-1)
                    .bfloat16() for n in lengths]
-        query_sizes = lik_colpali._sizes("qs", queries)
-        rows = lik_colpali._QueryRows(queries, query_sizes, "cuda")
+        rows = pages_module.QueryRows(queries, "cuda")
         dense = torch.cat(pages).view(n_pages, page_len, dim)
         row_scores = maxsim(rows.rows, dense)
         row = {"n_queries": n_queries, "n_pages": n_pages,
-               "check_pages_ms": timed(lambda: lik_colpali._sizes("ps", lik_colpali._items("ps", pages))),
-               "lengths_ms": timed(lambda: lik_colpali._needs_zero_token(
-                   lik_colpali._lengths(lik_colpali._sizes("ps", pages)), 128)),
-               "query_rows_ms": timed(lambda: lik_colpali._QueryRows(queries, query_sizes, "cuda")),
+               "check_pages_ms": timed(lambda: pages_module.checked_sizes("ps", pages_module.as_items("ps", pages))),
+               "lengths_ms": timed(lambda: pages_module.needs_zero_token(
+                   pages_module.page_lengths(pages)[0], 128)),
+               "query_rows_ms": timed(lambda: pages_module.QueryRows(queries, "cuda")),
                "cat_ms": timed(lambda: torch.cat(pages)),
                "kernel_ms": timed(lambda: maxsim(rows.rows, dense)),
                "sums_ms": timed(lambda: rows.sums(row_scores)),
@@ -210,15 +210,15 @@ def colpali_phases(n_pages=1000, page_len=1030, dim=128, query_counts=(16, 128),
                "call_tensor_ms": timed(lambda: lik_colpali.score_multi_vector(queries, dense, device="cuda"))}
         # The page list joined before or after the host's shape pass, alternating (the host's speed drifts).
         calls = {True: [], False: []}
-        saved = lik_colpali._overlaps_host
+        saved = pages_module.overlaps_host
         try:
             for _ in range(5):
                 for early in (True, False):
-                    lik_colpali._overlaps_host = lambda device, early=early: early and device.type != "cpu"
+                    pages_module.overlaps_host = lambda device, early=early: early and device.type != "cpu"
                     calls[early].append(timed(lambda: lik_colpali.score_multi_vector(queries, pages,
                                                                                      device="cuda")))
         finally:
-            lik_colpali._overlaps_host = saved
+            pages_module.overlaps_host = saved
         row["call_list_join_early_ms"] = statistics.median(calls[True])
         row["call_list_join_after_ms"] = statistics.median(calls[False])
         row["host_timeline_us"] = _host_timeline(lik_colpali, queries, pages)
