@@ -229,13 +229,16 @@ def _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION: tl.con
 @triton.jit
 def _row_stats(stats_ptr, stats_base, rows, row_ok, slots, REDUCTION: tl.constexpr, TOP_K: tl.constexpr):
     """A row block's saved stats: ``(lse2 or 1 / count, chosen tokens)`` (rows outside get weight 0)."""
+    # (one return: the compiler types every return statement, a constexpr branch's included)
+    toks = tl.full((rows.shape[0], slots.shape[0]), -1, tl.int32)
     if REDUCTION == REDUCE_SMOOTH:
-        lse2 = tl.load(stats_ptr + stats_base + rows, mask=row_ok, other=float("inf"))
-        return lse2, tl.full((rows.shape[0], slots.shape[0]), -1, tl.int32)
-    toks = tl.load(stats_ptr + (stats_base + rows)[:, None] * TOP_K + slots[None, :],
-                   mask=row_ok[:, None] & (slots[None, :] < TOP_K), other=-1)
-    count = tl.sum((toks >= 0).to(tl.int32), axis=1)
-    return 1.0 / tl.maximum(count, 1).to(tl.float32), toks
+        row_stat = tl.load(stats_ptr + stats_base + rows, mask=row_ok, other=float("inf"))
+    else:
+        toks = tl.load(stats_ptr + (stats_base + rows)[:, None] * TOP_K + slots[None, :],
+                       mask=row_ok[:, None] & (slots[None, :] < TOP_K), other=-1)
+        count = tl.sum((toks >= 0).to(tl.int32), axis=1)
+        row_stat = 1.0 / tl.maximum(count, 1).to(tl.float32)
+    return row_stat, toks
 
 
 @triton.jit(do_not_specialize=SOFT_RUNTIME_INTS)

@@ -21,7 +21,9 @@ from ..._device import cdiv, next_power_of_2
 from ..._launch import launch
 from ...config.maxsim import maxsim_soft_config
 from ...core.forward_launch import dot_precision
-from ...core.segments import PACKED, PADDED, PAIRS
+from ...core.segments import PACKED as _PACKED_FLAG
+from ...core.segments import PADDED as _PADDED_FLAG
+from ...core.segments import PAIRS as _PAIRS_FLAG
 from ...core.soft import soft_bwd_dd_kernel, soft_bwd_dq_kernel, soft_fwd_kernel
 from .options import ScoreOptions, query_token_counts
 
@@ -29,6 +31,8 @@ __all__ = ["SoftLayout", "padded_layout", "packed_layout", "soft_forward", "soft
            "StoredDocuments", "inverse_counts", "apply_soft"]
 
 _FLAGS = {"smooth": 1, "topk": 2}
+# The layout flags as plain ints (a launch's constants must be, for Triton's cache key and for JSON).
+PADDED, PACKED, PAIRS = _PADDED_FLAG.value, _PACKED_FLAG.value, _PAIRS_FLAG.value
 
 
 class SoftLayout(NamedTuple):

@@ -1,0 +1,57 @@
+"""The soft reductions' kernels and the int8-stored ``D``'s dQ gather compile for Hopper (sm_90) on a CPU-only
+machine: the launches of a training workload are recorded under the interpreter with the GPU heuristics and each
+distinct one is compiled to a cubin with Triton's own toolchain (the harness of tests/test_compile_sm90.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lik
+from lik import _config
+from lik.core.budget import SHARED_MEMORY_BY_ARCH
+
+from ...test_compile_sm90 import _COMPILER, _describe, _record_launches
+
+
+def _workload():
+    gen = torch.Generator().manual_seed(0)
+    options = [dict(reduction="smooth", tau=0.1), dict(reduction="topk", top_k=4), dict(reduction="topk", top_k=16)]
+    for dtype, dim in ((torch.float16, 128), (torch.float32, 128), (torch.bfloat16, 96), (torch.float16, 1000)):
+        for kw in options:
+            Q = torch.randn(4, 32, dim, generator=gen).to(dtype).requires_grad_()
+            D = torch.randn(5, 70, dim, generator=gen).to(dtype).requires_grad_()
+            q_mask = torch.rand(4, 32, generator=gen) > 0.2
+            d_mask = torch.rand(5, 70, generator=gen) > 0.2
+            lik.maxsim(Q, D, q_mask, d_mask, normalize_by="query_tokens", **kw).sum().backward()
+            lik.maxsim(Q, D, mask_mode="zero", **kw).sum().backward()
+        q = torch.randn(39, dim, generator=gen).to(dtype).requires_grad_()
+        d = torch.randn(110, dim, generator=gen).to(dtype).requires_grad_()
+        cu_q = torch.tensor([0, 5, 38, 39], dtype=torch.int32)
+        cu_d = torch.tensor([0, 40, 40, 110], dtype=torch.int32)
+        lik.maxsim_varlen(q, d, cu_q, cu_d, 33, 70, **options[0]).sum().backward()
+        lik.maxsim_packed(Q.detach().requires_grad_(), d, cu_d, max_seqlen_d=70, **options[1]).sum().backward()
+    Q = torch.randn(4, 32, 128, generator=gen).half().requires_grad_()
+    D = torch.randn(5, 70, 128, generator=gen).half().requires_grad_()
+    lik.maxsim(Q, D.clone(), save_d_as=torch.int8).sum().backward()
+
+
+def test_soft_and_stored_launches_compile_for_sm90(monkeypatch):
+    if not _config.interpreting():
+        pytest.skip("records launches through Triton's interpreter (TRITON_INTERPRET=1)")
+    launches = _record_launches(monkeypatch, _workload)
+    names = {fn.__name__ for fn, _, _ in launches}
+    assert {"soft_fwd_kernel", "soft_bwd_dq_kernel", "soft_bwd_dd_kernel", "maxsim_bwd_dq_kernel"} <= names
+    jobs = {json.dumps(job, sort_keys=True) for job in (_describe(*launch) for launch in launches)}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILER, str(SHARED_MEMORY_BY_ARCH[(9, 0)])],
+        input="[" + ",".join(sorted(jobs)) + "]", env=env, capture_output=True, text=True, timeout=1500,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count(" ok") == len(jobs)
