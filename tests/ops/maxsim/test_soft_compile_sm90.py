@@ -41,6 +41,8 @@ def _workload():
     lik.maxsim(Q, D.clone(), save_d_as=torch.int8).sum().backward()
 
 
+# (about 76 distinct launches: minutes of compilation on a cold Triton cache)
+@pytest.mark.slow
 def test_soft_and_stored_launches_compile_for_sm90(monkeypatch):
     if not _config.interpreting():
         pytest.skip("records launches through Triton's interpreter (TRITON_INTERPRET=1)")
