@@ -220,3 +220,22 @@ def test_codec_from_train_codec():
     Q = F.normalize(torch.randn(2, 6, 32, generator=g), dim=-1)
     out = maxsim_residual(Q, codes, residuals, codec, cu)
     torch.testing.assert_close(out.double(), expected(Q, codes, residuals, codec, cu), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("n_q", "l_q"), [(9, 3), (2, 70)])  # stacked short queries; a query split over blocks
+def test_row_blocks(n_q, l_q):
+    codec = make_codec(16, 2)
+    codes, residuals, cu = make_corpus(codec, [4, 0, 19])
+    Q = torch.randn(n_q, l_q, 16)
+    q_mask = torch.rand(n_q, l_q) > 0.2
+    out = maxsim_residual(Q, codes, residuals, codec, cu, q_mask=q_mask)
+    torch.testing.assert_close(out.double(), expected(Q, codes, residuals, codec, cu, q_mask), atol=1e-4, rtol=1e-5)
+
+
+def test_fp16_centroids_read_as_stored():
+    base = make_codec(32, 2)
+    codec = ResidualCodec(base.centroids.half(), base.bucket_cutoffs, base.bucket_weights, 2)  # as ColBERT stores
+    codes, residuals, cu = make_corpus(codec, [6, 9])
+    Q = torch.randn(2, 4, 32)
+    out = maxsim_residual(Q, codes, residuals, codec, cu)
+    torch.testing.assert_close(out.double(), expected(Q, codes, residuals, codec, cu), atol=1e-5, rtol=1e-5)

@@ -70,7 +70,8 @@ def decode_tile(
     inside = col_in[:, None] & d_in[None, :]
     code = tl.load(codes_ptr + rows, mask=col_in, other=0).to(tl.int64)
     code = tl.minimum(tl.maximum(code, 0), n_centroids - 1)
-    centroid = tl.load(cent_ptr + code[:, None] * DIM + offs_d[None, :], mask=inside, other=0.0)
+    # (16-bit stored centroids are read as stored: their fp32 values are exact, in half the bytes)
+    centroid = tl.load(cent_ptr + code[:, None] * DIM + offs_d[None, :], mask=inside, other=0.0).to(tl.float32)
     PER_BYTE: tl.constexpr = 8 // NBITS
     WIDTH: tl.constexpr = DIM * NBITS // 8
     byte = tl.load(res_ptr + rows[:, None] * WIDTH + (offs_d // PER_BYTE)[None, :], mask=inside, other=0)
@@ -194,14 +195,15 @@ def residual_maxsim_kernel(
         tl.store(win_ptr + query * stride_wn + token * stride_wl + doc, winner, mask=in_range)
 
 
-def _rows_config(n_q: int, l_q: int) -> tuple[int, int, int]:
+def _rows_config(n_q: int, l_q: int, max_rows: int) -> tuple[int, int, int]:
     """``(GROUP_ROWS, GROUPS, n_chunks)``: a query's tokens in groups of the power-of-two bucket of ``Lq``
-    (capped at 64), up to 64 rows per block (short queries stacked: each decoded tile serves them all), at
-    least 16 rows (the smallest tensor-core product)."""
+    (capped at 64), up to ``max_rows`` rows per block (short queries stacked: each decoded tile serves them all:
+    the decode, not the product, is the work a row block repeats), at least 16 rows (the smallest tensor-core
+    product)."""
     group_rows = min(triton.next_power_of_2(max(l_q, 1)), 64)
     n_chunks = triton.cdiv(l_q, group_rows)
     total = n_q * n_chunks
-    groups = max(1, min(64 // group_rows, triton.next_power_of_2(total)))
+    groups = max(1, min(max_rows // group_rows, triton.next_power_of_2(total)))
     groups = max(groups, 16 // group_rows)
     return group_rows, groups, n_chunks
 
@@ -220,7 +222,11 @@ def residual_forward(q, q_mask, codes, residuals, codec, cu, track_argmax: bool)
         return scores, winners
     if q.stride(-1) != 1:
         q = q.contiguous()
-    group_rows, groups, n_chunks = _rows_config(n_q, l_q)
+    # 128-row blocks on a GPU once there are that many rows (half the decodes of 64; 8 warps hold the tile)
+    max_rows = 128 if q.is_cuda and n_q * l_q >= 128 else 64
+    group_rows, groups, n_chunks = _rows_config(n_q, l_q, max_rows)
+    exact16 = codec.centroids.dtype == torch.float16 or (codec.centroids.dtype == torch.bfloat16 and q.is_cuda)
+    centroids = codec.centroids if exact16 else codec._centroids32
     multiplier, shift = divisor_constants(n_chunks)
     partial = torch.empty(n_chunks, n_q, n_docs, dtype=torch.float32, device=device)
     mask = q_mask.view(torch.uint8) if q_mask is not None else q  # (bool bytes read as flags)
@@ -233,7 +239,7 @@ def residual_forward(q, q_mask, codes, residuals, codec, cu, track_argmax: bool)
         mask,
         codes.contiguous(),
         residuals.contiguous(),
-        codec._centroids32.contiguous(),
+        centroids.contiguous(),
         codec._weights32.contiguous(),
         cu,
         partial,
@@ -262,7 +268,7 @@ def residual_forward(q, q_mask, codes, residuals, codec, cu, track_argmax: bool)
         HAS_Q_MASK=q_mask is not None,
         TRACK_ARGMAX=track_argmax,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
+        num_warps=8 if group_rows * groups >= 128 else 4,
         num_stages=2,
     )
     scores = partial.sum(0) if n_chunks > 1 else partial[0]
