@@ -239,3 +239,19 @@ def test_fp16_centroids_read_as_stored():
     Q = torch.randn(2, 4, 32)
     out = maxsim_residual(Q, codes, residuals, codec, cu)
     torch.testing.assert_close(out.double(), expected(Q, codes, residuals, codec, cu), atol=1e-5, rtol=1e-5)
+
+
+def test_documents_split_into_runs_past_32_bit_program_ids(monkeypatch):
+    from lik._device import interpreting
+    from lik.ops.residual import kernel
+
+    if not interpreting():
+        pytest.skip("the kernel launcher's split")
+    codec = make_codec(16, 2)
+    codes, residuals, cu = make_corpus(codec, [4, 0, 7, 2, 5])
+    q = torch.randn(2, 3, 16)
+    whole, whole_win = kernel.residual_forward(q, None, codes, residuals, codec, cu, track_argmax=True)
+    monkeypatch.setattr(kernel, "DIVIDEND_LIMIT", 3)  # at most two documents' programs per launch
+    split, split_win = kernel.residual_forward(q, None, codes, residuals, codec, cu, track_argmax=True)
+    assert torch.equal(split, whole) and torch.equal(split_win, whole_win)
+    assert whole_win[:, :, 1].eq(-1).all() and whole_win[:, :, 2].ge(4).all()

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lik.core.division import divisor_constants
+from lik.core.division import DIVIDEND_LIMIT, divide, divisor_constants
 from lik.core.forward_launch import dot_precision
 from lik.core.reductions import nan_max
 from lik.core.segments import segment
@@ -72,10 +72,11 @@ def decode_tile(
     code = tl.minimum(tl.maximum(code, 0), n_centroids - 1)
     # (16-bit stored centroids are read as stored: their fp32 values are exact, in half the bytes)
     centroid = tl.load(cent_ptr + code[:, None] * DIM + offs_d[None, :], mask=inside, other=0.0).to(tl.float32)
-    PER_BYTE: tl.constexpr = 8 // NBITS
-    WIDTH: tl.constexpr = DIM * NBITS // 8
-    byte = tl.load(res_ptr + rows[:, None] * WIDTH + (offs_d // PER_BYTE)[None, :], mask=inside, other=0)
-    bucket = bucket_indices(byte.to(tl.int32), (offs_d % PER_BYTE)[None, :], NBITS)
+    # a byte holds 8 // NBITS dimensions; a token's residual is DIM * NBITS // 8 bytes
+    byte = tl.load(
+        res_ptr + rows[:, None] * (DIM * NBITS // 8) + (offs_d // (8 // NBITS))[None, :], mask=inside, other=0
+    )
+    bucket = bucket_indices(byte.to(tl.int32), (offs_d % (8 // NBITS))[None, :], NBITS)
     weight = tl.load(weights_ptr + bucket, mask=inside, other=0.0)
     x = tl.where(inside, centroid + weight, 0.0)
     norm = tl.sqrt(tl.sum(x * x, axis=1))
@@ -91,6 +92,9 @@ def decode_tile(
         "n_chunks",
         "chunks_multiplier",
         "chunks_shift",
+        "n_row_blocks",
+        "blocks_multiplier",
+        "blocks_shift",
         "stride_qn",
         "stride_ql",
         "stride_qmn",
@@ -115,6 +119,9 @@ def residual_maxsim_kernel(
     q_len,
     n_rows,
     n_centroids,
+    n_row_blocks,
+    blocks_multiplier,
+    blocks_shift,
     n_chunks,
     chunks_multiplier,
     chunks_shift,
@@ -139,8 +146,11 @@ def residual_maxsim_kernel(
     """Program ``(row block, document)``: writes ``partial[chunk, query, doc]`` (each row group's sum of its rows'
     maxima) and, with ``TRACK_ARGMAX``, ``winners[query, token, doc]`` (int64 absolute row of the winning token,
     -1 for a masked query token or an empty document). ``Q`` rows are contiguous in ``d``."""
-    row_block = tl.program_id(0)
-    doc = tl.program_id(1)
+    # one flat grid (a 2-D grid caps documents at 65 535); a document's row blocks are neighbouring programs, so
+    # its codes come from DRAM once
+    pid = tl.program_id(0)
+    doc = divide(pid, blocks_multiplier, blocks_shift)
+    row_block = pid - doc * n_row_blocks
     query, token, in_range, valid = query_rows(
         row_block,
         n_queries,
@@ -214,6 +224,16 @@ def residual_forward(q, q_mask, codes, residuals, codec, cu, track_argmax: bool)
     n_q, l_q, dim = q.shape
     n_docs = int(cu.shape[0]) - 1
     device = q.device
+    # 128-row blocks on a GPU once there are that many rows (half the decodes of 64; 8 warps hold the tile)
+    max_rows = 128 if q.is_cuda and n_q * l_q >= 128 else 64
+    group_rows, groups, n_chunks = _rows_config(n_q, l_q, max_rows)
+    n_row_blocks = triton.cdiv(n_q * n_chunks, groups)
+    if n_docs > 1 and n_row_blocks * n_docs >= DIVIDEND_LIMIT:  # program ids are 32-bit: two runs of documents
+        half = n_docs // 2
+        first, first_win = residual_forward(q, q_mask, codes, residuals, codec, cu[: half + 1], track_argmax)
+        second, second_win = residual_forward(q, q_mask, codes, residuals, codec, cu[half:], track_argmax)
+        both = None if first_win is None else torch.cat([first_win, second_win], dim=2)
+        return torch.cat([first, second], dim=1), both
     scores = torch.zeros(n_q, n_docs, dtype=torch.float32, device=device)
     winners = None
     if track_argmax:
@@ -222,9 +242,6 @@ def residual_forward(q, q_mask, codes, residuals, codec, cu, track_argmax: bool)
         return scores, winners
     if q.stride(-1) != 1:
         q = q.contiguous()
-    # 128-row blocks on a GPU once there are that many rows (half the decodes of 64; 8 warps hold the tile)
-    max_rows = 128 if q.is_cuda and n_q * l_q >= 128 else 64
-    group_rows, groups, n_chunks = _rows_config(n_q, l_q, max_rows)
     exact16 = codec.centroids.dtype == torch.float16 or (codec.centroids.dtype == torch.bfloat16 and q.is_cuda)
     centroids = codec.centroids if exact16 else codec._centroids32
     multiplier, shift = divisor_constants(n_chunks)
@@ -233,7 +250,8 @@ def residual_forward(q, q_mask, codes, residuals, codec, cu, track_argmax: bool)
     block_d = max(16, triton.next_power_of_2(dim))
     block_n = 64 if block_d <= 128 else 32
     win = winners if winners is not None else partial
-    grid = (triton.cdiv(n_q * n_chunks, groups), n_docs)
+    blocks_multiplier, blocks_shift = divisor_constants(n_row_blocks)
+    grid = (n_row_blocks * n_docs,)
     residual_maxsim_kernel[grid](
         q,
         mask,
@@ -248,6 +266,9 @@ def residual_forward(q, q_mask, codes, residuals, codec, cu, track_argmax: bool)
         l_q,
         int(codes.shape[0]),
         codec.num_centroids,
+        n_row_blocks,
+        blocks_multiplier,
+        blocks_shift,
         n_chunks,
         multiplier,
         shift,
