@@ -111,12 +111,14 @@ def _fold_document(
     BLOCK_M: tl.constexpr,
     BLOCK_T: tl.constexpr,
     LOADER: tl.constexpr,
+    FOLDED: tl.constexpr,
 ):
-    """One document's step in a tile (when ``live``): fold its columns into ``best``; if it ends in the tile,
-    write its score and move to the next document. Returns the new state and whether the next document also
-    overlaps the tile (one starting where the tile ends waits for the next tile)."""
+    """One document's step in a tile (when ``live``): fold its columns into ``best`` (done already if
+    ``FOLDED``); if it ends in the tile, write its score and move to the next document. Returns the new state and
+    whether the next document also overlaps the tile (one starting where the tile ends waits for the next tile)."""
     if live:
-        best = nan_max(best, segment_max(sim, tile_lo, start, end, BLOCK_T))
+        if not FOLDED:
+            best = nan_max(best, segment_max(sim, tile_lo, start, end, BLOCK_T))
         ended = end <= tile_hi
         if ended:
             write_document(
@@ -261,9 +263,9 @@ def token_stream_kernel(
     next_end = _document_end(cu_d_ptr, doc + 1, doc_end, end, run_end)
     best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     no_key = tl.full((BLOCK_M,), NO_KEY, tl.int32)
-    n_tiles = tl.cdiv(run_end - run_start, BLOCK_T).to(tl.int32)
-    tile_lo = run_start
-    for _tile in tl.range(0, n_tiles):
+    # The tile's first row is the induction variable, not a carried value: Triton 3.6's pipeliner scheduled a
+    # carried one's row addresses before their operands (and gave up pipelining the loop).
+    for tile_lo in tl.range(run_start, run_end, BLOCK_T):
         tile_hi = tile_lo + BLOCK_T
         # Unpredicated rows: past the run, the run's last row again (its columns belong to no document here).
         rows = tl.minimum(tile_lo + tl.arange(0, BLOCK_T), run_end - 1)
@@ -277,7 +279,10 @@ def token_stream_kernel(
         sim = scale_columns(tile_dot(q_rows, tl.trans(d_tile), None, DOT_PRECISION, LOADER), col_scale, LOADER)
         # Every document that overlaps the tile, in order: fold its columns, write it where it ends. The first
         # SEGMENTS in unrolled passes; the rest (short documents) in a loop of the count a binary search gives.
-        # (A `while` here would stop Triton's pipeliner from prefetching the tiles: sm_90 TTGIR.)
+        # (A `while` here would stop Triton's pipeliner from prefetching the tiles: sm_90 TTGIR.) A tile starts only
+        # while documents remain, so its first is live: folded here, outside any `if`, because Triton 3.6's
+        # pipeliner fails (TritonGPUPipeline) on an asynchronous product whose first use lies inside an `if`.
+        best = nan_max(best, segment_max(sim, tile_lo, start, end, BLOCK_T))
         live = doc < doc_end
         for _pass in tl.static_range(SEGMENTS):
             doc, start, end, next_end, best, live = _fold_document(
@@ -307,6 +312,7 @@ def token_stream_kernel(
                 BLOCK_M,
                 BLOCK_T,
                 LOADER,
+                _pass == 0,
             )
         if live:
             # documents [doc, last) end in the tile; `last` itself (if any) crosses its end
@@ -339,8 +345,8 @@ def token_stream_kernel(
                     BLOCK_M,
                     BLOCK_T,
                     LOADER,
+                    False,
                 )
-        tile_lo = tile_hi
     # A run of empty documents takes no tile: each scores 0.
     while doc < doc_end:
         write_document(
