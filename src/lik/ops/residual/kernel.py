@@ -50,6 +50,21 @@ def bucket_indices(byte, pos, NBITS: tl.constexpr):
 
 
 @triton.jit
+def bucket_weight(weights_ptr, bucket, inside, NBITS: tl.constexpr):
+    """``bucket_weights[bucket]``: selects among the table's scalars for 1 and 2 bits (one or three selects per
+    element instead of a load each), a gather from the 16-entry table (cached) for 4 bits."""
+    if NBITS == 1:
+        weight = tl.where(bucket == 0, tl.load(weights_ptr), tl.load(weights_ptr + 1))
+    elif NBITS == 2:
+        low = tl.where((bucket & 1) == 0, tl.load(weights_ptr), tl.load(weights_ptr + 1))
+        high = tl.where((bucket & 1) == 0, tl.load(weights_ptr + 2), tl.load(weights_ptr + 3))
+        weight = tl.where(bucket < 2, low, high)
+    else:
+        weight = tl.load(weights_ptr + bucket, mask=inside, other=0.0)
+    return weight
+
+
+@triton.jit
 def decode_tile(
     codes_ptr,
     res_ptr,
@@ -77,7 +92,7 @@ def decode_tile(
         res_ptr + rows[:, None] * (DIM * NBITS // 8) + (offs_d // (8 // NBITS))[None, :], mask=inside, other=0
     )
     bucket = bucket_indices(byte.to(tl.int32), (offs_d % (8 // NBITS))[None, :], NBITS)
-    weight = tl.load(weights_ptr + bucket, mask=inside, other=0.0)
+    weight = bucket_weight(weights_ptr, bucket, inside, NBITS)
     x = tl.where(inside, centroid + weight, 0.0)
     norm = tl.sqrt(tl.sum(x * x, axis=1))
     # torch.nn.functional.normalize's eps: a zero row stays zero
