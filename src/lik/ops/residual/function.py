@@ -80,9 +80,12 @@ def maxsim_residual(Q, codes, residuals, codec, cu_seqlens, *, q_mask=None) -> t
 
     Example::
 
-        >>> codec = lik.compression.train_codec(tokens, cu, nbits=2)  # doctest: +SKIP
+        >>> tokens = torch.nn.functional.normalize(torch.randn(1000, 128), dim=-1)
+        >>> cu = torch.tensor([0, 300, 357, 1000], dtype=torch.int32)
+        >>> codec = lik.compression.train_codec(tokens, cu, 2)
         >>> codes, residuals = codec.compress(tokens)
-        >>> lik.maxsim_residual(Q, codes, residuals, codec, cu).shape  # Q [Nq, Lq, d] -> [Nq, B]
+        >>> lik.maxsim_residual(torch.randn(4, 32, 128), codes, residuals, codec, cu).shape
+        torch.Size([4, 3])
     """
     inputs = check_residual_inputs(Q, codes, residuals, codec, cu_seqlens, q_mask)
     q = inputs.q

@@ -24,7 +24,11 @@ def decode_tokens(codec, codes: torch.Tensor, residuals: torch.Tensor, dtype: to
 
     Example::
 
-        >>> decode_tokens(codec, codes, residuals, torch.float64).shape  # [T, d]
+        >>> sample = torch.nn.functional.normalize(torch.randn(512, 16), dim=-1)
+        >>> codec = lik.compression.ResidualCodec.train(sample, 8, 2)
+        >>> codes, residuals = codec.compress(torch.nn.functional.normalize(torch.randn(5, 16), dim=-1))
+        >>> decode_tokens(codec, codes, residuals, torch.float64).shape
+        torch.Size([5, 16])
     """
     work = accumulation_dtype(dtype)
     buckets = unpack_residual_bits(residuals, codec.nbits).long()
