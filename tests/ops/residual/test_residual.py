@@ -255,3 +255,16 @@ def test_documents_split_into_runs_past_32_bit_program_ids(monkeypatch):
     split, split_win = kernel.residual_forward(q, None, codes, residuals, codec, cu, track_argmax=True)
     assert torch.equal(split, whole) and torch.equal(split_win, whole_win)
     assert whole_win[:, :, 1].eq(-1).all() and whole_win[:, :, 2].ge(4).all()
+
+
+def test_two_d_query_with_mask_and_int64_offsets():
+    codec = make_codec(16, 1)
+    codes, residuals, cu = make_corpus(codec, [2, 5, 0])
+    Q = torch.randn(4, 16)
+    q_mask = torch.tensor([True, False, True, True])
+    out = maxsim_residual(Q, codes, residuals, codec, cu.long(), q_mask=q_mask)
+    assert out.shape == (3,) and out[2] == 0
+    torch.testing.assert_close(out.double(), expected(Q, codes, residuals, codec, cu, q_mask), atol=1e-5, rtol=1e-5)
+    q = Q.clone().requires_grad_(True)
+    maxsim_residual(q, codes, residuals, codec, cu, q_mask=q_mask).sum().backward()
+    assert q.grad[1].eq(0).all() and q.grad[0].abs().sum() > 0
