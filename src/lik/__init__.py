@@ -10,6 +10,8 @@ Public functions (see README.md for shapes and semantics):
   (the projected documents are never written), trainable.
 * :func:`lik.contrastive_loss` -- in-batch contrastive loss on MaxSim scores (cross-entropy, hard negatives) as one
   fused autograd node.
+* :func:`lik.maxsim_residual` -- MaxSim against ColBERTv2 / PLAID residual codes decoded on chip
+  (:mod:`lik.compression` holds the codec), with the gradient to the queries.
 * :func:`lik.search` -- exact top-k MaxSim search over a corpus, in memory-bounded chunks.
 * :class:`lik.DocumentBatch` -- an encoder's batch (padded with a mask or lengths, or packed) for ``Index.build``.
 * :class:`lik.Index` -- a saved, sharded corpus searched exactly on the GPU, in host RAM, on disk or across GPUs.
@@ -55,6 +57,7 @@ from .ops.msda import (
     ms_deform_attn_v2_reference,
 )
 from .ops.quantization import dequantize, quantize
+from .ops.residual import maxsim_residual
 from .precompile import warmup
 from .retrieval import search
 from .index import DocumentBatch, Index
@@ -74,6 +77,7 @@ __all__ = [
     "maxsim_from_hidden_reference",
     "contrastive_loss",
     "contrastive_loss_reference",
+    "maxsim_residual",
     "search",
     "Index",
     "DocumentBatch",
