@@ -205,7 +205,7 @@ def test_a_packed_chunk_replay_hands_the_kernel_what_the_full_path_would(stand_i
     stand_ins.clear()
     got = packed_function.score_packed(query, d, cu_d, d_scale)
     assert got.shape == first.shape == (2, 3) and len(packed_function.PACKED_CALLS) == 1
-    full = _full_launches(lambda: packed_function.launch_forward(packed_function.packed_forward_problem(
+    full = _full_launches(lambda: packed_function.packed_launch(packed_function.packed_forward_problem(
         packed_function.PackedInputs(query.q, d, None, cu_d, query.q_mask, 5, False, True, query.q_scale, d_scale)),
         False))
     _assert_same_launches(stand_ins, full, (query.q, query.q_mask, query.q_scale, d, cu_d, d_scale))

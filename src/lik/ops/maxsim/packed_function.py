@@ -16,9 +16,9 @@ from typing import NamedTuple
 from ..._device import current_device
 from ..._dispatch import kernel_op, router, uses_kernels
 from ..._replay import NEVER, allowed, file, plan_of, recording, tensor_key
-from ...core.forward_launch import chunk_sums, launch_forward
+from ...core.forward_launch import chunk_sums
 from .packed_backward import packed_backward
-from .packed_forward import packed_forward, packed_forward_problem
+from .packed_forward import packed_forward, packed_forward_problem, packed_launch
 from .packing import PackedInputs
 from .reference_varlen import packed_reference
 from .validation import QUANTIZED_DTYPES, quantize_query
@@ -149,7 +149,7 @@ def score_packed(query: PackedQuery, d: torch.Tensor, cu_d: torch.Tensor, d_scal
     if plan is NEVER or not uses_kernels(inputs.q):
         return packed_route(uses_kernels(inputs.q), False, inputs, False)
     with recording() as recorded:
-        partial, _ = launch_forward(packed_forward_problem(inputs), False)
+        partial, _ = packed_launch(packed_forward_problem(inputs), False)  # the token stream where it fits
     scores = chunk_sums(partial)
     plan = plan_of(recorded, sources)
     if plan is not None and plan is not NEVER:
