@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._device import cdiv, interpreting, next_power_of_2
+from ... import _device
+from ..._device import cdiv, next_power_of_2
 from ..._launch import launch
 from ..._replay import made
 
@@ -130,7 +131,7 @@ def launch_cross_entropy(
         >>> loss, grad = launch_cross_entropy(torch.randn(4, 6, device="cuda"), None, 0.05)
     """
     n_q, n_docs = scores.shape
-    block_r, block_b, programs, num_warps = config or cross_entropy_config(n_q, n_docs, interpreting())
+    block_r, block_b, programs, num_warps = config or cross_entropy_config(n_q, n_docs, _device.interpreting())
     device = scores.device
     # Every element of each buffer is written by the kernel: no fill launch.
     grad = made(torch.empty((n_q, n_docs), dtype=torch.float32, device=device)) if write_grad else None
