@@ -25,11 +25,19 @@ from lik.core.budget import SHARED_MEMORY_BY_ARCH
 triton_interpreter = pytest.importorskip("triton.runtime.interpreter")
 
 _DTYPES = {
-    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-    torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
-    torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv",
 }
-_OPTIONS = ("num_warps", "num_stages")
+_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 def _record_launches(monkeypatch, workload):
@@ -82,8 +90,12 @@ def _describe(fn, args, kwargs) -> dict:
         else:
             signature[p.name] = "fp32"
     return {
-        "module": fn.__module__, "name": fn.__name__, "signature": list(signature.items()), "constants": constants,
-        "aligned": aligned, "options": {k: kwargs[k] for k in _OPTIONS if k in kwargs},
+        "module": fn.__module__,
+        "name": fn.__name__,
+        "signature": list(signature.items()),
+        "constants": constants,
+        "aligned": aligned,
+        "options": {k: kwargs[k] for k in _OPTIONS if kwargs.get(k) is not None},
     }
 
 
@@ -113,10 +125,16 @@ for job in json.load(sys.stdin):
 def _maxsim_workload():
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float16, torch.float32):
-        for n_q, l_q, n_docs, l_d, dim, per_query in [(2, 32, 3, 70, 128, False), (1, 300, 2, 65, 128, False),
-                                                     (2, 20, 2, 40, 96, True), (1, 8, 2, 30, 640, False),
-                                                     (1, 300, 2, 65, 1000, False), (4, 32, 2, 40, 4096, False),
-                                                     (1, 300, 2, 256, 128, False), (1, 300, 2, 262, 128, False)]:
+        for n_q, l_q, n_docs, l_d, dim, per_query in [
+            (2, 32, 3, 70, 128, False),
+            (1, 300, 2, 65, 128, False),
+            (2, 20, 2, 40, 96, True),
+            (1, 8, 2, 30, 640, False),
+            (1, 300, 2, 65, 1000, False),
+            (4, 32, 2, 40, 4096, False),
+            (1, 300, 2, 256, 128, False),
+            (1, 300, 2, 262, 128, False),
+        ]:
             Q = torch.randn(n_q, l_q, dim, generator=gen).to(dtype).requires_grad_()
             D = torch.randn(((n_q,) if per_query else ()) + (n_docs, l_d, dim), generator=gen).to(dtype)
             D.requires_grad_()
@@ -178,8 +196,11 @@ def _chamfer_workload():
             nearest_indices(x, y, xl, yl, norm)
             nearest_indices(x, y, xl, yl, norm, both_ways=True)  # Chamfer's one pass (direct route)
         # What a GPU with TF32 takes (split operands), and the forced dot route.
-        for cfg in (_config.NearestConfig("core", "tf32x3"), _config.NearestConfig("dot", "tf32x3"),
-                    _config.NearestConfig("dot", "ieee")):
+        for cfg in (
+            _config.NearestConfig("core", "tf32x3"),
+            _config.NearestConfig("dot", "tf32x3"),
+            _config.NearestConfig("dot", "ieee"),
+        ):
             with _config.override(nearest=cfg):
                 nearest_indices(x, y, xl, yl, 2)
 
@@ -209,15 +230,23 @@ def _quantized_workload():
 
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.int8, torch.float8_e4m3fn):
-        for n_q, l_q, n_docs, l_d, dim, per_query in [(2, 32, 3, 70, 128, False), (32, 32, 3, 70, 128, False),
-                                                     (1, 32, 3, 70, 128, False),
-                                                     (1, 32, 2, 600, 128, False), (1, 300, 2, 65, 128, False),
-                                                     (2, 20, 2, 40, 96, True), (1, 8, 2, 30, 16, False),
-                                                     (1, 300, 2, 65, 1000, False), (4, 32, 2, 40, 4096, False),
-                                                     (1, 300, 2, 256, 128, False), (1, 300, 2, 262, 128, False)]:
+        for n_q, l_q, n_docs, l_d, dim, per_query in [
+            (2, 32, 3, 70, 128, False),
+            (32, 32, 3, 70, 128, False),
+            (1, 32, 3, 70, 128, False),
+            (1, 32, 2, 600, 128, False),
+            (1, 300, 2, 65, 128, False),
+            (2, 20, 2, 40, 96, True),
+            (1, 8, 2, 30, 16, False),
+            (1, 300, 2, 65, 1000, False),
+            (4, 32, 2, 40, 4096, False),
+            (1, 300, 2, 256, 128, False),
+            (1, 300, 2, 262, 128, False),
+        ]:
             Q = torch.randn(n_q, l_q, dim, generator=gen)
-            D, d_scale = lik.quantize(torch.randn(((n_q,) if per_query else ()) + (n_docs, l_d, dim), generator=gen),
-                                      dtype)
+            D, d_scale = lik.quantize(
+                torch.randn(((n_q,) if per_query else ()) + (n_docs, l_d, dim), generator=gen), dtype
+            )
             q_mask = torch.rand(n_q, l_q, generator=gen) > 0.2
             d_mask = torch.rand(D.shape[:-1], generator=gen) > 0.2
             maxsim_forward(MaxSimInputs.build(Q, D, d_scale=d_scale), store_argmax=False)
@@ -229,17 +258,148 @@ def _quantized_workload():
             q = torch.randn(sum(lengths_q), dim, generator=gen)
             d, d_scale = lik.quantize(torch.randn(110, dim, generator=gen), dtype)
             Q = torch.randn(2, 32, dim, generator=gen)
-            pairs = PackedInputs.build_pairs(q, d, cu_q, cu_d, 33, 70, read_values=False, allow_float64=False,
-                                             d_scale=d_scale)
+            pairs = PackedInputs.build_pairs(
+                q, d, cu_q, cu_d, 33, 70, read_values=False, allow_float64=False, d_scale=d_scale
+            )
             packed_forward(pairs, store_argmax=False)
-            corpus = PackedInputs.build_corpus(Q, d, cu_d, None, 70, read_values=False, allow_float64=False,
-                                               d_scale=d_scale)
+            corpus = PackedInputs.build_corpus(
+                Q, d, cu_d, None, 70, read_values=False, allow_float64=False, d_scale=d_scale
+            )
             packed_forward(corpus, store_argmax=False)
 
 
+def _stream_workload():
+    """The token stream (inference over a packed corpus of short documents) for every tile lik.config.packed picks:
+    one 32-token query, 128 and 256 stacked rows, a split 300-token query; fp16, bf16, fp32 (IEEE and TF32) and
+    8-bit corpora; a query mask and a width below the resident tile. The launcher is called directly: on the CPU,
+    bf16 and float8 scoring run the reference."""
+    from lik.ops.maxsim.packed_forward import packed_forward
+    from lik.ops.maxsim.packing import PackedInputs
+
+    gen = torch.Generator().manual_seed(7)
+    cu_d = torch.tensor([0, 40, 40, 110, 111], dtype=torch.int32)
+    cases = [(1, 32, 128, False), (4, 32, 128, False), (8, 32, 128, False), (1, 300, 128, False), (2, 32, 96, True)]
+    for n_q, l_q, dim, masked in cases:
+        q_mask = (torch.rand(n_q, l_q, generator=gen) > 0.2) if masked else None
+        Q = torch.randn(n_q, l_q, dim, generator=gen)
+        d = torch.randn(111, dim, generator=gen)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn):
+            rows, d_scale = lik.quantize(d, dtype) if dtype in _config.EIGHT_BIT_DTYPES else (d.to(dtype), None)
+            queries = Q if d_scale is not None else Q.to(dtype)
+            corpus = PackedInputs.build_corpus(
+                queries, rows, cu_d, q_mask, 70, read_values=False, allow_float64=False, d_scale=d_scale
+            )
+            packed_forward(corpus, store_argmax=False)
+    torch.set_float32_matmul_precision("high")
+    try:
+        lik.maxsim_packed(torch.randn(2, 32, 128), torch.randn(111, 128), cu_d, max_seqlen_d=70)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+def _contrastive_workload():
+    """lik.contrastive_loss forward and backward: MaxSim's training launches and the cross-entropy kernel, one
+    program (ColBERT's batch) and many (scores past SINGLE_PROGRAM_SCORES), labels and the diagonal."""
+    gen = torch.Generator().manual_seed(8)
+    for dtype, n_q, n_docs, labelled in (
+        (torch.float16, 4, 6, True),
+        (torch.float16, 160, 256, False),
+        (torch.float32, 3, 3, False),
+    ):
+        Q = torch.randn(n_q, 8, 64, generator=gen).to(dtype).requires_grad_()
+        D = torch.randn(n_docs, 20, 64, generator=gen).to(dtype).requires_grad_()
+        labels = torch.randint(0, n_docs, (n_q,), generator=gen) if labelled else None
+        for backward in ("fast", "deterministic"):
+            lik.contrastive_loss(Q, D, labels, temperature=0.05, backward=backward).backward()
+
+
+def _msda_v2_workload():
+    """lik.ms_deform_attn_v2 forward and backward (atomic and deterministic), both methods, points per level that
+    differ (the point-table path) and, for "discrete", that are equal."""
+    gen = torch.Generator().manual_seed(9)
+    shapes = torch.tensor([[6, 5], [3, 3]])
+    starts = torch.tensor([0, 30])
+    for dtype, dim in ((torch.float32, 32), (torch.float16, 256)):
+        for counts, method in (([3, 2], "default"), ([3, 2], "discrete"), ([4, 4], "discrete")):
+            value = torch.randn(2, 39, 8, dim, generator=gen).to(dtype).requires_grad_()
+            loc = torch.rand(2, 7, 8, sum(counts), 2, generator=gen).to(dtype).requires_grad_()
+            weights = torch.rand(2, 7, 8, sum(counts), generator=gen).to(dtype).requires_grad_()
+            for deterministic in (False, True):
+                torch.use_deterministic_algorithms(deterministic)
+                try:
+                    lik.ms_deform_attn_v2(value, shapes, starts, loc, weights, counts, method).sum().backward()
+                finally:
+                    torch.use_deterministic_algorithms(False)
+
+
+def _knn_workload():
+    """lik.knn_points' launches (its backward is PyTorch ops on the indices): 1, 8 and 32 neighbours, both norms,
+    3-D points and 64-wide features, fp32 and fp16. tests/ops/knn/test_knn_compile.py also checks the spills."""
+    from lik.ops.knn import kernel
+
+    gen = torch.Generator().manual_seed(10)
+    l1, l2 = torch.tensor([70, 3]), torch.tensor([5, 90])
+    exact_distances = kernel.exact_distances
+    # Recorded launches write nothing: the products route's exact distances would gather at garbage indices.
+    kernel.exact_distances = lambda p1, p2, idx, valid, norm: idx.float() * 0
+    try:
+        for dim, dtype in ((3, torch.float32), (64, torch.float32), (64, torch.float16)):
+            p1 = torch.randn(2, 70, dim, generator=gen).to(dtype)
+            p2 = torch.randn(2, 90, dim, generator=gen).to(dtype)
+            for K in (1, 8, 32):
+                for norm in (1, 2):
+                    lik.knn_points(p1, p2, l1, l2, norm=norm, K=K)
+    finally:
+        kernel.exact_distances = exact_distances
+
+
+def _soft_workload():
+    """lik.maxsim's soft reductions forward and backward: reduction="smooth" (tau) and "topk" (top_k), masks,
+    fp16 / bf16 / fp32 and a width past the resident tile."""
+    gen = torch.Generator().manual_seed(11)
+    options = (dict(reduction="smooth", tau=0.1), dict(reduction="topk", top_k=4))
+    for dtype, dim in ((torch.float16, 128), (torch.bfloat16, 96), (torch.float32, 128), (torch.float16, 1000)):
+        for kw in options:
+            Q = torch.randn(4, 32, dim, generator=gen).to(dtype).requires_grad_()
+            D = torch.randn(5, 70, dim, generator=gen).to(dtype).requires_grad_()
+            q_mask = torch.rand(4, 32, generator=gen) > 0.2
+            d_mask = torch.rand(5, 70, generator=gen) > 0.2
+            lik.maxsim(Q, D, q_mask, d_mask, **kw).sum().backward()
+            lik.maxsim(Q.detach(), D.detach(), **kw)
+
+
+def _fused_head_workload():
+    """lik.maxsim_from_hidden's backward launches (MaxSim's dQ gather and dD scatter / sorted gather over the
+    recomputed fp32 rows); its forward's are tests/ops/fused_head/test_compile_sm90.py's. Called below autograd
+    with real winners: a recorded forward would leave them unwritten."""
+    from lik.ops.fused_head.backward import fused_head_backward
+    from lik.ops.fused_head.validation import FusedHeadInputs
+
+    gen = torch.Generator().manual_seed(12)
+    for dtype, per_query in ((torch.float16, False), (torch.bfloat16, False), (torch.float32, True)):
+        Q = torch.randn(4, 32, 128, generator=gen).to(dtype)
+        H = torch.randn(*((4,) if per_query else ()), 6, 40, 768, generator=gen).to(dtype)
+        W = torch.randn(128, 768, generator=gen).to(dtype)
+        inputs = FusedHeadInputs.build(Q, H, W, torch.randn(128, generator=gen).to(dtype), None, None)
+        argmax = torch.randint(0, 40, (4, 6, 32), generator=gen, dtype=torch.int32)
+        grad = torch.randn(4, 6, generator=gen)
+        for deterministic in (False, True):
+            fused_head_backward(inputs, argmax, grad, (True, True, True, True), deterministic)
+
+
 WORKLOADS = {
-    "maxsim": _maxsim_workload, "varlen": _varlen_workload, "msda": _msda_workload, "chamfer": _chamfer_workload,
-    "quantize": _quantize_workload, "quantized": _quantized_workload,
+    "maxsim": _maxsim_workload,
+    "varlen": _varlen_workload,
+    "msda": _msda_workload,
+    "chamfer": _chamfer_workload,
+    "quantize": _quantize_workload,
+    "quantized": _quantized_workload,
+    "stream": _stream_workload,
+    "contrastive": _contrastive_workload,
+    "msda_v2": _msda_v2_workload,
+    "knn": _knn_workload,
+    "soft": _soft_workload,
+    "fused_head": _fused_head_workload,
 }
 
 
@@ -253,8 +413,11 @@ def test_every_launch_compiles_for_sm90(monkeypatch, name):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-c", _COMPILER, str(SHARED_MEMORY_BY_ARCH[(9, 0)])],
-        input="[" + ",".join(sorted(jobs)) + "]", env=env,
-        capture_output=True, text=True, timeout=900,
+        input="[" + ",".join(sorted(jobs)) + "]",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count(" ok") == len(jobs)
