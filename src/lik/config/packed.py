@@ -21,10 +21,10 @@ from .maxsim import EIGHT_BIT_DTYPES, MAX_RESIDENT_DIM, _maxsim_forward_heuristi
 
 __all__ = ["PackedStreamConfig", "packed_stream_config", "packed_stream_tiles", "STREAM_MAX_MEAN_TILES"]
 
-# The stream's documents: up to this many tiles long on average. Unmeasured on a GPU when written; a page of
-# ColPali (about 1 030 tokens, 16 tiles of 64) still takes it: the walk computes no ragged tile and refills no
-# pipeline per page either, and `lik bench` (packed_stream_cases) A/Bs both paths.
-STREAM_MAX_MEAN_TILES = 32
+# The stream's documents: up to this many tiles long on average. On the H200 (BENCHMARKS.md, "Packed corpora at
+# search scale") the stream won on 100-token documents (1.6 tiles; Nq 1 and 32) and lost on 1 030-token ColPali
+# pages (16 tiles of 64; Nq 32: 2.95 against the document loop's 2.50 ms), so pages keep the document loop.
+STREAM_MAX_MEAN_TILES = 4
 
 
 @dataclass(frozen=True)

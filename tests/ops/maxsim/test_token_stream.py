@@ -141,7 +141,9 @@ def test_choice_of_path(monkeypatch):
     assert cfg is not None and cfg.block_m == 256 and cfg.block_t == 64 and cfg.max_registers == 128
     one = packed_stream_config(**{**args, "n_queries": 1}, n_rows=5_000_000, n_docs=50_000)
     assert one is not None and one.block_m == 32 and one.block_t == 128
-    assert packed_stream_config(**args, n_rows=5_150_000, n_docs=5_000) is not None  # ColPali pages
+    assert packed_stream_config(**args, n_rows=5_150_000, n_docs=5_000) is None  # ColPali pages: the document loop
+    assert packed_stream_config(**args, n_rows=5_000 * 256, n_docs=5_000) is not None  # 4 tiles of 64, the limit
+    assert packed_stream_config(**args, n_rows=5_000 * 257, n_docs=5_000) is None
     assert packed_stream_config(**args, n_rows=50_000 * 4096, n_docs=50_000) is None  # long documents
     assert packed_stream_config(**{**args, "dim": 512}, n_rows=5_000_000, n_docs=50_000) is None  # streamed k
     with override(packed_stream=PackedStreamConfig(stream=False)):
