@@ -1,19 +1,19 @@
 """Chamfer distance cases: forward + backward of both directions, lik against the libraries users pick instead.
 
-Methods: ``lik`` (``lik.chamfer_distance``, PyTorch3D's contract and default reductions, under the run's float32
-matmul precision: the runner allows TF32), ``lik-highest`` (the same at ``"highest"``: TF32-split products of
-float32's accuracy; feature sets only, point clouds take exact differences either way), ``flash-maxsim``
-(``flash_chamfer_train``, one cloud per call, so batches loop), ``chamferdist`` (its CUDA extension), ``keops``
-(pykeops ``LazyTensor`` arg-min reductions, then a differentiable gather, as a KeOps user writes it) and
-``cdist`` (``torch.cdist`` + min, where the ``[N, P, P]`` matrix fits). ``torch.rand`` float32 clouds.
+Methods: ``lik`` (``lik.chamfer_distance``, PyTorch3D's contract and default reductions, with TF32 allowed:
+``torch.set_float32_matmul_precision("high")`` around the call), ``lik-highest`` (the same at ``"highest"``:
+TF32-split products of float32's accuracy; feature sets only, point clouds take exact differences either way),
+``flash-maxsim`` (``flash_chamfer_train``, one cloud per call, so batches loop), ``chamferdist`` (its CUDA
+extension), ``keops`` (pykeops ``LazyTensor`` arg-min reductions, then a differentiable gather, as a KeOps user
+writes it) and ``cdist`` (``torch.cdist`` + min, where the ``[N, P, P]`` matrix fits). ``torch.rand`` float32
+clouds.
 
 The floor counts the FLOPs of one ``[P, P]`` product per cloud (``2 * D * N * P^2``: one pass over the pairs
-serves both directions) at the cuBLAS rate of the run's float32 matmul precision, measured in the same run (TF32
-when the runner allows it). Point clouds (D = 3) are bound by instruction issue instead (benchmarks/NOTES.md), so
-their % of this floor is small by construction. The check compares each loss and its gradients with a float64
-brute-force loss of the same clouds: with TF32 products a few near-tied neighbours swap (each exact for the
-neighbour chosen), which moves the gradients of those points, so TF32 cells may exceed the tolerance where
-``lik-highest`` does not.
+serves both directions) at the cuBLAS TF32 rate (precision "high"), measured in the same run. Point clouds (D = 3)
+are bound by instruction issue instead (benchmarks/NOTES.md), so their % of this floor is small by construction.
+The check compares each loss and its gradients with a float64 brute-force loss of the same clouds: with TF32
+products a few near-tied neighbours swap (each exact for the neighbour chosen), which moves the gradients of those
+points, so TF32 cells may exceed the tolerance where ``lik-highest`` does not.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _inputs(n: int, p: int, d: int):
 def _floor(s: dict, ceilings) -> dict:
     flops = 2.0 * s["d"] * s["n"] * s["p"] * s["p"]
     nbytes = 4.0 * 2 * 2 * s["n"] * s["p"] * s["d"]  # both clouds read, both gradients written
-    return floor_record(flops, nbytes, ceilings, flops_per_s=fp32_matmul_rate(s["x"].device))
+    return floor_record(flops, nbytes, ceilings, flops_per_s=fp32_matmul_rate(s["x"].device, "high"))
 
 
 def _reference(s: dict) -> tuple[torch.Tensor, ...]:
@@ -107,21 +107,23 @@ def _step(loss_fn):
     return build
 
 
-def _lik(x, y):
-    import lik
-
-    return lik.chamfer_distance(x, y)[0]
-
-
-def _lik_highest(x, y):
+def _at_precision(precision: str, x, y):
     import lik
 
     previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision(precision)
     try:
         return lik.chamfer_distance(x, y)[0]
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def _lik(x, y):
+    return _at_precision("high", x, y)  # TF32 allowed, as the tables of flash-maxsim's TF32 kernel compare
+
+
+def _lik_highest(x, y):
+    return _at_precision("highest", x, y)
 
 
 def _flash(x, y):
