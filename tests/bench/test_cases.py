@@ -73,7 +73,8 @@ def test_a_failing_call_is_recorded_and_the_others_still_run():
     assert entry["cells"]["lik"]["median_ms"] > 0
 
 
-@pytest.mark.parametrize("op", ["packed", "index", "msda", "chamfer", "host"])
+@pytest.mark.parametrize("op", ["packed", "packed-stream", "index", "reductions", "stored", "contrastive", "fused_head",
+                                "msda", "chamfer", "host"])
 def test_each_operator_runs_its_first_case_on_the_cpu(op, monkeypatch):
     # lik's CPU path (the reference) stands in for the kernels: this checks the cases' plumbing (inputs, floors,
     # the float64 check), not the kernels, which tests/ops covers.

@@ -144,8 +144,8 @@ OPS: tuple[Op, ...] = (
        "bandwidth (training: three projections, H read twice, dH written)", weight=1.0),
     Op("msda", "Multi-scale deformable attention", ("lik",), ("cuda-op",), ("pytorch",), cases=_msda,
        floor="minimal bytes (inputs read once, outputs written once) / copy bandwidth", weight=1.0),
-    Op("chamfer", "Chamfer distance (forward + backward, both directions)", ("lik", "lik-highest"),
-       ("flash-maxsim", "chamferdist", "keops"), ("cdist",), cases=_chamfer,
+    Op("chamfer", "Chamfer distance (forward + backward, both directions)", ("lik",),
+       ("flash-maxsim", "chamferdist", "keops"), ("lik-highest", "cdist"), cases=_chamfer,
        floor="one product's FLOPs (2 D N P^2: one pass serves both directions) / cuBLAS rate at the run's float32 "
        "matmul precision (TF32)", weight=1.5),
     Op("host", "Host time of small calls", ("lik",), ("flash-maxsim", "late-interaction-kernels", "cuda-op"),

@@ -146,7 +146,8 @@ def reduction_cases() -> list[Case]:
             "lik-topk": CaseMethod(_step(_lik(reduction="topk", top_k=TOP_K))),
             "late-interaction-kernels": CaseMethod(_step(_late_interaction), module="late_interaction_kernels",
                                                    needs_cuda=True),
-            "late-interaction-kernels-smooth": CaseMethod(_no_smooth, module="late_interaction_kernels"),
+            "late-interaction-kernels-smooth": CaseMethod(_no_smooth, module="late_interaction_kernels",
+                                                          needs_cuda=True),
             "eager-smooth": CaseMethod(_step(_eager("smooth"))),
             "eager-topk": CaseMethod(_step(_eager("topk"))),
         }
