@@ -91,7 +91,6 @@ DIFFERENCES = [
     ("flash_maxsim", "tests/test_sparse_dd.py*", "flash-maxsim's sparse_dd backward is not covered"),
     ("flash_maxsim", "tests/test_splitd_int8_warmup.py::test_int8_train_gradient_quality",
      "flash_maxsim_int8_batched_train is not covered (lik's 8-bit scoring is inference only)"),
-    ("flash_maxsim", "tests/test_contrastive_step.py", "the fused contrastive step is not covered"),
     ("flash_maxsim", "tests/test_invgrid_correctness.py", "flash-maxsim's invgrid backward proposal is not covered"),
     ("late_interaction_kernels", "tests/test_retrieve_cpu.py::test_suppress_norm_warn_env_var_silences_warning",
      _NO_NORM_WARNING),
@@ -110,7 +109,6 @@ DIFFERENCES = [
      "lik keeps the winners as int16 when Ld < 32 768 (half the peer's int32 buffer): no_grad does skip the save, "
      "but the saving is below the test's int32-sized threshold"),
     ("late_interaction_kernels", "tests/test_plaid.py*", "plaid.maxsim_residual: lik has no compressed codec yet"),
-    ("late_interaction_kernels", "tests/test_fused_head*.py*", "fused_head.maxsim_from_hidden is not in lik yet"),
     ("late_interaction_kernels", "tests/test_pylate_compat_fallback.py*", _PATCH_INTERNALS),
     ("late_interaction_kernels", "tests/test_pylate_compat_warnings.py*", _PATCH_INTERNALS),
     ("late_interaction_kernels", "tests/test_pylate_compat.py::test_*_uses_patched_scores", _PATCH_INTERNALS),

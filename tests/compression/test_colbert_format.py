@@ -118,7 +118,7 @@ class _Evil:
         ("buckets.pt", (torch.zeros(2), torch.zeros(4)), "bucket_cutoffs must have 3 values"),
         ("0.codes.pt", torch.zeros(5, 1, dtype=torch.int32), r"expected codes \[n\]"),
         ("0.codes.pt", torch.full((5,), 8, dtype=torch.int32), "codes outside"),
-        ("0.codes.pt", torch.zeros(5), "expected int32 codes"),
+        ("0.codes.pt", torch.zeros(5), "expected int32 or int64 codes"),
         ("0.residuals.pt", torch.zeros(5, 3, dtype=torch.uint8), r"expected uint8 \[5, 4\]"),
         ("doclens.0.json", "[3, 0, 3]", "lengths sum to 6"),
         ("doclens.0.json", '[3, "2"]', "list of non-negative integers"),

@@ -119,7 +119,7 @@ def test_load_plaid_index_dispatches(tmp_path):
         ("centroids.npy", b"\x93NUMPY garbage", "not a readable .npy array"),
         ("bucket_weights.npy", np.zeros(4, np.float32), "expected 16 floats"),
         ("0.codes.npy", np.full(7, K, np.int64), "codes outside"),
-        ("0.codes.npy", np.zeros(7, np.float32), "expected int64 codes"),
+        ("0.codes.npy", np.zeros(7, np.float32), "expected int32 or int64 codes"),
         ("0.residuals.npy", np.zeros((7, 3), np.uint8), r"expected uint8 \[7, 16\]"),
         ("doclens.1.json", "[1, 1]", "lengths sum to 2"),
         ("ivf_lengths.npy", np.zeros(K, np.int32), "sum to"),

@@ -126,6 +126,39 @@ def _config(directory: Path) -> tuple[Path, dict]:
     return source, data
 
 
+def read_chunks(directory: Path, num_chunks: int, codec: ResidualCodec, load, suffix: str, centroids_name: str):
+    """The ``{i}.codes``, ``{i}.residuals`` and ``doclens.{i}.json`` of every chunk (colbert-ai's and fast-plaid's
+    layout; ``load`` reads one ``{i}.codes{suffix}`` / ``{i}.residuals{suffix}`` file), each checked against the
+    codec; returns int32 codes ``[T]``, uint8 residuals ``[T, packed_dim]`` and int64 document lengths."""
+    codes, residuals, doclens = [], [], []
+    for i in range(num_chunks):
+        codes_path, residuals_path = directory / f"{i}.codes{suffix}", directory / f"{i}.residuals{suffix}"
+        doclens_path = directory / f"doclens.{i}.json"
+        c = _tensor(codes_path, load(codes_path), 1, "codes [n]")
+        r = _tensor(residuals_path, load(residuals_path), 2, f"residuals [n, {codec.packed_dim}]")
+        lens = _json(doclens_path)
+        if c.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{codes_path}: expected int32 or int64 codes, got {c.dtype}")
+        if c.numel() and (int(c.min()) < 0 or int(c.max()) >= codec.num_centroids):
+            raise ValueError(f"{codes_path}: codes outside [0, {codec.num_centroids}) ({centroids_name}'s rows)")
+        if r.dtype != torch.uint8 or tuple(r.shape) != (c.shape[0], codec.packed_dim):
+            raise ValueError(
+                f"{residuals_path}: expected uint8 [{c.shape[0]}, {codec.packed_dim}], got {r.dtype} {list(r.shape)}"
+            )
+        if not isinstance(lens, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lens
+        ):
+            raise ValueError(f"{doclens_path}: expected a list of non-negative integers")
+        if sum(lens) != c.shape[0]:
+            raise ValueError(
+                f"{doclens_path}: lengths sum to {sum(lens)}, but {codes_path.name} has {c.shape[0]} codes"
+            )
+        codes.append(c.to(torch.int32))
+        residuals.append(r)
+        doclens.append(torch.tensor(lens, dtype=torch.int64))
+    return torch.cat(codes), torch.cat(residuals), torch.cat(doclens)
+
+
 def load_colbert_index(path) -> PlaidIndex:
     """Read a colbert-ai index directory into CPU tensors (see the module docstring for the files).
 
@@ -163,33 +196,7 @@ def load_colbert_index(path) -> PlaidIndex:
     except (TypeError, ValueError) as error:
         raise ValueError(f"{buckets_path}: {error}") from None
 
-    codes, residuals, doclens = [], [], []
-    for i in range(num_chunks):
-        codes_path, residuals_path = directory / f"{i}.codes.pt", directory / f"{i}.residuals.pt"
-        doclens_path = directory / f"doclens.{i}.json"
-        c = _tensor(codes_path, _pt(codes_path), 1, "codes [n]")
-        r = _tensor(residuals_path, _pt(residuals_path), 2, f"residuals [n, {codec.packed_dim}]")
-        lens = _json(doclens_path)
-        if c.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{codes_path}: expected int32 codes, got {c.dtype}")
-        if c.numel() and (int(c.min()) < 0 or int(c.max()) >= codec.num_centroids):
-            raise ValueError(f"{codes_path}: codes outside [0, {codec.num_centroids}) (centroids.pt's rows)")
-        if r.dtype != torch.uint8 or tuple(r.shape) != (c.shape[0], codec.packed_dim):
-            raise ValueError(
-                f"{residuals_path}: expected uint8 [{c.shape[0]}, {codec.packed_dim}], got {r.dtype} {list(r.shape)}"
-            )
-        if not isinstance(lens, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lens
-        ):
-            raise ValueError(f"{doclens_path}: expected a list of non-negative integers")
-        if sum(lens) != c.shape[0]:
-            raise ValueError(
-                f"{doclens_path}: lengths sum to {sum(lens)}, but {codes_path.name} has {c.shape[0]} codes"
-            )
-        codes.append(c.to(torch.int32))
-        residuals.append(r)
-        doclens.append(torch.tensor(lens, dtype=torch.int64))
-    codes_all, residuals_all, doclens_all = torch.cat(codes), torch.cat(residuals), torch.cat(doclens)
+    codes_all, residuals_all, doclens_all = read_chunks(directory, num_chunks, codec, _pt, ".pt", "centroids.pt")
     if "num_embeddings" in meta and _int(source, meta, "num_embeddings") != codes_all.shape[0]:
         raise ValueError(f"{source}: num_embeddings {meta['num_embeddings']} but the chunks hold {codes_all.shape[0]}")
 

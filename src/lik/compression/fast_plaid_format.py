@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from .codec import ResidualCodec
-from .colbert_format import PlaidIndex, _int, _json, _need, _tensor, is_colbert_index, load_colbert_index
+from .colbert_format import (PlaidIndex, _int, _json, _need, _tensor, is_colbert_index, load_colbert_index,
+                             read_chunks)
 
 __all__ = ["is_fast_plaid_index", "load_fast_plaid_index", "load_plaid_index"]
 
@@ -98,33 +99,7 @@ def load_fast_plaid_index(path) -> PlaidIndex:
     except (TypeError, ValueError) as error:
         raise ValueError(f"{directory / 'bucket_cutoffs.npy'}: {error}") from None
 
-    codes, residuals, doclens = [], [], []
-    for i in range(num_chunks):
-        codes_path, residuals_path = directory / f"{i}.codes.npy", directory / f"{i}.residuals.npy"
-        doclens_path = directory / f"doclens.{i}.json"
-        c = _tensor(codes_path, _npy(codes_path), 1, "codes [n]")
-        r = _tensor(residuals_path, _npy(residuals_path), 2, f"residuals [n, {codec.packed_dim}]")
-        lens = _json(doclens_path)
-        if c.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{codes_path}: expected int64 codes, got {c.dtype}")
-        if c.numel() and (int(c.min()) < 0 or int(c.max()) >= codec.num_centroids):
-            raise ValueError(f"{codes_path}: codes outside [0, {codec.num_centroids}) (centroids.npy's rows)")
-        if r.dtype != torch.uint8 or tuple(r.shape) != (c.shape[0], codec.packed_dim):
-            raise ValueError(
-                f"{residuals_path}: expected uint8 [{c.shape[0]}, {codec.packed_dim}], got {r.dtype} {list(r.shape)}"
-            )
-        if not isinstance(lens, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lens
-        ):
-            raise ValueError(f"{doclens_path}: expected a list of non-negative integers")
-        if sum(lens) != c.shape[0]:
-            raise ValueError(
-                f"{doclens_path}: lengths sum to {sum(lens)}, but {codes_path.name} has {c.shape[0]} codes"
-            )
-        codes.append(c.to(torch.int32))
-        residuals.append(r)
-        doclens.append(torch.tensor(lens, dtype=torch.int64))
-    codes_all, residuals_all, doclens_all = torch.cat(codes), torch.cat(residuals), torch.cat(doclens)
+    codes_all, residuals_all, doclens_all = read_chunks(directory, num_chunks, codec, _npy, ".npy", "centroids.npy")
     if "num_embeddings" in meta and _int(meta_path, meta, "num_embeddings") != codes_all.shape[0]:
         raise ValueError(
             f"{meta_path}: num_embeddings {meta['num_embeddings']} but the chunks hold {codes_all.shape[0]}"
