@@ -44,6 +44,7 @@ import triton.language as tl  # noqa: E402, F401 (the interpreter looks for it b
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import lik  # noqa: E402
 from lik import _launch  # noqa: E402
+from lik.bench.contrastive_cases import TrivialScorer  # noqa: E402  (the host floor: a few elementwise ops)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -117,21 +118,6 @@ class Clock:
 
 
 # ------------------------------------------------------------------------------------------------- scorers
-
-
-class TrivialScorer(torch.autograd.Function):
-    """The floor of a training step's host time: a differentiable ``[Nq, B]`` score of a few elementwise ops."""
-
-    @staticmethod
-    def forward(ctx, Q, D):
-        ctx.shapes = (Q.shape, Q.dtype, D.shape, D.dtype)
-        return Q[:, 0, 0].float()[:, None] * D[:, 0, 0].float()[None, :]
-
-    @staticmethod
-    def backward(ctx, grad):
-        q_shape, q_dtype, d_shape, d_dtype = ctx.shapes
-        return (torch.zeros(q_shape, dtype=q_dtype, device=grad.device),
-                torch.zeros(d_shape, dtype=d_dtype, device=grad.device))
 
 
 def einsum_maxsim(Q, D):

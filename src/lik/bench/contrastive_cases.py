@@ -12,7 +12,7 @@ random data. Methods:
 * ``flash-maxsim``: ``flash_maxsim.flash_maxsim_contrastive.colbert_contrastive_step`` (Lq <= 32 only: ColPali's
   row records its refusal);
 * ``trivial-scorer`` (host cases only): a custom autograd Function of a few elementwise ops + ``F.cross_entropy``,
-  the floor of a step's host time on this host (benchmarks/host_path.py's ``TrivialScorer``).
+  the floor of a step's host time on this host (``TrivialScorer``, which benchmarks/host_path.py uses too).
 
 Cases: ``contrastive/colbert-128``, ``contrastive/colbert-512`` (Nq = B, Lq 32, Ld 180) and
 ``contrastive/colpali-32`` (Nq = B = 32, Lq 1024, Ld 1024), timed on the device (``do_bench``:
