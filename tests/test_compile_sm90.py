@@ -100,12 +100,14 @@ def _describe(fn, args, kwargs) -> dict:
 
 
 # Runs in a fresh interpreter: once Triton's interpreter has run, it has patched triton.language in-process.
+# One JSON line per job: its constants, options, shared memory and (where cuobjdump ships with Triton) stack bytes.
 _COMPILER = """
-import importlib, json, sys
+import importlib, json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 SHARED_LIMIT = int(sys.argv[1])
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for job in json.load(sys.stdin):
     kernel = getattr(importlib.import_module(job["module"]), job["name"])
     signature = dict(job["signature"])  # a list of pairs: the parameter order matters
@@ -118,8 +120,32 @@ for job in json.load(sys.stdin):
     # A launch needing more shared memory than an sm_90 block may opt into fails at run time (OutOfResources).
     shared = compiled.metadata.shared
     assert shared <= SHARED_LIMIT, (job["name"], job["constants"], job["options"], shared, SHARED_LIMIT)
-    print(job["name"], "ok", shared, flush=True)
+    stack = None
+    if os.path.exists(CUOBJDUMP):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", cubin.name], capture_output=True, text=True)
+            stack = int(re.search(r"STACK:(\\d+)", usage.stdout).group(1))
+    print(json.dumps(dict(name=job["name"], constants=job["constants"], options=job["options"], shared=shared,
+                          stack=stack)), flush=True)
 """
+
+
+def compile_for_sm90(launches: list, timeout: int = 900) -> list[dict]:
+    """Compile each distinct recorded launch for sm_90 in a fresh interpreter (the device's toolchain, no GPU);
+    one record per distinct launch (see ``_COMPILER``). Fails the test on any compiler error."""
+    assert launches, "the workload launched no kernel"
+    jobs = {json.dumps(job, sort_keys=True) for job in (_describe(*launch) for launch in launches)}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILER, str(SHARED_MEMORY_BY_ARCH[(9, 0)])],
+        input="[" + ",".join(sorted(jobs)) + "]", env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    built = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(built) == len(jobs)
+    return built
 
 
 def _maxsim_workload():
@@ -407,17 +433,4 @@ WORKLOADS = {
 def test_every_launch_compiles_for_sm90(monkeypatch, name):
     if not _config.interpreting():
         pytest.skip("records launches through Triton's interpreter (TRITON_INTERPRET=1)")
-    launches = _record_launches(monkeypatch, WORKLOADS[name])
-    assert launches, "the workload launched no kernel"
-    jobs = {json.dumps(job, sort_keys=True) for job in (_describe(*launch) for launch in launches)}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILER, str(SHARED_MEMORY_BY_ARCH[(9, 0)])],
-        input="[" + ",".join(sorted(jobs)) + "]",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count(" ok") == len(jobs)
+    compile_for_sm90(_record_launches(monkeypatch, WORKLOADS[name]))

@@ -5,19 +5,12 @@ size Triton's ``cuobjdump`` reads (a spill would move the tile loop's state to l
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from lik import _config
-from lik.core.budget import SHARED_MEMORY_BY_ARCH
 from lik.ops.chamfer.kernel import nearest_indices
-from tests.ops.knn.test_knn_compile import _COMPILER
-from tests.test_compile_sm90 import _describe, _record_launches
+from tests.test_compile_sm90 import _record_launches, compile_for_sm90
 
 
 def _dot_workload():
@@ -41,15 +34,6 @@ def test_the_dot_route_compiles_for_sm90_without_spilling(monkeypatch):
     if not _config.interpreting():
         pytest.skip("records launches through Triton's interpreter (TRITON_INTERPRET=1)")
     launches = _record_launches(monkeypatch, _dot_workload)
-    assert launches, "the workload launched no kernel"
-    jobs = {json.dumps(job, sort_keys=True) for job in (_describe(*launch) for launch in launches)}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILER, str(SHARED_MEMORY_BY_ARCH[(9, 0)])],
-        input="[" + ",".join(sorted(jobs)) + "]", env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    built = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(built) == len(jobs)
+    built = compile_for_sm90(launches)
     spilled = [(b["constants"]["DIM"], b["constants"]["BOTH_WAYS"], b["stack"]) for b in built if b["stack"]]
     assert not spilled, spilled

@@ -5,21 +5,14 @@ variant is compiled to a cubin (the interpreter accepts code the real compiler r
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from lik import _config
-from lik.core.budget import SHARED_MEMORY_BY_ARCH
 from lik.ops.fused_head import forward as forward_module
 from lik.ops.fused_head.forward import fused_head_forward
 from lik.ops.fused_head.validation import FusedHeadInputs
-from tests.ops.knn.test_knn_compile import _COMPILER
-from tests.test_compile_sm90 import _describe, _record_launches
+from tests.test_compile_sm90 import _record_launches, compile_for_sm90
 
 
 def _workload():
@@ -53,14 +46,6 @@ def test_every_fused_head_launch_compiles_for_sm90_without_spilling(monkeypatch)
     monkeypatch.setattr(forward_module, "interpreting", lambda: False)
     launches = _record_launches(monkeypatch, _workload)
     assert len(launches) == 5
-    jobs = {json.dumps(job, sort_keys=True) for job in (_describe(*launch) for launch in launches)}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILER, str(SHARED_MEMORY_BY_ARCH[(9, 0)])],
-        input="[" + ",".join(sorted(jobs)) + "]", env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    built = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(built) == len(jobs)
+    built = compile_for_sm90(launches)
     spilled = [(b["constants"], b["stack"]) for b in built if b["stack"]]
     assert not spilled, spilled

@@ -6,47 +6,14 @@ Triton's ``cuobjdump`` reads each cubin's stack size."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from lik import _config
 from lik.config import override
-from lik.core.budget import SHARED_MEMORY_BY_ARCH
 from lik.ops.knn import KnnConfig
 from lik.ops.knn.kernel import knn_forward
-from tests.test_compile_sm90 import _describe, _record_launches
-
-# Runs in a fresh interpreter (Triton's interpreter has patched triton.language in this one).
-_COMPILER = """
-import importlib, json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-SHARED_LIMIT = int(sys.argv[1])
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-for job in json.load(sys.stdin):
-    kernel = getattr(importlib.import_module(job["module"]), job["name"])
-    signature = dict(job["signature"])
-    names = list(signature)
-    constants = {(names.index(k),): v for k, v in job["constants"].items()}
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in job["aligned"]}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=job["options"])
-    assert compiled.metadata.shared <= SHARED_LIMIT, (job["constants"], compiled.metadata.shared)
-    stack = None
-    if os.path.exists(CUOBJDUMP):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(compiled.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", cubin.name], capture_output=True, text=True)
-            stack = int(re.search(r"STACK:(\\d+)", usage.stdout).group(1))
-    print(json.dumps(dict(constants=job["constants"], options=job["options"], stack=stack)), flush=True)
-"""
+from tests.test_compile_sm90 import _record_launches, compile_for_sm90
 
 
 def _knn_workload():
@@ -76,16 +43,7 @@ def test_every_knn_launch_compiles_for_sm90_without_spilling(monkeypatch):
     # Recorded launches write nothing: the products route's re-sort would read garbage indices.
     monkeypatch.setattr("lik.ops.knn.kernel.exact_distances", lambda p1, p2, idx, valid, norm: idx.float() * 0)
     launches = _record_launches(monkeypatch, _knn_workload)
-    assert launches, "the workload launched no kernel"
-    jobs = {json.dumps(job, sort_keys=True) for job in (_describe(*launch) for launch in launches)}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILER, str(SHARED_MEMORY_BY_ARCH[(9, 0)])],
-        input="[" + ",".join(sorted(jobs)) + "]", env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    built = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(built) == len(jobs)
+    built = compile_for_sm90(launches)
     spilled = [(b["constants"]["KP"], b["constants"]["WIDTH"], b["constants"]["DOT_PRECISION"], b["constants"]["NORM"],
                 b["stack"]) for b in built if b["stack"]]
     assert not spilled, spilled

@@ -4,19 +4,13 @@ distinct one is compiled to a cubin with Triton's own toolchain (the harness of 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import lik
 from lik import _config
-from lik.core.budget import SHARED_MEMORY_BY_ARCH
+from ...test_compile_sm90 import _record_launches, compile_for_sm90
 
-from ...test_compile_sm90 import _COMPILER, _describe, _record_launches
 
 
 def _workload():
@@ -49,11 +43,4 @@ def test_soft_and_stored_launches_compile_for_sm90(monkeypatch):
     launches = _record_launches(monkeypatch, _workload)
     names = {fn.__name__ for fn, _, _ in launches}
     assert {"soft_fwd_kernel", "soft_bwd_dq_kernel", "soft_bwd_dd_kernel", "maxsim_bwd_dq_kernel"} <= names
-    jobs = {json.dumps(job, sort_keys=True) for job in (_describe(*launch) for launch in launches)}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILER, str(SHARED_MEMORY_BY_ARCH[(9, 0)])],
-        input="[" + ",".join(sorted(jobs)) + "]", env=env, capture_output=True, text=True, timeout=1500,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count(" ok") == len(jobs)
+    compile_for_sm90(launches, timeout=1500)
