@@ -12,7 +12,6 @@ from lik import _config
 from ...test_compile_sm90 import _record_launches, compile_for_sm90
 
 
-
 def _workload():
     gen = torch.Generator().manual_seed(0)
     options = [dict(reduction="smooth", tau=0.1), dict(reduction="topk", top_k=4), dict(reduction="topk", top_k=16)]
