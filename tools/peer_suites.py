@@ -52,19 +52,39 @@ SUITES = {
     "flash_maxsim": {
         "sdist": "flash_maxsim-0.3.0",
         "lik": "lik.integrations.flash_maxsim",
-        "aliases": {name: "" for name in (
-            "flash_maxsim", "flash_maxsim_varlen", "flash_maxsim_batched_train", "flash_maxsim_quant",
-            "flash_maxsim_rerank", "flash_maxsim_topk", "flash_maxsim_advanced", "flash_maxsim_pairs_dense",
-            "warmup")},
+        "aliases": {
+            name: ""
+            for name in (
+                "flash_maxsim",
+                "flash_maxsim_varlen",
+                "flash_maxsim_batched_train",
+                "flash_maxsim_quant",
+                "flash_maxsim_rerank",
+                "flash_maxsim_topk",
+                "flash_maxsim_advanced",
+                "flash_maxsim_pairs_dense",
+                "warmup",
+            )
+        }
+        | {"flash_maxsim_contrastive": ".contrastive"},
         "references": ("naive",),
         "version": "0.3.0",
     },
     "late_interaction_kernels": {
         "sdist": "late_interaction_kernels-0.4.5",
         "lik": "lik.integrations.late_interaction_kernels",
-        "aliases": {"autograd": ".scoring", "varlen": ".scoring", "retrieve": ".scoring", "fp8": ".fp8",
-                    "padded": ".padded", "topk": ".topk", "score_pairs": ".score_pairs",
-                    "pylate_compat": ".pylate_compat", "colpali_compat": ".colpali_compat"},
+        "aliases": {
+            "autograd": ".scoring",
+            "varlen": ".scoring",
+            "retrieve": ".scoring",
+            "fp8": ".fp8",
+            "padded": ".padded",
+            "topk": ".topk",
+            "score_pairs": ".score_pairs",
+            "pylate_compat": ".pylate_compat",
+            "colpali_compat": ".colpali_compat",
+            "fused_head": ".fused_head",
+        },
         "references": ("reference",),
         "version": "0.4.5",
     },
@@ -81,23 +101,40 @@ NOT_RUN = {
 
 _NO_NORM_WARNING = "lik prints no warning for unnormalised inputs (the peer's autograd._maybe_warn_unnormalized)"
 _PEER_INTERNALS = "tests the peer's kernels or internals (not part of the API lik replaces)"
-_PATCH_INTERNALS = ("patch_pylate / patch_colpali_engine are lik's switches: no names rebound, no _ORIGINAL, "
-                    "patched_* or package_at_least; they act on every device and host version")
+_PATCH_INTERNALS = (
+    "patch_pylate / patch_colpali_engine are lik's switches: no names rebound, no _ORIGINAL, "
+    "patched_* or package_at_least; they act on every device and host version"
+)
 # Deliberate differences: (suite, node id pattern, reason). Listed in the compatibility modules' docstrings.
 DIFFERENCES = [
-    ("flash_maxsim", "tests/test_flash_maxsim.py::test_chamfer_backward",
-     "flash_chamfer is not covered (lik.chamfer_distance has PyTorch3D's contract)"),
+    (
+        "flash_maxsim",
+        "tests/test_flash_maxsim.py::test_chamfer_backward",
+        "flash_chamfer is not covered (lik.chamfer_distance has PyTorch3D's contract)",
+    ),
     ("flash_maxsim", "tests/test_flash_maxsim.py::test_sparse_maxsim*", "flash_maxsim_sparse is not covered"),
     ("flash_maxsim", "tests/test_sparse_dd.py*", "flash-maxsim's sparse_dd backward is not covered"),
-    ("flash_maxsim", "tests/test_splitd_int8_warmup.py::test_int8_train_gradient_quality",
-     "flash_maxsim_int8_batched_train is not covered (lik's 8-bit scoring is inference only)"),
+    (
+        "flash_maxsim",
+        "tests/test_splitd_int8_warmup.py::test_int8_train_gradient_quality",
+        "flash_maxsim_int8_batched_train is not covered (lik's 8-bit scoring is inference only)",
+    ),
     ("flash_maxsim", "tests/test_invgrid_correctness.py", "flash-maxsim's invgrid backward proposal is not covered"),
-    ("late_interaction_kernels", "tests/test_retrieve_cpu.py::test_suppress_norm_warn_env_var_silences_warning",
-     _NO_NORM_WARNING),
-    ("late_interaction_kernels", "tests/test_retrieve_cpu.py::test_unnormalized_warn_fires_once_direct",
-     _NO_NORM_WARNING),
-    ("late_interaction_kernels", "tests/test_retrieve_cpu.py::test_norm_check_runs_once_even_when_normalized",
-     _NO_NORM_WARNING),
+    (
+        "late_interaction_kernels",
+        "tests/test_retrieve_cpu.py::test_suppress_norm_warn_env_var_silences_warning",
+        _NO_NORM_WARNING,
+    ),
+    (
+        "late_interaction_kernels",
+        "tests/test_retrieve_cpu.py::test_unnormalized_warn_fires_once_direct",
+        _NO_NORM_WARNING,
+    ),
+    (
+        "late_interaction_kernels",
+        "tests/test_retrieve_cpu.py::test_norm_check_runs_once_even_when_normalized",
+        _NO_NORM_WARNING,
+    ),
     ("late_interaction_kernels", "tests/test_retrieve.py::test_unnormalized_input_warns_once", _NO_NORM_WARNING),
     ("late_interaction_kernels", "tests/test_forward.py::test_chunked_backward_matches_unchunked*", _PEER_INTERNALS),
     ("late_interaction_kernels", "tests/test_forward.py::test_kd_over_ceil_still_warns", _PEER_INTERNALS),
@@ -105,31 +142,51 @@ DIFFERENCES = [
     ("late_interaction_kernels", "tests/test_backward_unified.py*", _PEER_INTERNALS),
     ("late_interaction_kernels", "tests/test_compile_cache.py*", _PEER_INTERNALS),
     ("late_interaction_kernels", "tests/test_public_api.py*", "the mps backend is not covered"),
-    ("late_interaction_kernels", "tests/test_robustness.py::test_no_grad_does_not_save_argmax_buffer",
-     "lik keeps the winners as int16 when Ld < 32 768 (half the peer's int32 buffer): no_grad does skip the save, "
-     "but the saving is below the test's int32-sized threshold"),
+    (
+        "late_interaction_kernels",
+        "tests/test_robustness.py::test_no_grad_does_not_save_argmax_buffer",
+        "lik keeps the winners as int16 when Ld < 32 768 (half the peer's int32 buffer): no_grad does skip the save, "
+        "but the saving is below the test's int32-sized threshold",
+    ),
     ("late_interaction_kernels", "tests/test_plaid.py*", "plaid.maxsim_residual: lik has no compressed codec yet"),
     ("late_interaction_kernels", "tests/test_pylate_compat_fallback.py*", _PATCH_INTERNALS),
     ("late_interaction_kernels", "tests/test_pylate_compat_warnings.py*", _PATCH_INTERNALS),
     ("late_interaction_kernels", "tests/test_pylate_compat.py::test_*_uses_patched_scores", _PATCH_INTERNALS),
     ("late_interaction_kernels", "tests/test_pylate_compat.py::test_unpatch_restores_original", _PATCH_INTERNALS),
-    ("late_interaction_kernels", "tests/test_pylate_compat.py::test_patch_pylate_is_noop_on_native_pylate",
-     _PATCH_INTERNALS),
+    (
+        "late_interaction_kernels",
+        "tests/test_pylate_compat.py::test_patch_pylate_is_noop_on_native_pylate",
+        _PATCH_INTERNALS,
+    ),
     ("late_interaction_kernels", "tests/test_colpali_compat.py::test_patch_and_unpatch_round_trip", _PATCH_INTERNALS),
     ("late_interaction_kernels", "tests/test_colpali_compat.py::test_double_patch_is_idempotent", _PATCH_INTERNALS),
     ("late_interaction_kernels", "tests/test_colpali_compat.py::test_lik_disable_falls_through", _PATCH_INTERNALS),
-    ("late_interaction_kernels", "tests/test_colpali_compat.py::test_patched_score_multi_vector_matches_original_cuda",
-     _PATCH_INTERNALS),
-    ("late_interaction_kernels", "tests/test_colpali_compat.py::test_patch_colpali_engine_is_noop_on_native_colpali",
-     _PATCH_INTERNALS),
-    ("late_interaction_kernels", "tests/test_padded.py::test_pack_padded_async_assert_*",
-     "pack_padded refuses a length past the padding with ValueError on the host, not a device-side assert"),
-    ("late_interaction_kernels", "tests/test_varlen.py::test_varlen_too_small_max_seqlen_asserts",
-     "max_seqlen_* are hints in lik: a small one costs speed, never tokens (no device-side assert)"),
+    (
+        "late_interaction_kernels",
+        "tests/test_colpali_compat.py::test_patched_score_multi_vector_matches_original_cuda",
+        _PATCH_INTERNALS,
+    ),
+    (
+        "late_interaction_kernels",
+        "tests/test_colpali_compat.py::test_patch_colpali_engine_is_noop_on_native_colpali",
+        _PATCH_INTERNALS,
+    ),
+    (
+        "late_interaction_kernels",
+        "tests/test_padded.py::test_pack_padded_async_assert_*",
+        "pack_padded refuses a length past the padding with ValueError on the host, not a device-side assert",
+    ),
+    (
+        "late_interaction_kernels",
+        "tests/test_varlen.py::test_varlen_too_small_max_seqlen_asserts",
+        "max_seqlen_* are hints in lik: a small one costs speed, never tokens (no device-side assert)",
+    ),
 ]
 
-_HALF_VS_FLOAT = ("torch.allclose of flash-maxsim's float16 maxsim_naive and its float32 scores raises 'Half did not "
-                  "match Float', whatever the scores")
+_HALF_VS_FLOAT = (
+    "torch.allclose of flash-maxsim's float16 maxsim_naive and its float32 scores raises 'Half did not "
+    "match Float', whatever the scores"
+)
 # Tests that fail against the peer itself whatever scores it computes (--baseline confirms them on a GPU).
 FAILS_WITH_PEER = [
     ("flash_maxsim", "tests/test_flash_maxsim.py::test_correctness", _HALF_VS_FLOAT),
@@ -138,8 +195,11 @@ FAILS_WITH_PEER = [
     ("flash_maxsim", "tests/test_flash_maxsim.py::test_large_embedding_dim*", _HALF_VS_FLOAT),
 ]
 
-_NEEDS_CUDA = re.compile(r"Torch not compiled with CUDA|Found no NVIDIA driver|no CUDA GPUs are available|"
-                         r"CUDA driver initialization failed|cuda.*is not available", re.IGNORECASE)
+_NEEDS_CUDA = re.compile(
+    r"Torch not compiled with CUDA|Found no NVIDIA driver|no CUDA GPUs are available|"
+    r"CUDA driver initialization failed|cuda.*is not available",
+    re.IGNORECASE,
+)
 _MISSING = re.compile(r"No module named '([\w.]+)'")
 _VERDICT = re.compile(r"\b(FAIL|BAD)\b|✗")
 
@@ -170,12 +230,14 @@ _REFERENCES = {{name: {str(peer_dir)!r} + "/" + name + ".py" for name in {spec["
 class _Loader(importlib.abc.Loader):
     def __init__(self, module):
         self.module = module
+        self.spec = module.__spec__
 
     def create_module(self, spec):
         return self.module
 
     def exec_module(self, module):
-        pass
+        # importlib stamps the alias's spec on the module it loads: lik's module keeps its own.
+        module.__spec__ = self.spec
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -194,6 +256,10 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _Finder())
+# Every API submodule loads now, then the package's names are bound, as the peer's __init__ does: importing
+# {suite}.X later binds nothing over the package's function X (the peer's X is its function, not its module).
+for _name in _ALIASES:
+    importlib.import_module(__name__ + "." + _name)
 __all__ = list(_LIK.__all__)
 globals().update({{name: getattr(_LIK, name) for name in __all__}})
 __version__ = {spec["version"]!r}
@@ -226,8 +292,9 @@ def _env(shim: Path) -> dict:
 
 
 def _has_cuda(python: str, env: dict) -> bool:
-    probe = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"], env=env,
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [python, "-c", "import torch; print(torch.cuda.is_available())"], env=env, capture_output=True, text=True
+    )
     return probe.stdout.strip() == "True"
 
 
@@ -236,8 +303,9 @@ def _junit_outcomes(path: Path) -> list[Outcome]:
     for case in ElementTree.parse(path).iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
         if classname:
-            module, _, klass = classname.partition(".")[2].partition(".") if classname.startswith("tests.") else (
-                classname, "", "")
+            module, _, klass = (
+                classname.partition(".")[2].partition(".") if classname.startswith("tests.") else (classname, "", "")
+            )
             test = f"tests/{module}.py::" + (f"{klass}::" if klass else "") + name
         else:  # a file that failed to import
             test = name.replace(".", "/") + ".py"
@@ -265,8 +333,9 @@ class Clock:
 def _run(cmd: list[str], cwd: Path, env: dict, timeout_s: int) -> tuple[int | None, str]:
     """``(exit status, output)``; at the time limit the command and its children (pytest-xdist's workers) are
     killed and the status is None."""
-    process = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = process.communicate(timeout=timeout_s)
         return process.returncode, output
@@ -281,13 +350,25 @@ def _run_pytest(python, files, cwd, env, out, name, clock: Clock, workers) -> li
     if timeout_s <= 0:
         return [Outcome(f, "not run", "--deadline-s reached") for f in files]
     junit = out / f"{name}.junit.xml"
-    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "--continue-on-collection-errors",
-           f"--junitxml={junit}", *(["-n", str(workers)] if workers > 1 else []), *files]
+    cmd = [
+        python,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rs",
+        "--continue-on-collection-errors",
+        f"--junitxml={junit}",
+        *(["-n", str(workers)] if workers > 1 else []),
+        *files,
+    ]
     code, log = _run(cmd, cwd, env, timeout_s)
     (out / f"{name}.pytest.log").write_text(log)
     if code is None:
-        return [Outcome(f, "not run", f"pytest stopped at its {timeout_s} s limit (run this suite alone)")
-                for f in files]
+        return [
+            Outcome(f, "not run", f"pytest stopped at its {timeout_s} s limit (run this suite alone)") for f in files
+        ]
     if not junit.is_file():
         return [Outcome(f, "failed", "pytest wrote no report (see the log)") for f in files]
     return _junit_outcomes(junit)
@@ -329,8 +410,9 @@ def _classify(suite: str, outcome: Outcome, cuda: bool, failed_with_peer: set[st
     return "UNEXPECTED"
 
 
-def _run_tests(root: Path, env: dict, out: Path, tag: str, python: str, cuda: bool, skipped: dict,
-               clock: Clock, workers: int) -> list[Outcome]:
+def _run_tests(
+    root: Path, env: dict, out: Path, tag: str, python: str, cuda: bool, skipped: dict, clock: Clock, workers: int
+) -> list[Outcome]:
     files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").glob("test_*.py"))
     outcomes = [Outcome(f, "not run", skipped[f]) for f in files if f in skipped]
     files = [f for f in files if f not in skipped]
@@ -344,8 +426,9 @@ def _run_tests(root: Path, env: dict, out: Path, tag: str, python: str, cuda: bo
     return outcomes
 
 
-def run_suite(suite: str, src: Path, work: Path, out: Path, python: str, clock: Clock, baseline: bool,
-              workers: int = 0) -> SuiteReport:
+def run_suite(
+    suite: str, src: Path, work: Path, out: Path, python: str, clock: Clock, baseline: bool, workers: int = 0
+) -> SuiteReport:
     """The suite against lik (the shim), and with ``baseline`` against the peer itself (the sdist's package)."""
     spec = SUITES[suite]
     sdist = _sdist(src, work, spec["sdist"])
@@ -406,13 +489,21 @@ def main(argv=None) -> int:
     parser.add_argument("--suite", action="append", choices=sorted(SUITES), help="run only these suites")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs the tests")
     parser.add_argument("--timeout-s", type=int, default=480, help="limit for each pytest run and each script")
-    parser.add_argument("--baseline", action="store_true",
-                        help="also run each suite against the peer itself (from the sdist): a failure it shares is "
-                             "marked 'fails with the peer too'")
-    parser.add_argument("--deadline-s", type=int,
-                        help="time for the whole run: what would start after it is reported as not run")
-    parser.add_argument("--workers", type=int, default=0,
-                        help="pytest-xdist workers for the pytest files (kernel compilation runs on the CPUs)")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also run each suite against the peer itself (from the sdist): a failure it shares is "
+        "marked 'fails with the peer too'",
+    )
+    parser.add_argument(
+        "--deadline-s", type=int, help="time for the whole run: what would start after it is reported as not run"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="pytest-xdist workers for the pytest files (kernel compilation runs on the CPUs)",
+    )
     args = parser.parse_args(argv)
     if not args.src.is_dir():
         parser.error(f"--src {args.src} is not a folder")
@@ -422,8 +513,10 @@ def main(argv=None) -> int:
         logs = Path(tmp) / "logs"
         logs.mkdir()
         clock = Clock(args.timeout_s, args.deadline_s)
-        reports = [run_suite(s, args.src.resolve(), Path(tmp), logs, args.python, clock, args.baseline, args.workers)
-                   for s in (args.suite or sorted(SUITES))]
+        reports = [
+            run_suite(s, args.src.resolve(), Path(tmp), logs, args.python, clock, args.baseline, args.workers)
+            for s in (args.suite or sorted(SUITES))
+        ]
         text, unexpected = summarize(reports)
         if args.out is not None:  # two files: a device run returns few
             args.out.mkdir(parents=True, exist_ok=True)

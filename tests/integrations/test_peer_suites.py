@@ -50,12 +50,23 @@ def test_classification(tool):
     assert status("tests/test_x.py::test_y", "Torch not compiled with CUDA enabled", cuda=False) == "needs CUDA"
     assert status("tests/test_x.py::test_y", "Torch not compiled with CUDA enabled") == "UNEXPECTED"
     assert status("tests/test_x.py::test_y", "assert 1 < 0", peer={"tests/test_x.py::test_y"}) == (
-        "fails with the peer too")
-    assert tool._classify("flash_maxsim", Outcome("tests/test_flash_maxsim.py::test_correctness", "failed",
-                                                  "RuntimeError: Half did not match Float"), True, set()).startswith(
-        "fails with the peer too: ")
-    assert tool._classify("flash_maxsim", Outcome("tests/test_flash_maxsim.py::test_correctness", "failed",
-                                                  "assert tensor(False)"), True, set()) == "UNEXPECTED"
+        "fails with the peer too"
+    )
+    assert tool._classify(
+        "flash_maxsim",
+        Outcome("tests/test_flash_maxsim.py::test_correctness", "failed", "RuntimeError: Half did not match Float"),
+        True,
+        set(),
+    ).startswith("fails with the peer too: ")
+    assert (
+        tool._classify(
+            "flash_maxsim",
+            Outcome("tests/test_flash_maxsim.py::test_correctness", "failed", "assert tensor(False)"),
+            True,
+            set(),
+        )
+        == "UNEXPECTED"
+    )
     assert tool._classify(suite, Outcome("tests/test_x.py::test_y", "passed"), True, set()) == "passed"
 
 
@@ -85,6 +96,30 @@ def test_shim_maps_api_submodules_to_lik_and_references_to_the_sdist(tool, tmp_p
     assert run.returncode == 0 and run.stdout.strip() == "no plaid", run.stderr
 
 
+def test_flash_shim_keeps_the_packages_functions_over_its_submodules(tool, tmp_path):
+    # PyLate's flash backend imports flash_maxsim_batched_train from the package after a test imported the
+    # submodule of that name: the package's name must still be the function, as in the peer.
+    suite = "flash_maxsim"
+    peer_dir = tmp_path / "sdist" / suite
+    peer_dir.mkdir(parents=True)
+    (peer_dir / "naive.py").write_text("def maxsim_naive():\n    return 'the sdist'\n")
+    shim = tmp_path / "shim" / suite
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text(tool._shim_source(suite, tool.SUITES[suite], peer_dir))
+    code = (
+        "import flash_maxsim.flash_maxsim_batched_train, flash_maxsim.flash_maxsim, flash_maxsim.warmup\n"
+        "import lik.integrations.flash_maxsim as ours\n"
+        "from flash_maxsim import flash_maxsim, flash_maxsim_batched_train, warmup\n"
+        "from flash_maxsim.flash_maxsim_contrastive import colbert_contrastive_step\n"
+        "assert flash_maxsim_batched_train is ours.flash_maxsim_batched_train and flash_maxsim is ours.flash_maxsim\n"
+        "assert warmup is ours.warmup and colbert_contrastive_step is ours.colbert_contrastive_step\n"
+        "assert ours.__spec__.name == 'lik.integrations.flash_maxsim', ours.__spec__\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "shim"), str(REPO / "src")]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+
+
 def test_a_run_reports_each_outcome_and_fails_on_the_unexpected(tool, tmp_path, capsys):
     tests = {
         "test_flash_maxsim.py": (
@@ -92,10 +127,16 @@ def test_a_run_reports_each_outcome_and_fails_on_the_unexpected(tool, tmp_path, 
             "def test_shadowed():\n    assert flash_maxsim.flash_maxsim_batched is ours.flash_maxsim_batched\n"
             "def test_reference_is_the_sdists():\n    assert flash_maxsim.maxsim_naive() == 'the sdist'\n"
             "def test_chamfer_backward():\n    from flash_maxsim.flash_chamfer import flash_chamfer_train\n"
-            "def test_broken():\n    assert False, 'a real failure'\n"),
+            "def test_broken():\n    assert False, 'a real failure'\n"
+        ),
     }
-    src = _fake_sdist(tmp_path / "src", "flash_maxsim", "flash_maxsim-0.3.0", tests,
-                      {"__init__.py": "", "naive.py": "def maxsim_naive():\n    return 'the sdist'\n"})
+    src = _fake_sdist(
+        tmp_path / "src",
+        "flash_maxsim",
+        "flash_maxsim-0.3.0",
+        tests,
+        {"__init__.py": "", "naive.py": "def maxsim_naive():\n    return 'the sdist'\n"},
+    )
     out = tmp_path / "out"
     status = tool.main(["--src", str(src), "--out", str(out), "--suite", "flash_maxsim", "--timeout-s", "300"])
     printed = capsys.readouterr().out
@@ -113,12 +154,18 @@ def test_time_limits(tool, tmp_path):
     assert tool.Clock(100, None).limit() == 100 and tool.Clock(100, 3600).limit() == 100
     spent = tool.Clock(100, 0)
     assert spent.limit() == 0
-    assert [o.status for o in tool._run_pytest(sys.executable, ["tests/test_a.py"], tmp_path, {}, tmp_path, "x",
-                                                spent, 0)] == ["not run"]
-    code, output = tool._run([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
-                             tmp_path, dict(os.environ), 2)
+    assert [
+        o.status for o in tool._run_pytest(sys.executable, ["tests/test_a.py"], tmp_path, {}, tmp_path, "x", spent, 0)
+    ] == ["not run"]
+    code, output = tool._run(
+        [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+        tmp_path,
+        dict(os.environ),
+        2,
+    )
     assert code is None and "stopped after 2 s" in output and "started" in output
     (tmp_path / "slow.py").write_text("import time\ntime.sleep(60)\n")
-    outcome = tool._run_script(sys.executable, "slow.py", tmp_path, dict(os.environ), tmp_path, "x",
-                               tool.Clock(2, None))
+    outcome = tool._run_script(
+        sys.executable, "slow.py", tmp_path, dict(os.environ), tmp_path, "x", tool.Clock(2, None)
+    )
     assert outcome.status == "not run" and "2 s limit" in outcome.detail
