@@ -4,10 +4,12 @@ ColBERT packs them) and readers for the indexes ColBERT and fast-plaid write.
 Files by role: ``kmeans`` (centroid training on the data's device), ``sampling`` (ColBERTv2's training plan:
 sample sizes, centroid count, held-out split, bucket quantiles), ``packing`` (the bit layout and ColBERT's lookup
 tables), ``codec`` (:class:`ResidualCodec`: compress, decompress, train), ``training`` (ColBERTv2's plan over a
-packed corpus), ``colbert_format`` (reading a colbert-ai index directory), ``fast_plaid_format`` (reading a
+packed corpus), ``candidates`` (PLAID's IVF and candidate generation; ``candidates_reference``: its float64
+specification), ``colbert_format`` (reading a colbert-ai index directory), ``fast_plaid_format`` (reading a
 fast-plaid one, PyLate's default index).
 """
 
+from .candidates import build_ivf, generate_candidates
 from .codec import ResidualCodec
 from .colbert_format import PlaidIndex, is_colbert_index, load_colbert_index
 from .fast_plaid_format import is_fast_plaid_index, load_fast_plaid_index, load_plaid_index
@@ -28,4 +30,6 @@ __all__ = [
     "assign_to_centroids",
     "pack_residual_bits",
     "unpack_residual_bits",
+    "build_ivf",
+    "generate_candidates",
 ]
