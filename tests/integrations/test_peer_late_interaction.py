@@ -22,11 +22,15 @@ def test_every_public_name_is_covered():
     for name in peer.__all__:
         if name not in ("__version__", "reference"):
             assert name in ours.__all__ and name in ours.__doc__, name
-    for module in ("fp8", "padded", "topk", "score_pairs"):
+    for module in ("fp8", "padded", "topk", "score_pairs", "plaid", "fused_head"):
         theirs = pytest.importorskip(f"late_interaction_kernels.{module}")
-        assert set(theirs.__all__) <= set(getattr(ours, module).__all__), module
-    for name in ("plaid.maxsim_residual",):  # not in lik yet: said so
-        assert f"``{name}``" in ours.__doc__.split("Not covered:")[1]
+        public = getattr(theirs, "__all__", None) or [  # fused_head has no __all__: its own public functions
+            name
+            for name, value in vars(theirs).items()
+            if not name.startswith("_") and callable(value) and getattr(value, "__module__", "") == theirs.__name__
+        ]
+        assert public and set(public) <= set(getattr(ours, module).__all__), module
+        assert f":mod:`.{module}`" in ours.__doc__.split("Not covered:")[0], module
 
 
 def test_scorer_is_maxsim_with_the_peers_defaults(rng):
@@ -134,13 +138,18 @@ def test_score_pairs_match_the_peers_reference(rng):
     pair_q, pair_d = torch.tensor([0, 0, 2, 1, 2]), torch.tensor([3, 1, 1, 0, 3])
     expected = reference.maxsim_reference_scatter(q, d, cu_q, cu_d, pair_q, pair_d)
     q.requires_grad_()
-    scores = ours.score_pairs.score_pairs_packed(q, d, cu_q, cu_d, pair_q, pair_d, max_seqlen_q=max_q,
-                                                 max_seqlen_d=max_d)
+    scores = ours.score_pairs.score_pairs_packed(
+        q, d, cu_q, cu_d, pair_q, pair_d, max_seqlen_q=max_q, max_seqlen_d=max_d
+    )
     torch.testing.assert_close(scores.float(), expected)
     scores.sum().backward()
     q2 = q.detach().clone().requires_grad_()
-    torch.stack([(q2[cu_q[i]:cu_q[i + 1]] @ d[cu_d[j]:cu_d[j + 1]].T).amax(-1).sum()
-                 for i, j in zip(pair_q.tolist(), pair_d.tolist())]).sum().backward()
+    torch.stack(
+        [
+            (q2[cu_q[i] : cu_q[i + 1]] @ d[cu_d[j] : cu_d[j + 1]].T).amax(-1).sum()
+            for i, j in zip(pair_q.tolist(), pair_d.tolist())
+        ]
+    ).sum().backward()
     torch.testing.assert_close(q.grad, q2.grad)  # a query in two pairs gets both pairs' gradients
     assert ours.score_pairs.score_pairs_packed(q, d, cu_q, cu_d, pair_q[:0], pair_d[:0]).shape == (0,)
     with pytest.raises(ValueError, match="pair_q_idx / pair_d_idx"):
@@ -169,18 +178,17 @@ def test_fp8_scores_are_the_dequantized_operands(rng, per_token):
     D = torch.randn(3, 9, 16, generator=rng)
     q_mask = torch.tensor([[True] * 4 + [False] * 2, [True] * 6])
     d_mask = torch.rand(3, 9, generator=rng) > 0.3
-    quantizers = [ours.fp8.quantize_fp8_per_token if token else ours.fp8.quantize_fp8_per_tensor
-                  for token in per_token]
+    quantizers = [ours.fp8.quantize_fp8_per_token if token else ours.fp8.quantize_fp8_per_tensor for token in per_token]
     (Q8, q_scale), (D8, d_scale) = quantizers[0](Q), quantizers[1](D)
     widen = [ours.fp8.dequantize_fp8_per_token if token else ours.fp8.dequantize_fp8_per_tensor for token in per_token]
-    expected = reference.maxsim_reference(widen[0](Q8, q_scale).double(), widen[1](D8, d_scale).double(), q_mask,
-                                          d_mask).float()
+    expected = reference.maxsim_reference(
+        widen[0](Q8, q_scale).double(), widen[1](D8, d_scale).double(), q_mask, d_mask
+    ).float()
     scores = ours.fp8.maxsim_inference_fp8(Q8, D8, scale_Q=q_scale, scale_D=d_scale, q_mask=q_mask, d_mask=d_mask)
     torch.testing.assert_close(scores, expected)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        theirs = peer_fp8.maxsim_inference_fp8(Q8, D8, scale_Q=q_scale, scale_D=d_scale, q_mask=q_mask,
-                                               d_mask=d_mask)
+        theirs = peer_fp8.maxsim_inference_fp8(Q8, D8, scale_Q=q_scale, scale_D=d_scale, q_mask=q_mask, d_mask=d_mask)
     torch.testing.assert_close(scores, theirs, atol=0.05, rtol=0.02)  # the peer rounds to bfloat16 on the CPU
 
 
@@ -189,19 +197,26 @@ def test_fp8_shapes_and_fallback(rng):
     D8, d_scale = ours.fp8.quantize_fp8_per_token(torch.randn(9, 16, generator=rng))
     scalar = ours.fp8.maxsim_inference_fp8(Q8, D8, scale_Q=q_scale, scale_D=d_scale)
     assert scalar.shape == ()
-    torch.testing.assert_close(scalar, reference.maxsim_reference(Q8.float() * q_scale[:, None],
-                                                                  D8.float() * d_scale[:, None]))
-    column = ours.fp8.maxsim_inference_fp8(Q8[None].expand(2, -1, -1), D8, scale_Q=q_scale.expand(2, -1),
-                                           scale_D=d_scale)
+    torch.testing.assert_close(
+        scalar, reference.maxsim_reference(Q8.float() * q_scale[:, None], D8.float() * d_scale[:, None])
+    )
+    column = ours.fp8.maxsim_inference_fp8(
+        Q8[None].expand(2, -1, -1), D8, scale_Q=q_scale.expand(2, -1), scale_D=d_scale
+    )
     assert column.shape == (2,)
     monkey = pytest.MonkeyPatch()
     monkey.setattr(ours.fp8, "_FALLBACK_WARNED", False)
     with pytest.warns(RuntimeWarning, match="dequantized"):
-        wide = ours.fp8.maxsim_inference_fp8(Q8.to(torch.float8_e5m2), D8.to(torch.float8_e5m2), scale_Q=q_scale,
-                                             scale_D=d_scale)
+        wide = ours.fp8.maxsim_inference_fp8(
+            Q8.to(torch.float8_e5m2), D8.to(torch.float8_e5m2), scale_Q=q_scale, scale_D=d_scale
+        )
     monkey.undo()
-    torch.testing.assert_close(wide, reference.maxsim_reference(Q8.to(torch.float8_e5m2).float() * q_scale[:, None],
-                                                                D8.to(torch.float8_e5m2).float() * d_scale[:, None]))
+    torch.testing.assert_close(
+        wide,
+        reference.maxsim_reference(
+            Q8.to(torch.float8_e5m2).float() * q_scale[:, None], D8.to(torch.float8_e5m2).float() * d_scale[:, None]
+        ),
+    )
     with pytest.raises(ValueError, match="scale_D"):
         ours.fp8.maxsim_inference_fp8(Q8, D8, scale_Q=q_scale, scale_D=d_scale[:3])
 
@@ -218,8 +233,12 @@ def test_patch_functions_throw_liks_switches(monkeypatch):
     ours.unpatch_pylate()
     ours.patch_colpali_engine()
     ours.unpatch_colpali_engine()
-    assert calls == [("lik.integrations.pylate", "enable"), ("lik.integrations.pylate", "disable"),
-                     ("lik.integrations.colpali", "enable"), ("lik.integrations.colpali", "disable")]
+    assert calls == [
+        ("lik.integrations.pylate", "enable"),
+        ("lik.integrations.pylate", "disable"),
+        ("lik.integrations.colpali", "enable"),
+        ("lik.integrations.colpali", "disable"),
+    ]
 
 
 def test_patch_pylate_routes_pylate_through_lik(count_calls):

@@ -44,7 +44,10 @@ def test_classification(tool):
     def status(test, detail, cuda=True, peer=frozenset()):
         return tool._classify(suite, Outcome(test, "failed", detail), cuda, set(peer))
 
-    assert status("tests/test_plaid.py", "No module named 'late_interaction_kernels.plaid'").startswith("listed: ")
+    assert status("tests/test_plaid.py::test_residual_backward_rejects_empty_docs", "DID NOT RAISE").startswith(
+        "listed: "
+    )
+    assert status("tests/test_plaid.py::test_residual_matches_dense_maxsim", "assert 0.5 < 0.03") == "UNEXPECTED"
     assert status("tests/test_x.py::test_y", "No module named 'late_interaction_kernels.autograd'") == "UNEXPECTED"
     assert status("tests/test_x.py::test_y", "ModuleNotFoundError: No module named 'pylate.scores'") == "needs pylate"
     assert status("tests/test_x.py::test_y", "Torch not compiled with CUDA enabled", cuda=False) == "needs CUDA"
@@ -89,11 +92,15 @@ def test_shim_maps_api_submodules_to_lik_and_references_to_the_sdist(tool, tmp_p
         "importlib.import_module('late_interaction_kernels.pylate_compat')\n"
         "sys.modules.pop('late_interaction_kernels.pylate_compat')  # a test re-importing it finds lik's again\n"
         "assert importlib.import_module('late_interaction_kernels.pylate_compat') is ours.pylate_compat\n"
-        "try:\n    import late_interaction_kernels.plaid\nexcept ModuleNotFoundError:\n    print('no plaid')\n"
+        "from late_interaction_kernels.plaid import maxsim_residual\n"
+        "assert maxsim_residual is ours.plaid.maxsim_residual\n"
+        "from late_interaction_kernels.fused_head import maxsim_from_hidden\n"
+        "assert maxsim_from_hidden is ours.fused_head.maxsim_from_hidden and li.plaid is ours.plaid\n"
+        "print('lik plaid')\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "shim"), str(REPO / "src")]))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "no plaid", run.stderr
+    assert run.returncode == 0 and run.stdout.strip() == "lik plaid", run.stderr
 
 
 def test_flash_shim_keeps_the_packages_functions_over_its_submodules(tool, tmp_path):

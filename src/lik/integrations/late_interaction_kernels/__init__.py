@@ -17,13 +17,13 @@ takes part in the max, a masked query token adds 0, a document with no valid tok
   ``dequantize_fp8_per_tensor`` / ``_per_token``), :mod:`.padded` (``maxsim_padded``, ``pack_padded``,
   ``PackedBatch``), :mod:`.topk` (``maxsim_topk``), :mod:`.score_pairs` (``score_pairs_packed``),
   :mod:`.fused_head` (``maxsim_from_hidden``: lik's :func:`lik.maxsim_from_hidden`, the projection head fused
-  into scoring, with gradients to ``Q``, ``H_d``, ``W`` and ``b``), :mod:`.pylate_compat` and
-  :mod:`.colpali_compat` (the switches above).
+  into scoring, with gradients to ``Q``, ``H_d``, ``W`` and ``b``), :mod:`.plaid` (``maxsim_residual`` on
+  padded and ``maxsim_residual_varlen`` on ragged PLAID / ColBERTv2 residual codes, ``plaid_approx_score``, and
+  ``maxsim_residual_reference`` / ``plaid_approx_score_reference`` with the peer's reference semantics),
+  :mod:`.pylate_compat` and :mod:`.colpali_compat` (the switches above).
 
-Not covered: ``plaid.maxsim_residual`` (ColBERTv2 / PLAID compressed residuals: lik has no compressed codec yet),
-the Apple ``mps``
-backend, the peer's internals (``autograd``, ``forward``, ``backward``, ``_autotune``, ``_utils``) and its
-``reference`` module (lik's own specification is :func:`lik.maxsim_reference`).
+Not covered: the Apple ``mps`` backend, the peer's internals (``autograd``, ``forward``, ``backward``,
+``_autotune``, ``_utils``) and its ``reference`` module (lik's own specification is :func:`lik.maxsim_reference`).
 
 Deliberate differences (its behaviour is not reproduced):
 
@@ -64,13 +64,25 @@ Deliberate differences (its behaviour is not reproduced):
   once per query and document), and its backward recomputes the projection a chunk of documents at a time
   (the peer gathers ``Nq * Nd * Lq`` hidden rows of ``d_model``: more than ``H_d`` itself in in-batch training);
   a NaN or inf in a valid token gives NaN, and masked hidden rows, garbage included, get exactly 0 gradient;
+* ``plaid``: the peer's residual bytes (first dimension in the low bits) are rewritten through a 256-entry table
+  into ColBERT's order and, for ``nbits`` 2 or 4 with ``normalize=True``, ``d`` a multiple of 8 and finite bucket
+  weights, scored on chip by :func:`lik.maxsim_residual`; ``nbits=8`` and ``normalize=False`` (no lik codec
+  format) decode the documents' valid tokens once in fp32 and score them with :func:`lik.maxsim_packed`. Both
+  compute in ``Q``'s dtype (the peer multiplies in bf16 or fp16, fp32 ``Q`` included), float64 ``Q`` in float64;
+  ``normalize=True`` normalises a copy of ``Q`` (fp32, rounded once); the padded layout is packed first (one
+  host read of the lengths, a length past the padding counting as the padding, a negative one as 0); an empty
+  document gets a zero gradient (the peer refuses it in training with ``ValueError``); codes outside the
+  centroids raise ``ValueError`` (the peer reads out of bounds); ``maxsim_residual_varlen`` is differentiable
+  and its ``max_seqlen_d`` a hint; ``plaid_approx_score`` is a PyTorch gather and masked max, a bounded block of
+  documents at a time (no fused kernel), keeping a ``+inf`` maximum as the peer's kernel does (its reference
+  counts it 0);
 * bad input raises ``ValueError`` / ``TypeError`` naming the argument (the peer's messages' key phrases are kept
   where it checks the same thing).
 """
 
 from __future__ import annotations
 
-from . import fp8, fused_head, padded, score_pairs, topk
+from . import fp8, fused_head, padded, plaid, score_pairs, topk
 from .colpali_compat import patch_colpali_engine, unpatch_colpali_engine
 from .padded import maxsim_padded
 from .pylate_compat import patch_pylate, unpatch_pylate
@@ -90,6 +102,7 @@ __all__ = [
     "fp8",
     "fused_head",
     "padded",
+    "plaid",
     "score_pairs",
     "topk",
 ]
