@@ -29,12 +29,25 @@ def test_a_table_without_a_timed_cell_draws_nothing(synthetic_results, tmp_path)
         cell.pop("median_ms", None)
     assert plot_op(synthetic_results, select_ops("chamfer")[0], tmp_path / "chamfer.png") is False
     assert not (tmp_path / "chamfer.png").exists()
-    assert [op.name for op in OPS] == ["forward", "8bit", "train", "width", "packed", "packed-stream", "index",
-                                       "reductions", "stored", "contrastive", "fused_head", "msda", "chamfer", "host"]
+    assert [op.name for op in OPS] == [
+        "forward",
+        "8bit",
+        "train",
+        "width",
+        "packed",
+        "packed-stream",
+        "index",
+        "reductions",
+        "stored",
+        "contrastive",
+        "fused_head",
+        "msda",
+        "chamfer",
+        "host",
+    ]
 
 
-def test_without_matplotlib_nothing_is_drawn_and_the_note_says_how_to_redraw(synthetic_results, tmp_path,
-                                                                              monkeypatch):
+def test_without_matplotlib_nothing_is_drawn_and_the_note_says_how_to_redraw(synthetic_results, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     note = plot_all(synthetic_results, tmp_path / "plots")
     assert note.startswith("plots skipped: matplotlib is not installed")

@@ -61,8 +61,15 @@ def plot_op(results: dict, op: Op, path: Path) -> bool:
         ax.bar(xs, ys, width, label=DISPLAY.get(column, column), color=_colour(column))
     floors = [(i, f * scale) for i, e in enumerate(entries) if (f := _floor_ms(e, op))]
     if floors:
-        ax.hlines([f for _, f in floors], [i - 0.45 for i, _ in floors], [i + 0.45 for i, _ in floors], colors="k",
-                  linewidth=1.5, label="floor", zorder=3)
+        ax.hlines(
+            [f for _, f in floors],
+            [i - 0.45 for i, _ in floors],
+            [i + 0.45 for i, _ in floors],
+            colors="k",
+            linewidth=1.5,
+            label="floor",
+            zorder=3,
+        )
     ax.set_yscale("log")
     ax.set_ylabel("host us per call (log)" if op.host else "median ms (log)")
     ax.set_xticks(range(len(entries)))
@@ -83,7 +90,9 @@ def plot_all(results: dict, directory: Path, ops: list[Op] | None = None) -> str
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return ("plots skipped: matplotlib is not installed (pip install 'lik-kernels[bench]'; then redraw with "
-                "lik bench --from-json results.json --plots DIR)")
+        return (
+            "plots skipped: matplotlib is not installed (pip install 'lik-kernels[bench]'; then redraw with "
+            "lik bench --from-json results.json --plots DIR)"
+        )
     drawn = [op.name for op in (ops or OPS) if plot_op(results, op, Path(directory) / f"{op.name}.png")]
     return f"plots: {', '.join(drawn) or 'none'} in {directory}"

@@ -19,8 +19,10 @@ def record_name(results: dict) -> str:
     """The name the run's JSON is kept under in benchmarks/results: ``bench_<gpu>_<commit>``."""
     meta = results["meta"]
     device = str(meta.get("device") or "cpu").lower()
-    gpu = next((token for token in ("h200", "h100", "a100", "l40s", "l4", "b200") if token in device),
-               device.replace(" ", "-")[:16])
+    gpu = next(
+        (token for token in ("h200", "h100", "a100", "l40s", "l4", "b200") if token in device),
+        device.replace(" ", "-")[:16],
+    )
     commit = str(meta.get("git_commit") or "unknown")[:7]
     return f"bench_{gpu}_{commit}"
 
@@ -85,25 +87,41 @@ def _floor_text(entry: dict) -> str:
 def _rows(op: Op, entries: list[dict]) -> list[str]:
     unit = "us" if op.host else "ms"
     if op.name == "8bit":
-        header = ["cell", "lik fp16 ms", "lik int8 ms (x fp16, % floor)", "lik fp8 ms (x fp16, % floor)",
-                  DISPLAY["flash-maxsim-int8x8"], DISPLAY["late-interaction-kernels-fp8"],
-                  "int8 vs flash-maxsim int8x8", "fp8 vs late-interaction-kernels fp8"]
+        header = [
+            "cell",
+            "lik fp16 ms",
+            "lik int8 ms (x fp16, % floor)",
+            "lik fp8 ms (x fp16, % floor)",
+            DISPLAY["flash-maxsim-int8x8"],
+            DISPLAY["late-interaction-kernels-fp8"],
+            "int8 vs flash-maxsim int8x8",
+            "fp8 vs late-interaction-kernels fp8",
+        ]
         rows = []
         for e in entries:
             fp16 = _median(e, "lik")
             int8, fp8 = _median(e, "lik-int8"), _median(e, "lik-fp8")
             fm, li = _median(e, "flash-maxsim-int8x8"), _median(e, "late-interaction-kernels-fp8")
-            rows.append([label(e), _text(e, "lik", op), _text(e, "lik-int8", op, pct=True, versus=fp16),
-                         _text(e, "lik-fp8", op, pct=True, versus=fp16), _text(e, "flash-maxsim-int8x8", op),
-                         _text(e, "late-interaction-kernels-fp8", op),
-                         ratio_text(fm / int8 if fm and int8 else None), ratio_text(li / fp8 if li and fp8 else None)])
+            rows.append(
+                [
+                    label(e),
+                    _text(e, "lik", op),
+                    _text(e, "lik-int8", op, pct=True, versus=fp16),
+                    _text(e, "lik-fp8", op, pct=True, versus=fp16),
+                    _text(e, "flash-maxsim-int8x8", op),
+                    _text(e, "late-interaction-kernels-fp8", op),
+                    ratio_text(fm / int8 if fm and int8 else None),
+                    ratio_text(li / fp8 if li and fp8 else None),
+                ]
+            )
         return _markdown(header, rows)
     columns = _columns(op, entries)
     header = ["cell" if not op.host else "call"] + ([] if op.host else ["floor ms"])
     for c in columns:
         name = DISPLAY.get(c, c)
-        header.append(f"{name} {unit} (% floor)" if c in op.lik and not op.host else
-                      f"{name} {unit}" if c in op.lik else name)
+        header.append(
+            f"{name} {unit} (% floor)" if c in op.lik and not op.host else f"{name} {unit}" if c in op.lik else name
+        )
     if op.peers:
         header.append(f"{DISPLAY.get(op.lik[0], op.lik[0])} vs faster peer")
     versus_other = bool(op.others) and op.others[0] in columns
@@ -136,8 +154,9 @@ def _rows(op: Op, entries: list[dict]) -> list[str]:
 
 def _markdown(header: list[str], rows: list[list[str]]) -> list[str]:
     align = ["---"] + ["---:"] * (len(header) - 1)
-    return ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"] + \
-        ["| " + " | ".join(row) + " |" for row in rows]
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"] + [
+        "| " + " | ".join(row) + " |" for row in rows
+    ]
 
 
 def _header_line(results: dict, op: Op) -> str:
@@ -145,13 +164,19 @@ def _header_line(results: dict, op: Op) -> str:
     peers = ", ".join(f"{name} {version}" for name, version in (meta.get("peers") or {}).items() if version)
     commit = f"{str(meta.get('git_commit'))[:7]}{'+dirty' if meta.get('git_dirty') else ''}"
     dtype = meta.get("settings", {}).get("dtype", "fp16")
-    parts = [f"{meta.get('device')}, torch {meta.get('torch')}, triton {meta.get('triton')}"
-             + (f", {peers}" if peers else "") + f", lik commit `{commit}`" + (f", {dtype}" if op.suites else "")]
+    parts = [
+        f"{meta.get('device')}, torch {meta.get('torch')}, triton {meta.get('triton')}"
+        + (f", {peers}" if peers else "")
+        + f", lik commit `{commit}`"
+        + (f", {dtype}" if op.suites else "")
+    ]
     if op.host:
         parts.append("Host microseconds per call (200 calls in a row, unsynchronised)")
     else:
-        parts.append(f"Ceilings measured in the run: {ceil['bandwidth_GBps']:.0f} GB/s copy (read + write), "
-                     f"{ceil['matmul_TFLOPps']:.0f} TFLOP/s matmul")
+        parts.append(
+            f"Ceilings measured in the run: {ceil['bandwidth_GBps']:.0f} GB/s copy (read + write), "
+            f"{ceil['matmul_TFLOPps']:.0f} TFLOP/s matmul"
+        )
     if op.floor:
         parts.append(f"Floor: {op.floor}")
     parts.append(f"Command: `{meta.get('command', 'lik bench')}`")
@@ -176,10 +201,15 @@ def format_section(results: dict, op: Op) -> str | None:
     lines = [f"## {op.title}", "", _header_line(results, op), "", *_rows(op, entries)]
     extra = _unavailable(op, entries)
     if op.name == "8bit":
-        extra += [f"`{r['what']}`: {r['median_ms']:.3f} ms, {r['pct_of_floor']:.0f}% of its copy floor."
-                  for r in results.get("quantize", [])]
-    skipped = [name for name in results.get("skipped", results.get("skipped_shapes", []))
-               if name.split("/")[0] in (op.name, *op.suites)]
+        extra += [
+            f"`{r['what']}`: {r['median_ms']:.3f} ms, {r['pct_of_floor']:.0f}% of its copy floor."
+            for r in results.get("quantize", [])
+        ]
+    skipped = [
+        name
+        for name in results.get("skipped", results.get("skipped_shapes", []))
+        if name.split("/")[0] in (op.name, *op.suites)
+    ]
     if skipped:
         extra.append(f"Skipped (time budget): {', '.join(skipped)}.")
     if extra:
