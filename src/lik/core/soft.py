@@ -253,10 +253,10 @@ def soft_bwd_dq_kernel(
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, PER_QUERY: tl.constexpr, LAYOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """``dQ`` (contiguous, ``q``'s shape and dtype) of one query's row block and feature block: the sum over its
-    documents of ``grad[n, b] * W @ D`` with ``W`` recomputed per tile. Rows that scored 0 get 0. With
-    ``n_splits`` > 1 each program takes ``split_docs`` documents and writes an fp32 partial at ``split *
-    split_stride`` (the launcher adds the partials in a fixed order: deterministic)."""
+    """``dQ`` (fp32 ``[n_splits, *q.shape]``, contiguous) of one query's row block and feature block: the sum over
+    its documents of ``grad[n, b] * W @ D`` with ``W`` recomputed per tile. Rows that scored 0 get 0 (the launcher
+    zeroes ``dq_ptr``). Each program takes ``split_docs`` documents and writes its fp32 partial at ``split *
+    split_stride`` (the launcher adds the ``n_splits`` partials in a fixed order: deterministic)."""
     pid = tl.program_id(0).to(tl.int64)
     f_block = pid % n_feature_blocks
     pid = pid // n_feature_blocks

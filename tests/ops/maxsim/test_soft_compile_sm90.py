@@ -4,12 +4,15 @@ distinct one is compiled to a cubin with Triton's own toolchain (the harness of 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import lik
-from lik import _config
-from ...test_compile_sm90 import _record_launches, compile_for_sm90
+from lik import _config, _device
+from ...test_compile_sm90 import _describe, _record_launches, compile_for_sm90
+from .helpers import rand_problem
 
 
 def _workload():
@@ -43,3 +46,32 @@ def test_soft_and_stored_launches_compile_for_sm90(monkeypatch):
     names = {fn.__name__ for fn, _, _ in launches}
     assert {"soft_fwd_kernel", "soft_bwd_dq_kernel", "soft_bwd_dd_kernel", "maxsim_bwd_dq_kernel"} <= names
     compile_for_sm90(launches, timeout=1500)
+
+
+@pytest.mark.parametrize("reduction,kw", [("smooth", {"tau": 0.1}), ("topk", {"top_k": 4})])
+def test_one_compiled_variant_across_batches_and_lengths(monkeypatch, reduction, kw):
+    """What the GPU test counts in Triton's cache, offline: the signature, constants and 16-byte alignment Triton
+    would compile each launch with are the same for every batch size and length (Lq within its bucket, 17..32),
+    one document (a single dQ range) and a one-token document included."""
+    if not _config.interpreting():
+        pytest.skip("records launches through Triton's interpreter (TRITON_INTERPRET=1)")
+
+    def workload():
+        for n_q, l_q, n_docs, l_d in [(16, 32, 16, 180), (3, 29, 17, 301), (40, 17, 100, 64), (1, 20, 1, 1)]:
+            Q, D, q_mask, d_mask = rand_problem(
+                torch.Generator().manual_seed(2), n_q, l_q, n_docs, l_d, 128, dtype=torch.float16
+            )
+            Q, D = Q.requires_grad_(), D.requires_grad_()
+            lik.maxsim(Q, D, q_mask, d_mask, reduction=reduction, **kw).sum().backward()
+
+    with pytest.MonkeyPatch.context() as device:  # an H200's 132 SMs: the dQ launch splits its documents
+        device.setattr(_device, "sm_count", lambda _: 132)
+        launches = _record_launches(monkeypatch, workload)
+    variants = {}
+    for fn, args, kwargs in launches:
+        variants.setdefault(fn.__name__, set()).add(json.dumps(_describe(fn, args, kwargs), sort_keys=True))
+    assert {name: len(v) for name, v in variants.items()} == {
+        "soft_fwd_kernel": 1,
+        "soft_bwd_dq_kernel": 1,
+        "soft_bwd_dd_kernel": 1,
+    }

@@ -161,13 +161,13 @@ def soft_backward(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, lay: Sof
         programs = lay.n_queries * q_blocks * num_k
         splits = _dq_splits(cfg, programs, lay, q.device)
         split_docs = cdiv(lay.n_docs, splits)
-        # Several document ranges per row block: fp32 partials, added in order afterwards (deterministic).
-        out = torch.zeros((splits, *q.shape) if splits > 1 else q.shape, dtype=torch.float32 if splits > 1 else
-                          q.dtype, device=q.device)
+        # Several document ranges per row block: fp32 partials, added in order afterwards (deterministic). fp32 for
+        # one range too: the output's type is part of the kernel's signature, and the batch must not choose it.
+        out = torch.zeros((splits, *q.shape), dtype=torch.float32, device=q.device)
         if programs:
             launch(soft_bwd_dq_kernel, (programs * splits,), grad, q, d, *ptrs, stats, out, *counts, q_blocks, num_k,
                    scale2, splits, split_docs, q.numel(), *strides, HAS_Q_MASK=lay.q_mask is not None, **kw)
-        dq = out.sum(dim=0).to(q.dtype) if splits > 1 else out
+        dq = (out.sum(dim=0) if splits > 1 else out[0]).to(q.dtype)
     if need_dd:
         dd = torch.zeros(d.shape, dtype=d.dtype, device=d.device)
         d_blocks = cdiv(lay.max_doc_len, cfg.block_n)
