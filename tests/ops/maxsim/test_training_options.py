@@ -4,10 +4,14 @@ bytes saved between forward and backward, and the documented error of ``dQ``."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import lik
+from lik import _config
 from lik.ops.maxsim.reference import maxsim_reference
 
 from .helpers import rand_problem
@@ -118,6 +122,32 @@ def test_int8_stored_documents_bytes_and_gradients(reduction, kw):
     err = (dq_q - dq_fp).abs()
     assert (err <= per_query * step * 1.001 + 1e-6).all()
     assert err.max() > 0  # (the stored copy is what dQ used)
+
+
+@pytest.mark.parametrize("reduction,kw,normalize_by", [("max", {}, "none"), ("max", {}, "query_tokens"),
+                                                      ("smooth", {"tau": 0.5}, "none"), ("topk", {"top_k": 2}, "none")])
+def test_int8_stored_documents_free_d_after_the_forward(reduction, kw, normalize_by):
+    """Nothing of the call (saved tensors, the node's attributes, a cache) keeps ``D``'s storage alive once the caller
+    drops it: between forward and backward only the int8 rows and scales remain. The plain call, which saves
+    ``D``, shows the check sees a held ``D``."""
+    if not _config.interpreting():
+        pytest.skip("the kernels' path (TRITON_INTERPRET=1); CPU tensors otherwise run the reference")
+    rng = torch.Generator().manual_seed(12)
+    Q, D, q_mask, d_mask = rand_problem(rng, 2, 4, 3, 10, 16)
+    Q.requires_grad_()
+    leaf = D.clone().requires_grad_()
+    alive = {}
+    for store in (None, torch.int8):
+        D = leaf.clone()  # (a tensor of the graph that only the call could keep: the caller drops it below)
+        held = StorageWeakRef(D.untyped_storage())
+        scores = lik.maxsim(Q, D, q_mask, d_mask, reduction=reduction, normalize_by=normalize_by, save_d_as=store,
+                            **kw)
+        del D
+        gc.collect()  # (garbage cycles of Triton's interpreter hold its launches' arguments; a GPU launch has none)
+        alive[store] = not held.expired()
+        dq, dd = torch.autograd.grad(scores.sum(), (Q, leaf))  # (the backward still runs from what was kept)
+        assert torch.isfinite(dq).all() and torch.isfinite(dd).all() and dd.abs().sum() > 0
+    assert alive == {None: True, torch.int8: False}
 
 
 def test_int8_stored_documents_smooth_recomputes_from_the_stored_copy():

@@ -116,10 +116,12 @@ class EagerMaxSimFunction(torch.autograd.Function):
         if save_d_as is not None:
             d_q, d_scale = StoredDocuments.store(D)
             ctx.save_for_backward(Q, d_q, d_scale, argmax, scale)
-            ctx.d_meta = (D.shape, D.dtype)
+            # Only the backward's choices: the full run's validated inputs are views of D and would keep it alive.
+            ctx.d_meta, ctx.training = (D.shape, D.dtype), run.training
         else:
             ctx.save_for_backward(Q, D, argmax, scale)
-        ctx.run, ctx.stored = run, save_d_as is not None
+            ctx.run = run
+        ctx.stored = save_d_as is not None
         return scores
 
     @staticmethod
@@ -132,7 +134,7 @@ class EagerMaxSimFunction(torch.autograd.Function):
             grad_scores = grad_scores * scale
         need_dq, need_dd = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.stored:
-            dq, dd = _stored_gradients(grad_scores, Q, d_q, d_scale, ctx.d_meta, argmax, ctx.run.training, need_dq,
+            dq, dd = _stored_gradients(grad_scores, Q, d_q, d_scale, ctx.d_meta, argmax, ctx.training, need_dq,
                                        need_dd)
         else:
             dq, dd = ctx.run.gradients(grad_scores, Q, D, argmax, need_dq, need_dd)
