@@ -195,12 +195,22 @@ def token_stream_kernel(
     DOT_PRECISION: tl.constexpr,
     LOADER: tl.constexpr,
     SEGMENTS: tl.constexpr = 3,
+    codes_ptr=None,
+    centroids_ptr=None,
+    weights_ptr=None,
+    n_centroids=1,
+    DECODE: tl.constexpr = None,
+    NBITS: tl.constexpr = 0,
 ):
     """Scores of dense queries ``q [Nq, Lq, DIM]`` against the packed corpus ``d [n_d_rows, DIM]`` (documents
     ``cu_d [n_docs + 1]``, int32): ``partial [n_chunks, Nq, n_docs]`` fp32 row sums per query chunk
     (``mask_mode="exclude"``: an empty document scores 0; a masked query row adds 0). 8-bit rows (``LOADER``)
     carry contiguous fp32 scales ``q_scale [Nq, Lq]`` and ``d_scale [n_d_rows]``. Grid:
-    ``n_row_blocks * programs``; the document side needs ``DIM <= BLOCK_K`` (resident features)."""
+    ``n_row_blocks * programs``; the document side needs ``DIM <= BLOCK_K`` (resident features).
+
+    With ``NBITS`` > 0, ``d`` holds residual codes (``d [n_d_rows, DIM * NBITS // 8]`` uint8, ``codes``,
+    ``centroids``, ``weights``) and the jit function ``DECODE`` makes each tile on chip (the residual loader of
+    :mod:`lik.ops.residual.decode`, passed in so that the core imports nothing of an op)."""
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0)
     program = divide(pid, row_blocks_multiplier, row_blocks_shift)
@@ -269,7 +279,11 @@ def token_stream_kernel(
         tile_hi = tile_lo + BLOCK_T
         # Unpredicated rows: past the run, the run's last row again (its columns belong to no document here).
         rows = tl.minimum(tile_lo + tl.arange(0, BLOCK_T), run_end - 1)
-        if DIM == BLOCK_K:
+        if NBITS > 0:
+            d_tile = DECODE(
+                d_ptr, codes_ptr, centroids_ptr, weights_ptr, rows, n_centroids, stride_dl, DIM, NBITS, BLOCK_K
+            ).to(q_rows.dtype)
+        elif DIM == BLOCK_K:
             d_tile = tl.load(d_ptr + rows[:, None] * stride_dl + offs_k[None, :] * stride_dk)
         else:
             d_tile = tl.load(

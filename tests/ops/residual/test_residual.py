@@ -142,18 +142,19 @@ def test_ties_go_to_lowest_token(copies):
 
 def test_kernel_path_runs_under_the_interpreter(monkeypatch):
     from lik._device import interpreting
-    from lik.ops.residual import function
+    from lik.ops.residual import function, scan
 
     if not interpreting():
         pytest.skip("TRITON_INTERPRET=1 runs the kernel on CPU")
     calls = []
-    real = function.residual_forward
-    monkeypatch.setattr(function, "residual_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real, stream = function.residual_forward, scan.residual_stream
+    monkeypatch.setattr(function, "residual_forward", lambda *a, **k: calls.append("winners") or real(*a, **k))
+    monkeypatch.setattr(scan, "residual_stream", lambda *a, **k: calls.append("stream") or stream(*a, **k))
     codec = make_codec(16, 2)
     codes, residuals, cu = make_corpus(codec, [3, 4])
-    maxsim_residual(torch.randn(2, 3, 16), codes, residuals, codec, cu)
+    maxsim_residual(torch.randn(2, 3, 16), codes, residuals, codec, cu)  # inference: the token stream
     maxsim_residual(torch.randn(2, 3, 16, requires_grad=True), codes, residuals, codec, cu).sum().backward()
-    assert len(calls) == 2
+    assert calls == ["stream", "winners"]
 
 
 def test_reference_path_and_fp16(monkeypatch):

@@ -9,6 +9,7 @@ from lik._dispatch import uses_kernels
 
 from .kernel import MAX_KERNEL_DIM, residual_forward
 from .reference import decode_tokens, maxsim_residual_reference
+from .scan import residual_scores
 from .validation import ResidualInputs, check_residual_inputs
 
 __all__ = ["maxsim_residual", "ResidualMaxSimFunction"]
@@ -77,6 +78,8 @@ def maxsim_residual(Q, codes, residuals, codec, cu_seqlens, *, q_mask=None) -> t
         (fp32 follows ``torch.get_float32_matmul_precision()``). Semantics of :func:`lik.maxsim_packed`: an empty
         document scores 0, ties go to the lowest token, NaN in a valid query token gives NaN. The gradient flows to
         ``Q`` only: the forward keeps each (query token, document)'s winning row, the backward decodes only those.
+        Without a gradient the scan is :func:`lik.ops.residual.score_residual_packed`'s (the token stream with
+        the residual loader, or its bounded-scratch fallback for many query rows: :mod:`lik.config.residual`).
 
     Example::
 
@@ -93,5 +96,4 @@ def maxsim_residual(Q, codes, residuals, codec, cu_seqlens, *, q_mask=None) -> t
         return inputs.finish(maxsim_residual_reference(inputs))
     if q.requires_grad and torch.is_grad_enabled():
         return inputs.finish(ResidualMaxSimFunction.apply(q, inputs))
-    scores, _ = residual_forward(q, inputs.q_mask, inputs.codes, inputs.residuals, codec, inputs.cu, False)
-    return inputs.finish(scores)
+    return inputs.finish(residual_scores(inputs))

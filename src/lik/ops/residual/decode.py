@@ -1,0 +1,226 @@
+"""The residual loader: a tile of ColBERTv2-compressed tokens decoded in registers, and a decode kernel built on it.
+
+A token is ``normalize(centroid[code] + bucket_weights[bucket])``, its ``d`` buckets packed ``nbits`` to a
+dimension as ColBERT packs them (:mod:`lik.compression.packing`): a byte holds ``8 // nbits`` consecutive
+dimensions, the first in the high bits, each group's bits in reversed order. The loader reads a tile's residual
+bytes with one vectorised load (not a load per dimension), takes group ``s`` of every byte with a shift, looks its
+weight up in a table indexed by the group as stored (:func:`group_weights`: the bit reversal done once on the host),
+and interleaves the ``8 // nbits`` group tiles back into dimension order with ``tl.join`` + ``tl.reshape`` (register
+moves). The centroid rows are one gather from the ``[K, d]`` table (L2-resident); the row norm is in fp32.
+
+:func:`decode_rows` is the ``DECODE`` loader of :func:`lik.core.token_stream.token_stream_kernel` (the compressed
+scan) and the body of :func:`decode_kernel` (the bounded-scratch fallback, :func:`decode_into`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from lik.compression.packing import reversed_bit_map
+
+__all__ = ["decode_rows", "decode_kernel", "decode_into", "group_weights", "decode_centroids"]
+
+
+@functools.cache
+def _group_order(nbits: int) -> tuple[int, ...]:
+    # group value as stored (its bits least significant first) -> bucket: the reversal of an nbits-bit number
+    shift = 8 - nbits
+    return tuple(int(reversed_bit_map(nbits)[g << shift]) >> shift for g in range(1 << nbits))
+
+
+def group_weights(codec) -> torch.Tensor:
+    """fp32 ``[2**nbits]`` on the codec's device: ``bucket_weights[bucket]`` indexed by the bucket's bits as a
+    packed byte stores them (reversed), so that the loader needs no bit reversal.
+
+    Example::
+
+        >>> codec = lik.compression.ResidualCodec(torch.eye(8), torch.zeros(3), torch.tensor([0.0, 1, 2, 3]), 2)
+        >>> group_weights(codec).tolist()  # stored 0b01 is bucket 0b10
+        [0.0, 2.0, 1.0, 3.0]
+    """
+    order = torch.tensor(_group_order(codec.nbits), device=codec.device)
+    return codec._weights32[order].contiguous()
+
+
+def decode_centroids(codec, on_gpu: bool) -> torch.Tensor:
+    """The centroid table the loader gathers from: as stored when 16-bit (their fp32 values are exact in half the
+    bytes; bfloat16 only on a GPU, where the kernel reads it natively), else fp32; contiguous."""
+    exact16 = codec.centroids.dtype == torch.float16 or (codec.centroids.dtype == torch.bfloat16 and on_gpu)
+    return (codec.centroids if exact16 else codec._centroids32).contiguous()
+
+
+@triton.jit
+def _slot_weight(byte, weights_ptr, w0, w1, w2, w3, SLOT: tl.constexpr, NBITS: tl.constexpr):
+    """fp32 weights of the dimensions at group ``SLOT`` of each byte (``SLOT`` 0: the high bits)."""
+    g = (byte >> (8 - NBITS * (SLOT + 1))) & ((1 << NBITS) - 1)
+    if NBITS == 1:
+        w = tl.where(g == 0, w0, w1)
+    elif NBITS == 2:
+        # two selects on the low bit, one on the high bit: no per-element load of the 4-entry table
+        odd = (g & 1) != 0
+        w = tl.where(g < 2, tl.where(odd, w1, w0), tl.where(odd, w3, w2))
+    else:
+        w = tl.load(weights_ptr + g)  # 16 entries, cached
+    return w
+
+
+@triton.jit
+def decode_rows(
+    res_ptr,
+    codes_ptr,
+    centroids_ptr,
+    weights_ptr,
+    rows,
+    n_centroids,
+    stride_rl,
+    DIM: tl.constexpr,
+    NBITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 ``[len(rows), BLOCK_K]``: the decoded tokens at (valid, absolute) ``rows``, zero past ``DIM``.
+
+    ``res_ptr`` uint8 rows of ``DIM * NBITS // 8`` bytes (row stride ``stride_rl``), ``codes_ptr`` int32 / int64,
+    ``centroids_ptr`` ``[n_centroids, DIM]`` contiguous, ``weights_ptr`` :func:`group_weights`. ``BLOCK_K`` is a
+    power of two >= ``DIM``. Codes are clamped to the table (checked on the host; the clamp keeps an unchecked one
+    from reading outside it)."""
+    BLOCK_T: tl.constexpr = rows.shape[0]
+    PER_BYTE: tl.constexpr = 8 // NBITS
+    BYTES: tl.constexpr = BLOCK_K // PER_BYTE
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BYTES)
+    code = tl.load(codes_ptr + rows).to(tl.int32)
+    code = tl.minimum(tl.maximum(code, 0), n_centroids - 1)
+    centroid_ptrs = centroids_ptr + code[:, None] * DIM + offs_k[None, :]
+    byte_ptrs = res_ptr + rows[:, None] * stride_rl + offs_b[None, :]
+    if DIM == BLOCK_K:
+        centroid = tl.load(centroid_ptrs).to(tl.float32)
+        byte = tl.load(byte_ptrs).to(tl.int32)
+    else:
+        centroid = tl.load(centroid_ptrs, mask=offs_k[None, :] < DIM, other=0.0).to(tl.float32)
+        byte = tl.load(byte_ptrs, mask=offs_b[None, :] < DIM // PER_BYTE, other=0).to(tl.int32)
+    w0 = tl.load(weights_ptr)
+    w1 = tl.load(weights_ptr + 1)
+    w2 = w0
+    w3 = w1
+    if NBITS == 2:
+        w2 = tl.load(weights_ptr + 2)
+        w3 = tl.load(weights_ptr + 3)
+    # Interleave the group tiles: join's new axis is the fastest, so the first join pairs groups PER_BYTE / 2
+    # apart and the last pairs neighbours; the flattened order is then the byte's dimensions in order.
+    if NBITS == 4:
+        w = tl.join(
+            _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 0, NBITS),
+            _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 1, NBITS),
+        )
+    elif NBITS == 2:
+        w = tl.join(
+            tl.join(
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 0, NBITS),
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 2, NBITS),
+            ),
+            tl.join(
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 1, NBITS),
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 3, NBITS),
+            ),
+        )
+    else:
+        even = tl.join(
+            tl.join(
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 0, NBITS),
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 4, NBITS),
+            ),
+            tl.join(
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 2, NBITS),
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 6, NBITS),
+            ),
+        )
+        odd = tl.join(
+            tl.join(
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 1, NBITS),
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 5, NBITS),
+            ),
+            tl.join(
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 3, NBITS),
+                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 7, NBITS),
+            ),
+        )
+        w = tl.join(even, odd)
+    x = centroid + tl.reshape(w, (BLOCK_T, BLOCK_K))
+    if DIM != BLOCK_K:
+        x = tl.where(offs_k[None, :] < DIM, x, 0.0)
+    # torch.nn.functional.normalize: x / max(|x|, 1e-12), a zero row stays zero (one reciprocal per row)
+    inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
+    return x * inv[:, None]
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def decode_kernel(
+    res_ptr,
+    codes_ptr,
+    centroids_ptr,
+    weights_ptr,
+    out_ptr,
+    n_rows,
+    n_centroids,
+    stride_rl,
+    stride_ol,
+    DIM: tl.constexpr,
+    NBITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """``out[t] = decoded token t`` in ``out``'s dtype, for ``BLOCK_T`` tokens a program (``out`` rows contiguous
+    in ``d``)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    inside = rows < n_rows
+    x = decode_rows(
+        res_ptr,
+        codes_ptr,
+        centroids_ptr,
+        weights_ptr,
+        tl.minimum(rows, n_rows - 1),
+        n_centroids,
+        stride_rl,
+        DIM,
+        NBITS,
+        BLOCK_K,
+    )
+    offs_k = tl.arange(0, BLOCK_K)
+    tl.store(
+        out_ptr + rows[:, None] * stride_ol + offs_k[None, :],
+        x.to(out_ptr.dtype.element_ty),
+        mask=inside[:, None] & (offs_k[None, :] < DIM),
+    )
+
+
+def decode_into(out: torch.Tensor, codes: torch.Tensor, residuals: torch.Tensor, codec) -> torch.Tensor:
+    """Decode ``codes [T]`` / ``residuals [T, d * nbits // 8]`` (known good, on ``out``'s device) into ``out``
+    ``[T, d]`` (float16 / bfloat16 / float32, rows contiguous in ``d``) with :func:`decode_kernel`; returns ``out``
+    (equal to ``codec.decompress(codes, residuals, out.dtype)`` up to fp32 rounding)."""
+    n_rows, dim = int(codes.shape[0]), codec.dim
+    if n_rows == 0:
+        return out
+    block_k = max(16, triton.next_power_of_2(dim))
+    block_t = max(16, 8192 // block_k)
+    residuals = residuals if residuals.stride(-1) == 1 else residuals.contiguous()
+    decode_kernel[(triton.cdiv(n_rows, block_t),)](
+        residuals,
+        codes,
+        decode_centroids(codec, out.is_cuda),
+        group_weights(codec),
+        out,
+        n_rows,
+        codec.num_centroids,
+        residuals.stride(0),
+        out.stride(0),
+        DIM=dim,
+        NBITS=codec.nbits,
+        BLOCK_K=block_k,
+        BLOCK_T=block_t,
+        num_warps=8 if block_t * block_k >= 8192 else 4,
+    )
+    return out

@@ -1,0 +1,162 @@
+"""Inference scan of a compressed corpus: :func:`score_residual_packed`, the token stream of
+:mod:`lik.core.token_stream` with the residual loader of :mod:`.decode` (every tile decoded on chip, no decompressed
+copy anywhere), or, where :func:`lik.config.residual.residual_stream_config` says it is faster (many query row
+blocks, each of which would decode every tile again), the fallback: runs of whole documents decoded into one
+bounded scratch buffer, each scored by ``maxsim_packed``'s scan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lik import _device
+from lik._device import cdiv
+from lik._dispatch import uses_kernels
+from lik._launch import launch
+from lik.config.residual import ResidualStreamConfig, residual_stream_config
+from lik.core.division import divisor_constants
+from lik.core.forward_launch import dot_precision
+from lik.core.token_stream import token_stream_kernel
+from lik.ops.maxsim.packed_function import PackedQuery, score_packed
+
+from .decode import decode_centroids, decode_into, decode_rows, group_weights
+from .reference import maxsim_residual_reference
+from .validation import ResidualInputs
+
+__all__ = ["score_residual_packed", "residual_stream", "residual_fallback", "residual_scores"]
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def residual_stream(q, q_mask, codes, residuals, codec, cu, cfg: ResidualStreamConfig) -> torch.Tensor:
+    """Launch the token stream with the residual loader; ``q [Nq, Lq, d]`` fp16 / bf16 / fp32 (``d`` <= 128, any
+    strides), ``cu`` int32 contiguous, nothing empty. Returns the fp32 per-chunk sums ``[n_chunks, Nq, B]``."""
+    n_q, l_q, dim = q.shape
+    n_docs, n_rows = int(cu.shape[0]) - 1, int(codes.shape[0])
+    block_k = max(16, _device.next_power_of_2(dim))
+    n_chunks = cdiv(l_q, cfg.group_rows)
+    n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
+    partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=q.device)
+    # Programs per row block: the SMs' share, at most one per tile of rows (a program with no documents returns).
+    share = cfg.programs_per_sm * _device.sm_count(q.device) // n_row_blocks
+    programs = max(1, min(cdiv(n_rows, cfg.block_t), share))
+    q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
+    launch(
+        token_stream_kernel,
+        (n_row_blocks * programs,),
+        q,
+        residuals,
+        q_mask_arg,
+        cu,
+        partial,
+        partial,
+        partial,
+        n_q,
+        l_q,
+        n_docs,
+        n_rows,
+        n_chunks,
+        n_row_blocks,
+        programs,
+        int(n_docs).bit_length(),
+        *divisor_constants(n_row_blocks),
+        *divisor_constants(n_chunks),
+        *q.stride(),
+        *residuals.stride(),
+        *q_mask_strides,
+        *partial.stride(),
+        DIM=dim,
+        GROUP_ROWS=cfg.group_rows,
+        GROUPS=cfg.groups,
+        BLOCK_T=cfg.block_t,
+        BLOCK_K=block_k,
+        HAS_Q_MASK=q_mask is not None,
+        DOT_PRECISION=dot_precision(q.dtype),
+        LOADER=0,
+        SEGMENTS=cfg.segments,
+        codes_ptr=codes,
+        centroids_ptr=decode_centroids(codec, q.is_cuda),
+        weights_ptr=group_weights(codec),
+        n_centroids=codec.num_centroids,
+        DECODE=decode_rows,
+        NBITS=codec.nbits,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        maxnreg=cfg.max_registers or None,
+    )
+    return partial
+
+
+def residual_fallback(q, q_mask, codes, residuals, codec, cu, cu_host, chunk_tokens: int) -> torch.Tensor:
+    """Scores ``[Nq, B]``: runs of whole documents of about ``chunk_tokens`` tokens (a longer document is one run)
+    decoded by :func:`decode_into` into one scratch buffer of ``q``'s dtype, each run scored by
+    :func:`lik.ops.maxsim.packed_function.score_packed`. ``cu_host`` int64 CPU ``[B + 1]``."""
+    n_docs = int(cu_host.shape[0]) - 1
+    scores = torch.empty(q.shape[0], n_docs, dtype=torch.float32, device=q.device)
+    query = PackedQuery(q, q_mask, None)
+    lengths = cu_host[1:] - cu_host[:-1]
+    scratch = torch.empty(
+        min(int(cu_host[-1]), max(chunk_tokens, int(lengths.max()))), codec.dim, dtype=q.dtype, device=q.device
+    )
+    # each run ends at the last document boundary at most chunk_tokens past its start
+    first = 0
+    while first < n_docs:
+        lo = int(cu_host[first])
+        last = int(torch.searchsorted(cu_host, lo + chunk_tokens, right=True)) - 1
+        last = min(max(last, first + 1), n_docs)
+        hi = int(cu_host[last])
+        d = decode_into(scratch[: hi - lo], codes[lo:hi], residuals[lo:hi], codec)
+        sub_cu = (cu[first : last + 1] - lo).contiguous()
+        scores[:, first:last] = score_packed(query, d, sub_cu)
+        first = last
+    return scores
+
+
+def residual_scores(inputs: ResidualInputs, cu_host: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 scores ``[Nq, B]`` of checked inputs on a kernel device (``q`` fp16 / bf16 / fp32), by the path
+    :func:`~lik.config.residual.residual_stream_config` picks. ``cu_host``: the offsets on the host if known
+    (the fallback reads them otherwise)."""
+    q, q_mask, codes, residuals, codec, cu = (
+        inputs.q,
+        inputs.q_mask,
+        inputs.codes,
+        inputs.residuals,
+        inputs.codec,
+        inputs.cu,
+    )
+    n_q, l_q, dim = q.shape
+    n_docs = inputs.n_docs
+    if n_q == 0 or l_q == 0 or n_docs == 0 or codes.shape[0] == 0:
+        return torch.zeros(n_q, n_docs, dtype=torch.float32, device=q.device)
+    codes = codes if codes.is_contiguous() else codes.contiguous()
+    residuals = residuals if residuals.stride(-1) == 1 else residuals.contiguous()
+    cfg = residual_stream_config(q_len=l_q, n_queries=n_q, dim=dim, dtype=q.dtype, device=q.device)
+    if cfg.chunk_tokens:
+        cu_host = cu.to("cpu", torch.int64) if cu_host is None else cu_host
+        return residual_fallback(q, q_mask, codes, residuals, codec, cu, cu_host, cfg.chunk_tokens)
+    partial = residual_stream(q, q_mask, codes, residuals, codec, cu, cfg)
+    return partial.sum(0) if partial.shape[0] > 1 else partial[0]
+
+
+def score_residual_packed(Q, q_mask, codes, residuals, codec, cu_seqlens) -> torch.Tensor:
+    """MaxSim of queries against a compressed packed corpus for search: inference only, arguments known good (a
+    stored index's chunk: nothing is checked again and, on the fused path, nothing is read back from the device).
+
+    Args:
+        Q: ``[Nq, Lq, d]`` float16 / bfloat16 / float32 (float64 runs the reference), any strides.
+        q_mask: bool ``[Nq, Lq]`` (True = real token) or None.
+        codes: int32 / int64 ``[T]`` in ``[0, K)``; residuals: uint8 ``[T, d * nbits // 8]`` (rows contiguous).
+        codec: a :class:`lik.compression.ResidualCodec` on ``Q``'s device.
+        cu_seqlens: int32 contiguous ``[N + 1]``, 0 first, ``T`` last, non-decreasing.
+
+    Returns:
+        float32 ``[Nq, N]`` (float64 for float64 ``Q``): :func:`lik.maxsim_residual`'s scores.
+
+    Example::
+
+        >>> scores = score_residual_packed(Q, None, codes, residuals, codec, cu)  # [Nq, N]
+    """
+    inputs = ResidualInputs(Q, q_mask, codes, residuals, cu_seqlens, codec, False, 0)
+    if Q.dtype not in _KERNEL_DTYPES or not uses_kernels(Q) or Q.shape[-1] > 256:
+        return maxsim_residual_reference(inputs)
+    return residual_scores(inputs)
