@@ -3,14 +3,17 @@
 Each PNG has one group of bars per row of the operator's table (time on a log scale, one colour per method, the
 same colour for a method in every plot) and the floor of each cell as a black tick. They read only the JSON, so
 ``lik bench --from-json results.json --plots DIR`` redraws them anywhere; matplotlib (the ``bench`` extra) draws
-with its Agg backend, no display needed. Without matplotlib nothing is drawn and the returned note says so.
+with its Agg backend, no display needed. Without matplotlib nothing is drawn and the returned note says so. Merged
+runs (``lik bench --from-json A.json B.json``) draw the merged rows: the title lists the commits, and a row measured
+before the newest of them names its commit under its bar group, as in the table.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .ops import DISPLAY, OPS, Op, label, op_entries
+from .ops import DISPLAY, OPS, Op, label
+from .report import commit_text, section_rows
 
 __all__ = ["plot_op", "plot_all"]
 
@@ -44,7 +47,8 @@ def plot_op(results: dict, op: Op, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    entries = [e for e in op_entries(results, op) if "error" not in e]
+    rows, runs = section_rows(results, op)
+    entries = [e for e in rows if "error" not in e]
     columns = [c for c in (*op.lik, *op.peers, *op.others) if any(_median(e, c) is not None for e in entries)]
     if not entries or not columns:
         return False
@@ -76,8 +80,9 @@ def plot_op(results: dict, op: Op, path: Path) -> bool:
     ax.set_xticklabels([label(e) for e in entries], rotation=25, ha="right", fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    meta = results["meta"]
-    ax.set_title(f"{op.title}\n{meta.get('device')}, lik {str(meta.get('git_commit'))[:7]}", fontsize=9)
+    devices = ", ".join(dict.fromkeys(str(run["meta"].get("device")) for run in runs))
+    commits = ", ".join(commit_text(run["meta"]) for run in runs)
+    ax.set_title(f"{op.title}\n{devices}, lik {commits}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
