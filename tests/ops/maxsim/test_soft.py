@@ -12,7 +12,10 @@ import torch
 import lik
 from lik.config import override
 from lik.config.maxsim import MaxSimSoftConfig
+from lik.ops.maxsim.options import check_options
 from lik.ops.maxsim.reference import maxsim_reference
+from lik.ops.maxsim.soft import SoftMaxSimFunction, padded_layout
+from lik.ops.maxsim.validation import MaxSimInputs
 
 from .helpers import rand_problem
 
@@ -107,6 +110,50 @@ def test_topk_ties_choose_lower_tokens():
     (s, _, dd), _ = _check(Q, D, None, d_mask, reduction="topk", top_k=16)
     assert s.item() == pytest.approx((1 + 2 + 0) / 3)
     assert dd[0, :, 0].tolist() == pytest.approx([0.0, 1 / 3, 0.0, 1 / 3, 1 / 3])
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
+
+
+def topk_on_exact_data(device, dtype, top_k, scorer, shape):
+    """Top-k against the float64 reference on entries in {-3..3} / 8, where every similarity is a multiple of 1/64
+    below 2^11 / 64: exact in half-precision products and in any fp32 (or fp16, or tensor-core) order of the sum,
+    so ties are exact and every chosen token must be the reference's (lower token first). ``scorer``: ``"maxsim"``
+    (on a GPU, half inputs are scored in fp32: ``apply_soft``) or ``"half_kernels"`` (the kernels on the inputs as
+    given). ``shape``: ``(Nq, Lq, B, Ld, d)``."""
+    n_q, l_q, n_docs, l_d, dim = shape
+    rng = torch.Generator().manual_seed(3)
+    Q = torch.randint(-3, 4, (n_q, l_q, dim), generator=rng).div(8)
+    D = torch.randint(-3, 4, (n_docs, l_d, dim), generator=rng).div(8)
+    q_mask = (torch.rand(n_q, l_q, generator=rng) > 0.25).to(device)
+    d_mask = (torch.rand(n_docs, l_d, generator=rng) > 0.25).to(device)
+
+    def half_kernels(Q, D, q_mask, d_mask, top_k):
+        inputs = MaxSimInputs.build(Q, D, q_mask, d_mask)
+        options = check_options("topk", top_k=top_k)
+        return inputs.finish(SoftMaxSimFunction.apply(inputs.q, inputs.d, padded_layout(inputs), options, None))
+
+    runs = []
+    scored = half_kernels if scorer == "half_kernels" else lik.maxsim
+    for fn, dt in ((scored, dtype), (maxsim_reference, torch.float64)):
+        Qg, Dg = Q.to(device, dt).requires_grad_(), D.to(device, dt).requires_grad_()
+        kw = {} if fn is half_kernels else {"reduction": "topk"}
+        s = fn(Qg, Dg, q_mask, d_mask, top_k=top_k, **kw)
+        g = torch.linspace(-1, 1, s.numel(), device=device).view(s.shape).to(s.dtype)
+        runs.append((s, *torch.autograd.grad(s, (Qg, Dg), g)))
+    (s, dq, dd), (s64, dq64, dd64) = runs
+    torch.testing.assert_close(s.double(), s64, atol=1e-5, rtol=1e-6)  # (fp32 sums of exact values, over Lq)
+    # The weights (grad / count) and the gradients are rounded to the input dtype: a few units of its roundoff;
+    # a token chosen differently would move a whole gradient row (1e-2 or more of the norm at these sizes).
+    unit = 2.0**-11 if dtype == torch.float16 else 2.0**-8
+    assert _rel(dq, dq64) < 3 * unit and _rel(dd, dd64) < 3 * unit
+
+
+@pytest.mark.parametrize("top_k", [3, 16])
+def test_topk_half_kernels_on_exact_data_with_ties(top_k):
+    """fp16 through the kernels (the interpreter has no bfloat16 arithmetic): ties across and within tiles."""
+    topk_on_exact_data("cpu", torch.float16, top_k, "half_kernels", (2, 5, 3, 37, 16))
 
 
 def test_reference_values_by_hand():

@@ -12,6 +12,7 @@ from lik.core.soft import soft_bwd_dd_kernel, soft_bwd_dq_kernel, soft_fwd_kerne
 from lik.ops.maxsim.reference import maxsim_reference
 
 from .helpers import rand_problem
+from .test_soft import topk_on_exact_data
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +51,15 @@ def test_soft_reductions_against_float64(dtype, reduction, kw, shape):
     tol = 2e-2 if dtype != torch.float32 else 2e-3
     for g, w in zip(got, want):
         assert _rel(g, w) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [4, 16])
+@pytest.mark.parametrize("scorer", ["maxsim", "half_kernels"])
+def test_topk_on_exact_data_with_ties(dtype, top_k, scorer):
+    """Exact similarities with many ties (``topk_on_exact_data``), in the fp32 path ``lik.maxsim`` takes for half
+    inputs and in the half-precision kernels themselves."""
+    topk_on_exact_data("cuda", dtype, top_k, scorer, (6, 32, 9, 200, 128))
 
 
 @pytest.mark.parametrize("reduction,kw", [("max", {}), *SOFT[::2]])
