@@ -1,36 +1,34 @@
 """Run the peers' own test-suites against lik's compatibility modules in place of the peers.
 
-    python tools/peer_suites.py --src .peer_src [--out DIR] [--suite NAME ...] [--workers N] [--baseline]
-                                     [--timeout-s S] [--deadline-s S]
+    python3 tools/peer_suites.py --src .peer_src --out $OUT --workers 10 --deadline-s 150   # on a CUDA machine
 
-On the GPU machine (the sdists carried in the ignored folder ``.peer_src/``)::
+``--src`` holds the peers' source distributions (``flash_maxsim-0.3.0/``, ``late_interaction_kernels-0.4.5/``, or
+their ``.tar.gz``), from ``pip download --no-deps --no-binary=:all: flash-maxsim==0.3.0
+late-interaction-kernels==0.4.5``. Each suite's ``tests/`` (and pytest configuration) is copied to a work folder
+beside a shim package named after the peer that re-exports lik's module and maps the peer's API submodules onto
+lik's (``src/lik/integrations/<peer>/_peer_suite.py`` holds the map, the files not run, the deliberate differences
+and the tests that fail with the peer too); the shim leads ``PYTHONPATH`` (the tests' subprocesses get lik too). The
+peers' pure-PyTorch references (``flash_maxsim.naive``, ``late_interaction_kernels.reference``) load from the sdist:
+lik is compared with the peers' own ground truth; nothing of the peers comes from site-packages.
 
-    python3 tools/peer_suites.py --src .peer_src --out $OUT --workers 8 --deadline-s 540
-
-``--src`` holds the peers' unpacked source distributions (``flash_maxsim-0.3.0/``, ``late_interaction_kernels-0.4.5/``;
-``.tar.gz`` files are unpacked into the work folder), fetched with
-``pip download --no-deps --no-binary=:all: flash-maxsim==0.3.0 late-interaction-kernels==0.4.5``. For each suite the
-tool copies the sdist's ``tests/`` (and its pytest configuration) into a work folder and writes a shim package
-named after the peer that re-exports lik's module (``lik.integrations.flash_maxsim`` /
-``lik.integrations.late_interaction_kernels``); the shim folder leads ``PYTHONPATH``, so ``import flash_maxsim``,
-its submodules and the tests' own subprocesses get lik. The peers' pure-PyTorch reference modules
-(``flash_maxsim.naive``, ``late_interaction_kernels.reference``) load from the sdist: the suites compare lik with the
-peers' own ground truth. Nothing of the peers is imported from site-packages.
-
-pytest runs every test file with test functions; flash-maxsim's script-style files (module-level code, no test
-functions) run as scripts, a pass being exit status 0 and no FAIL / BAD verdict printed (without CUDA they are not
-run). Each failure is either one of the deliberate differences listed below (the reason is printed), a test known
-to fail against the peer itself, or UNEXPECTED; failures of a test that needs CUDA on a machine without it, and of a
-file that needs a package not installed, are counted apart. With ``--baseline`` the suite also runs against the peer
-itself (its package from the sdist), and a failure it shares is marked as such. Files that test only the peer's own
-reference or internal helpers are not run (listed with the reason). The exit status is 1 when anything is
-UNEXPECTED. ``--out`` receives ``summary.md`` and ``peer_suites_logs.tar.gz`` (the JUnit XML and every log).
+The suites run at once, each against the whole ``--deadline-s``, sharing ``--workers`` pytest-xdist workers. The
+files with test functions run in one pytest run; beside it the script-style files (module-level code) run as
+scripts, ``--script-jobs`` at once, a pass being exit status 0 and no FAIL / BAD verdict printed (without CUDA they
+are not run); each script may allocate ``--script-memory-fraction`` of the GPU's memory, since the peers' benchmark
+scripts raise the batch until memory runs out (their out-of-memory rows print no verdict). At a limit a run gets
+SIGINT: what pytest finished counts, a script's verdicts so far count, the rest is "not run". Each failure is a
+listed difference (reason printed), a test failing against the peer itself, UNEXPECTED, or counted apart (needs
+CUDA on a machine without it, needs a package not installed). A file whose every test is a listed difference is
+not run unless ``--run-listed``. ``--baseline`` also runs each suite against the peer (its sdist package) and marks
+the failures it shares. Exit status 1 when anything is UNEXPECTED; ``--out`` receives ``summary.md`` and
+``peer_suites_logs.tar.gz`` (JUnit XML and every log).
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import importlib.util
 import os
 import re
 import shutil
@@ -41,164 +39,32 @@ import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The peers' submodules each shim maps onto lik (peer name -> lik module), and their reference modules, which load
-# from the sdist.
-SUITES = {
-    "flash_maxsim": {
-        "sdist": "flash_maxsim-0.3.0",
-        "lik": "lik.integrations.flash_maxsim",
-        "aliases": {
-            name: ""
-            for name in (
-                "flash_maxsim",
-                "flash_maxsim_varlen",
-                "flash_maxsim_batched_train",
-                "flash_maxsim_quant",
-                "flash_maxsim_rerank",
-                "flash_maxsim_topk",
-                "flash_maxsim_advanced",
-                "flash_maxsim_pairs_dense",
-                "warmup",
-            )
-        }
-        | {"flash_maxsim_contrastive": ".contrastive"},
-        "references": ("naive",),
-        "version": "0.3.0",
-    },
-    "late_interaction_kernels": {
-        "sdist": "late_interaction_kernels-0.4.5",
-        "lik": "lik.integrations.late_interaction_kernels",
-        "aliases": {
-            "autograd": ".scoring",
-            "varlen": ".scoring",
-            "retrieve": ".scoring",
-            "fp8": ".fp8",
-            "padded": ".padded",
-            "topk": ".topk",
-            "score_pairs": ".score_pairs",
-            "pylate_compat": ".pylate_compat",
-            "colpali_compat": ".colpali_compat",
-            "fused_head": ".fused_head",
-            "plaid": ".plaid",
-        },
-        "references": ("reference",),
-        "version": "0.4.5",
-    },
-}
 
-# Test files that exercise only the peer's own code (its reference module or internal helpers): not run.
-NOT_RUN = {
-    "late_interaction_kernels": {
-        "tests/test_reference_cpu.py": "tests the peer's reference module (loaded from the sdist), not lik",
-        "tests/test_utils.py": "tests the peer's internal helpers (_utils)",
-        "tests/test_autotune_kwargs.py": "tests the peer's autotuner configuration (_autotune)",
-    },
-}
+def _load_lists() -> tuple[dict, dict, list, list]:
+    """Each suite's data from its compatibility package's ``_peer_suite.py`` (read as a file: no lik import):
+    ``SUITES``, ``NOT_RUN``, ``DIFFERENCES`` and ``FAILS_WITH_PEER`` (the last two as ``(suite, pattern, reason)``)."""
+    suites, not_run, differences, fails_with_peer = {}, {}, [], []
+    for suite in ("flash_maxsim", "late_interaction_kernels"):
+        path = REPO / "src" / "lik" / "integrations" / suite / "_peer_suite.py"
+        spec = importlib.util.spec_from_file_location(f"_peer_suite_{suite}", path)
+        data = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(data)
+        suites[suite], not_run[suite] = data.SUITE, data.NOT_RUN
+        differences += [(suite, pattern, reason) for pattern, reason in data.DIFFERENCES]
+        fails_with_peer += [(suite, pattern, reason) for pattern, reason in data.FAILS_WITH_PEER]
+    return suites, not_run, differences, fails_with_peer
 
-_NO_NORM_WARNING = "lik prints no warning for unnormalised inputs (the peer's autograd._maybe_warn_unnormalized)"
-_PEER_INTERNALS = "tests the peer's kernels or internals (not part of the API lik replaces)"
-_PATCH_INTERNALS = (
-    "patch_pylate / patch_colpali_engine are lik's switches: no names rebound, no _ORIGINAL, "
-    "patched_* or package_at_least; they act on every device and host version"
-)
-# Deliberate differences: (suite, node id pattern, reason). Listed in the compatibility modules' docstrings.
-DIFFERENCES = [
-    (
-        "flash_maxsim",
-        "tests/test_flash_maxsim.py::test_chamfer_backward",
-        "flash_chamfer is not covered (lik.chamfer_distance has PyTorch3D's contract)",
-    ),
-    ("flash_maxsim", "tests/test_flash_maxsim.py::test_sparse_maxsim*", "flash_maxsim_sparse is not covered"),
-    ("flash_maxsim", "tests/test_sparse_dd.py*", "flash-maxsim's sparse_dd backward is not covered"),
-    (
-        "flash_maxsim",
-        "tests/test_splitd_int8_warmup.py::test_int8_train_gradient_quality",
-        "flash_maxsim_int8_batched_train is not covered (lik's 8-bit scoring is inference only)",
-    ),
-    ("flash_maxsim", "tests/test_invgrid_correctness.py", "flash-maxsim's invgrid backward proposal is not covered"),
-    (
-        "late_interaction_kernels",
-        "tests/test_retrieve_cpu.py::test_suppress_norm_warn_env_var_silences_warning",
-        _NO_NORM_WARNING,
-    ),
-    (
-        "late_interaction_kernels",
-        "tests/test_retrieve_cpu.py::test_unnormalized_warn_fires_once_direct",
-        _NO_NORM_WARNING,
-    ),
-    (
-        "late_interaction_kernels",
-        "tests/test_retrieve_cpu.py::test_norm_check_runs_once_even_when_normalized",
-        _NO_NORM_WARNING,
-    ),
-    ("late_interaction_kernels", "tests/test_retrieve.py::test_unnormalized_input_warns_once", _NO_NORM_WARNING),
-    ("late_interaction_kernels", "tests/test_forward.py::test_chunked_backward_matches_unchunked*", _PEER_INTERNALS),
-    ("late_interaction_kernels", "tests/test_forward.py::test_kd_over_ceil_still_warns", _PEER_INTERNALS),
-    ("late_interaction_kernels", "tests/test_backward_lowmem.py*", _PEER_INTERNALS),
-    ("late_interaction_kernels", "tests/test_backward_unified.py*", _PEER_INTERNALS),
-    ("late_interaction_kernels", "tests/test_compile_cache.py*", _PEER_INTERNALS),
-    ("late_interaction_kernels", "tests/test_public_api.py*", "the mps backend is not covered"),
-    (
-        "late_interaction_kernels",
-        "tests/test_robustness.py::test_no_grad_does_not_save_argmax_buffer",
-        "lik keeps the winners as int16 when Ld < 32 768 (half the peer's int32 buffer): no_grad does skip the save, "
-        "but the saving is below the test's int32-sized threshold",
-    ),
-    (
-        "late_interaction_kernels",
-        "tests/test_plaid.py::test_residual_backward_rejects_empty_docs",
-        "plaid.maxsim_residual gives an empty document a zero gradient (the peer raises ValueError in training)",
-    ),
-    ("late_interaction_kernels", "tests/test_pylate_compat_fallback.py*", _PATCH_INTERNALS),
-    ("late_interaction_kernels", "tests/test_pylate_compat_warnings.py*", _PATCH_INTERNALS),
-    ("late_interaction_kernels", "tests/test_pylate_compat.py::test_*_uses_patched_scores", _PATCH_INTERNALS),
-    ("late_interaction_kernels", "tests/test_pylate_compat.py::test_unpatch_restores_original", _PATCH_INTERNALS),
-    (
-        "late_interaction_kernels",
-        "tests/test_pylate_compat.py::test_patch_pylate_is_noop_on_native_pylate",
-        _PATCH_INTERNALS,
-    ),
-    ("late_interaction_kernels", "tests/test_colpali_compat.py::test_patch_and_unpatch_round_trip", _PATCH_INTERNALS),
-    ("late_interaction_kernels", "tests/test_colpali_compat.py::test_double_patch_is_idempotent", _PATCH_INTERNALS),
-    ("late_interaction_kernels", "tests/test_colpali_compat.py::test_lik_disable_falls_through", _PATCH_INTERNALS),
-    (
-        "late_interaction_kernels",
-        "tests/test_colpali_compat.py::test_patched_score_multi_vector_matches_original_cuda",
-        _PATCH_INTERNALS,
-    ),
-    (
-        "late_interaction_kernels",
-        "tests/test_colpali_compat.py::test_patch_colpali_engine_is_noop_on_native_colpali",
-        _PATCH_INTERNALS,
-    ),
-    (
-        "late_interaction_kernels",
-        "tests/test_padded.py::test_pack_padded_async_assert_*",
-        "pack_padded refuses a length past the padding with ValueError on the host, not a device-side assert",
-    ),
-    (
-        "late_interaction_kernels",
-        "tests/test_varlen.py::test_varlen_too_small_max_seqlen_asserts",
-        "max_seqlen_* are hints in lik: a small one costs speed, never tokens (no device-side assert)",
-    ),
-]
 
-_HALF_VS_FLOAT = (
-    "torch.allclose of flash-maxsim's float16 maxsim_naive and its float32 scores raises 'Half did not "
-    "match Float', whatever the scores"
-)
-# Tests that fail against the peer itself whatever scores it computes (--baseline confirms them on a GPU).
-FAILS_WITH_PEER = [
-    ("flash_maxsim", "tests/test_flash_maxsim.py::test_correctness", _HALF_VS_FLOAT),
-    ("flash_maxsim", "tests/test_flash_maxsim.py::test_variable_lengths", _HALF_VS_FLOAT),
-    ("flash_maxsim", "tests/test_flash_maxsim.py::test_varlen_correctness", _HALF_VS_FLOAT),
-    ("flash_maxsim", "tests/test_flash_maxsim.py::test_large_embedding_dim*", _HALF_VS_FLOAT),
-]
+# The peers' submodules each shim maps onto lik and their reference modules (loaded from the sdist); test files not
+# run; deliberate differences (listed in the compatibility modules' docstrings); tests failing with the peer too.
+SUITES, NOT_RUN, DIFFERENCES, FAILS_WITH_PEER = _load_lists()
 
 _NEEDS_CUDA = re.compile(
     r"Torch not compiled with CUDA|Found no NVIDIA driver|no CUDA GPUs are available|"
@@ -221,6 +87,7 @@ class SuiteReport:
     name: str
     outcomes: list[Outcome] = field(default_factory=list)
     peer: list[Outcome] | None = None  # the same suite against the peer itself (--baseline)
+    seconds: float = 0.0
 
 
 def _shim_source(suite: str, spec: dict, peer_dir: Path) -> str:
@@ -307,6 +174,8 @@ def _junit_outcomes(path: Path) -> list[Outcome]:
     outcomes = []
     for case in ElementTree.parse(path).iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
+        if not classname and not name:  # the test a SIGINT interrupted
+            continue
         if classname:
             module, _, klass = (
                 classname.partition(".")[2].partition(".") if classname.startswith("tests.") else (classname, "", "")
@@ -335,9 +204,9 @@ class Clock:
         return self.timeout_s if self.end is None else max(0, min(self.timeout_s, int(self.end - time.monotonic())))
 
 
-def _run(cmd: list[str], cwd: Path, env: dict, timeout_s: int) -> tuple[int | None, str]:
-    """``(exit status, output)``; at the time limit the command and its children (pytest-xdist's workers) are
-    killed and the status is None."""
+def _run(cmd: list[str], cwd: Path, env: dict, timeout_s: int, grace_s: int = 15) -> tuple[int | None, str]:
+    """``(exit status, output)``; at the time limit the command and its children (pytest-xdist's workers) get
+    SIGINT (pytest then writes its report of what ran), after ``grace_s`` more SIGKILL, and the status is None."""
     process = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -345,53 +214,62 @@ def _run(cmd: list[str], cwd: Path, env: dict, timeout_s: int) -> tuple[int | No
         output, _ = process.communicate(timeout=timeout_s)
         return process.returncode, output
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            output, _ = process.communicate(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
         return None, f"stopped after {timeout_s} s\n{output}"
 
 
 def _run_pytest(python, files, cwd, env, out, name, clock: Clock, workers) -> list[Outcome]:
     timeout_s = clock.limit()
-    if timeout_s <= 0:
+    if timeout_s <= 0 or not files:
         return [Outcome(f, "not run", "--deadline-s reached") for f in files]
     junit = out / f"{name}.junit.xml"
-    cmd = [
-        python,
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "-q",
-        "-rs",
-        "--continue-on-collection-errors",
-        f"--junitxml={junit}",
-        *(["-n", str(workers)] if workers > 1 else []),
-        *files,
-    ]
-    code, log = _run(cmd, cwd, env, timeout_s)
+    xdist = ["-n", str(workers)] if workers > 1 else []
+    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "--continue-on-collection-errors"]
+    code, log = _run([*cmd, f"--junitxml={junit}", *xdist, *files], cwd, env, timeout_s)
     (out / f"{name}.pytest.log").write_text(log)
-    if code is None:
-        return [
-            Outcome(f, "not run", f"pytest stopped at its {timeout_s} s limit (run this suite alone)") for f in files
-        ]
-    if not junit.is_file():
-        return [Outcome(f, "failed", "pytest wrote no report (see the log)") for f in files]
-    return _junit_outcomes(junit)
+    outcomes = _junit_outcomes(junit) if junit.is_file() else []
+    if code is None:  # what ran before the limit counts; the files with nothing reported did not run
+        ran = {o.test.split("::")[0] for o in outcomes}
+        stopped = f"pytest stopped at its {timeout_s} s limit before this file ran"
+        return outcomes + [Outcome(f, "not run", stopped) for f in files if f not in ran]
+    return outcomes or [Outcome(f, "failed", "pytest wrote no report (see the log)") for f in files]
 
 
-def _run_script(python, path, cwd, env, out, name, clock: Clock) -> Outcome:
+# Runs a script as ``python path`` would, its process limited to a fraction of the GPU's memory: the peers'
+# benchmark scripts raise the batch until they run out of memory, which would starve what runs beside them.
+_SCRIPT_LAUNCHER = (
+    "import os, runpy, sys\n"
+    "fraction = float(sys.argv[1])\n"
+    "sys.argv = sys.argv[2:]\n"
+    "sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))\n"
+    "if fraction < 1:\n"
+    "    import torch\n"
+    "    if torch.cuda.is_available():\n"
+    "        torch.cuda.set_per_process_memory_fraction(fraction)\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def _run_script(python, path, cwd, env, out, name, clock: Clock, memory_fraction: float = 1.0) -> Outcome:
     timeout_s = clock.limit()
     if timeout_s <= 0:
         return Outcome(path, "not run", "--deadline-s reached")
-    code, log = _run([python, path], cwd, env, timeout_s)
+    code, log = _run([python, "-c", _SCRIPT_LAUNCHER, str(memory_fraction), path], cwd, env, timeout_s)
     (out / f"{name}.{Path(path).stem}.log").write_text(log)
-    if code is None:
-        return Outcome(path, "not run", f"stopped at its {timeout_s} s limit")
     verdicts = [line for line in log.splitlines() if _VERDICT.search(line)]
+    if code is None and not verdicts:
+        passed = sum(" OK" in line or "PASS" in line for line in log.splitlines())
+        return Outcome(path, "not run", f"stopped at its {timeout_s} s limit ({passed} OK lines, no failure so far)")
     if code == 0 and not verdicts:
         return Outcome(path, "passed")
     last = log.strip().splitlines()[-1] if log.strip() else ""
-    return Outcome(path, "failed", f"exit {code}; " + ("; ".join(verdicts[:3]) if verdicts else last) + "\n" + log)
+    status = "stopped" if code is None else f"exit {code}"
+    return Outcome(path, "failed", f"{status}; " + ("; ".join(verdicts[:3]) if verdicts else last) + "\n" + log)
 
 
 def _classify(suite: str, outcome: Outcome, cuda: bool, failed_with_peer: set[str]) -> str:
@@ -415,26 +293,60 @@ def _classify(suite: str, outcome: Outcome, cuda: bool, failed_with_peer: set[st
     return "UNEXPECTED"
 
 
-def _run_tests(
-    root: Path, env: dict, out: Path, tag: str, python: str, cuda: bool, skipped: dict, clock: Clock, workers: int
-) -> list[Outcome]:
+def _whole_file_difference(suite: str, path: str) -> str | None:
+    """The reason when every test of ``path`` is a listed difference (a pattern without ``::`` matching it)."""
+    for name, pattern, reason in DIFFERENCES:
+        if name == suite and "::" not in pattern and fnmatch.fnmatch(path, pattern):
+            return reason
+    return None
+
+
+def _test_files(root: Path) -> tuple[list[str], list[str]]:
+    """``(pytest files, script-style files)`` of a suite's ``tests/``."""
     files = sorted(p.relative_to(root).as_posix() for p in (root / "tests").glob("test_*.py"))
-    outcomes = [Outcome(f, "not run", skipped[f]) for f in files if f in skipped]
-    files = [f for f in files if f not in skipped]
     with_tests = [f for f in files if re.search(r"^\s*def test_", (root / f).read_text(), re.MULTILINE)]
-    outcomes += _run_pytest(python, with_tests, root, env, out, tag, clock, workers)
-    for script in (f for f in files if f not in with_tests):
-        if cuda:
-            outcomes.append(_run_script(python, script, root, env, out, tag, clock))
-        else:
-            outcomes.append(Outcome(script, "not run", "script-style file: needs CUDA"))
+    return with_tests, [f for f in files if f not in with_tests]
+
+
+@dataclass
+class Plan:
+    """How a suite runs: pytest-xdist workers, scripts at once and each script's share of the GPU's memory; with
+    ``run_listed`` the files whose every test is a listed difference run too."""
+
+    workers: int = 0
+    script_jobs: int = 1
+    memory_fraction: float = 1.0
+    run_listed: bool = False
+
+
+def _run_tests(root, env, out, tag, python, cuda, suite, clock: Clock, plan: Plan) -> list[Outcome]:
+    """The pytest files in one pytest run while the script-style files run beside it, ``plan.script_jobs`` at once."""
+    skipped = NOT_RUN.get(suite, {})
+    with_tests, scripts = _test_files(root)
+    outcomes = [Outcome(f, "not run", skipped[f]) for f in with_tests + scripts if f in skipped]
+    if not plan.run_listed:
+        listed = {f: _whole_file_difference(suite, f) for f in with_tests + scripts if f not in skipped}
+        outcomes += [Outcome(f, f"listed: {why} (every test listed: not run)") for f, why in listed.items() if why]
+        skipped = {**skipped, **{f: why for f, why in listed.items() if why}}
+    with_tests, scripts = ([f for f in group if f not in skipped] for group in (with_tests, scripts))
+    if not cuda:
+        outcomes += [Outcome(f, "not run", "script-style file: needs CUDA") for f in scripts]
+        scripts = []
+    with ThreadPoolExecutor(max_workers=1 + max(1, plan.script_jobs)) as pool:
+        pytest_run = pool.submit(_run_pytest, python, with_tests, root, env, out, tag, clock, plan.workers)
+        script_runs = [
+            pool.submit(_run_script, python, f, root, env, out, tag, clock, plan.memory_fraction) for f in scripts
+        ]
+        outcomes += pytest_run.result() + [run.result() for run in script_runs]
     return outcomes
 
 
 def run_suite(
-    suite: str, src: Path, work: Path, out: Path, python: str, clock: Clock, baseline: bool, workers: int = 0
+    suite: str, src: Path, work: Path, out: Path, python: str, clock: Clock, baseline: bool, plan: Plan | None = None
 ) -> SuiteReport:
     """The suite against lik (the shim), and with ``baseline`` against the peer itself (the sdist's package)."""
+    started = time.monotonic()
+    plan = plan or Plan()
     spec = SUITES[suite]
     sdist = _sdist(src, work, spec["sdist"])
     shim = work / suite / "shim"
@@ -447,29 +359,35 @@ def run_suite(
             shutil.copy(sdist / config, root / config)
     env = _env(shim)
     cuda = _has_cuda(python, env)
-    skipped = NOT_RUN.get(suite, {})
-    report = SuiteReport(suite, _run_tests(root, env, out, suite, python, cuda, skipped, clock, workers))
+    report = SuiteReport(suite, _run_tests(root, env, out, suite, python, cuda, suite, clock, plan))
     failed_with_peer = set()
     if baseline:
-        report.peer = _run_tests(root, _env(sdist), out, f"{suite}.peer", python, cuda, skipped, clock, workers)
+        report.peer = _run_tests(root, _env(sdist), out, f"{suite}.peer", python, cuda, suite, clock, plan)
         failed_with_peer = {o.test for o in report.peer if o.status == "failed"}
     for outcome in report.outcomes:
         outcome.status = _classify(suite, outcome, cuda, failed_with_peer)
+    report.seconds = time.monotonic() - started
     return report
+
+
+def _plans(src: Path, suites: list[str], args) -> dict[str, Plan]:
+    """The suites run at once: the pytest-xdist workers are shared in proportion to their pytest files."""
+    sdists = {suite: src / SUITES[suite]["sdist"] for suite in suites}  # (a .tar.gz counts 1 file)
+    counts = {suite: max(1, len(_test_files(d)[0])) if d.is_dir() else 1 for suite, d in sdists.items()}
+    workers = {
+        s: max(1, round(args.workers * n / sum(counts.values()))) if args.workers > 1 else 0 for s, n in counts.items()
+    }
+    return {s: Plan(workers[s], args.script_jobs, args.script_memory_fraction, args.run_listed) for s in suites}
 
 
 def summarize(reports: list[SuiteReport]) -> tuple[str, int]:
     lines, unexpected = [], 0
     for report in reports:
-        counts: dict[str, int] = {}
-        for outcome in report.outcomes:
-            key = outcome.status.split(":")[0]
-            counts[key] = counts.get(key, 0) + 1
-        lines.append(f"## {report.name}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+        counts = Counter(outcome.status.split(":")[0] for outcome in report.outcomes)
+        counted = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        lines.append(f"## {report.name}: {counted} ({report.seconds:.0f} s)")
         if report.peer is not None:
-            peer_counts: dict[str, int] = {}
-            for outcome in report.peer:
-                peer_counts[outcome.status] = peer_counts.get(outcome.status, 0) + 1
+            peer_counts = Counter(outcome.status for outcome in report.peer)
             lines.append("the peer itself: " + ", ".join(f"{n} {k}" for k, n in sorted(peer_counts.items())))
         for outcome in report.outcomes:
             if outcome.status in ("passed", "skipped"):
@@ -478,10 +396,7 @@ def summarize(reports: list[SuiteReport]) -> tuple[str, int]:
             note = "" if outcome.status.startswith(("listed", "fails with the peer too:")) else f"  ({first})"
             lines.append(f"- {outcome.test}: {outcome.status}{note}")
         unexpected += counts.get("UNEXPECTED", 0)
-        skips: dict[str, int] = {}
-        for outcome in report.outcomes:
-            if outcome.status == "skipped":
-                skips[outcome.detail[:120]] = skips.get(outcome.detail[:120], 0) + 1
+        skips = Counter(outcome.detail[:120] for outcome in report.outcomes if outcome.status == "skipped")
         lines += [f"- skipped {n}: {reason}" for reason, n in sorted(skips.items())]
         lines.append("")
     return "\n".join(lines), unexpected
@@ -493,22 +408,16 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="folder for summary.md and peer_suites_logs.tar.gz")
     parser.add_argument("--suite", action="append", choices=sorted(SUITES), help="run only these suites")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs the tests")
-    parser.add_argument("--timeout-s", type=int, default=480, help="limit for each pytest run and each script")
-    parser.add_argument(
-        "--baseline",
-        action="store_true",
-        help="also run each suite against the peer itself (from the sdist): a failure it shares is "
-        "marked 'fails with the peer too'",
-    )
-    parser.add_argument(
-        "--deadline-s", type=int, help="time for the whole run: what would start after it is reported as not run"
-    )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=0,
-        help="pytest-xdist workers for the pytest files (kernel compilation runs on the CPUs)",
-    )
+    for flag, kind, default, text in (
+        ("--timeout-s", int, 480, "limit for each pytest run and each script"),
+        ("--deadline-s", int, None, "time for the whole run (the suites run at once): what is left is not run"),
+        ("--workers", int, 0, "pytest-xdist workers, shared by the suites in proportion to their pytest files"),
+        ("--script-jobs", int, 2, "script-style files run at once per suite"),
+        ("--script-memory-fraction", float, 0.25, "share of the GPU's memory a script-style file may allocate"),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=text)
+    parser.add_argument("--baseline", action="store_true", help="also run each suite against the peer itself")
+    parser.add_argument("--run-listed", action="store_true", help="also run files whose every test is listed")
     args = parser.parse_args(argv)
     if not args.src.is_dir():
         parser.error(f"--src {args.src} is not a folder")
@@ -518,10 +427,15 @@ def main(argv=None) -> int:
         logs = Path(tmp) / "logs"
         logs.mkdir()
         clock = Clock(args.timeout_s, args.deadline_s)
-        reports = [
-            run_suite(s, args.src.resolve(), Path(tmp), logs, args.python, clock, args.baseline, args.workers)
-            for s in (args.suite or sorted(SUITES))
-        ]
+        suites = args.suite or sorted(SUITES)
+        src = args.src.resolve()
+        plans = _plans(src, suites, args)
+        with ThreadPoolExecutor(max_workers=len(suites)) as pool:  # at once, each against the same deadline
+            reports = list(
+                pool.map(
+                    lambda s: run_suite(s, src, Path(tmp), logs, args.python, clock, args.baseline, plans[s]), suites
+                )
+            )
         text, unexpected = summarize(reports)
         if args.out is not None:  # two files: a device run returns few
             args.out.mkdir(parents=True, exist_ok=True)

@@ -136,6 +136,7 @@ def test_a_run_reports_each_outcome_and_fails_on_the_unexpected(tool, tmp_path, 
             "def test_chamfer_backward():\n    from flash_maxsim.flash_chamfer import flash_chamfer_train\n"
             "def test_broken():\n    assert False, 'a real failure'\n"
         ),
+        "test_sparse_dd.py": "def test_never_run():\n    assert False\n",  # every test listed: not run
     }
     src = _fake_sdist(
         tmp_path / "src",
@@ -148,7 +149,8 @@ def test_a_run_reports_each_outcome_and_fails_on_the_unexpected(tool, tmp_path, 
     status = tool.main(["--src", str(src), "--out", str(out), "--suite", "flash_maxsim", "--timeout-s", "300"])
     printed = capsys.readouterr().out
     assert status == 1
-    assert printed.startswith("## flash_maxsim: 1 UNEXPECTED, 1 listed, 2 passed")
+    assert printed.startswith("## flash_maxsim: 1 UNEXPECTED, 2 listed, 2 passed (")
+    assert "- tests/test_sparse_dd.py: listed: flash-maxsim's sparse_dd backward is not covered (every test" in printed
     assert "- tests/test_flash_maxsim.py::test_broken: UNEXPECTED  (AssertionError: a real failure" in printed
     assert "- tests/test_flash_maxsim.py::test_chamfer_backward: listed: flash_chamfer is not covered" in printed
     assert (out / "summary.md").read_text().strip() == printed.strip()
@@ -176,3 +178,29 @@ def test_time_limits(tool, tmp_path):
         sys.executable, "slow.py", tmp_path, dict(os.environ), tmp_path, "x", tool.Clock(2, None)
     )
     assert outcome.status == "not run" and "2 s limit" in outcome.detail
+
+
+def test_a_stopped_pytest_keeps_what_finished_and_scripts_run_as_themselves(tool, tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("def test_quick():\n    pass\n")
+    (tmp_path / "tests" / "test_b.py").write_text("import time\n\ndef test_slow():\n    time.sleep(120)\n")
+    env = dict(os.environ)
+    outcomes = tool._run_pytest(
+        sys.executable, ["tests/test_a.py", "tests/test_b.py"], tmp_path, env, tmp_path, "x", tool.Clock(15, None), 0
+    )
+    assert [(o.test, o.status) for o in outcomes] == [
+        ("tests/test_a.py::test_quick", "passed"),
+        ("tests/test_b.py", "not run"),
+    ]
+    (tmp_path / "tests" / "script.py").write_text(
+        "import os, sys\nprint(os.path.basename(__file__), sys.path[0] == os.path.dirname(os.path.abspath(__file__)))\n"
+        "print('check 1 OK')\n"
+    )
+    outcome = tool._run_script(
+        sys.executable, "tests/script.py", tmp_path, env, tmp_path, "x", tool.Clock(300, None), 1.0
+    )
+    assert outcome.status == "passed"
+    assert (tmp_path / "x.script.log").read_text().splitlines()[0] == "script.py True"
+    (tmp_path / "tests" / "bad.py").write_text("print('grad [FAIL]', flush=True)\nimport time\ntime.sleep(120)\n")
+    outcome = tool._run_script(sys.executable, "tests/bad.py", tmp_path, env, tmp_path, "x", tool.Clock(5, None))
+    assert outcome.status == "failed" and outcome.detail.startswith("stopped; grad [FAIL]")

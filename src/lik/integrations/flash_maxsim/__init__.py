@@ -29,8 +29,9 @@ padded item (tokens past it never take part: lik's ``mask_mode="exclude"``); res
 Not covered: Chamfer distance (``flash_chamfer``, ``flash_chamfer_train``, ``flash_chamfer_invgrid_train``,
 ``naive_chamfer``, ``naive_chamfer_one_direction``: lik's :func:`lik.chamfer_distance` has PyTorch3D's contract),
 ``flash_maxsim_int8_batched_train`` (training from an 8-bit copy of ``D``: lik's 8-bit scoring is inference only),
-and what flash-maxsim keeps in submodules outside its package namespace (the sparse-query scorers, its backward
-proposals; the fused contrastive step is covered, above).
+and what flash-maxsim keeps in submodules outside its package namespace (the sparse-query scorers of
+``flash_maxsim_sparse`` / ``flash_maxsim_sparse_dd``, the experimental ``flash_maxsim_exp`` and ``flash_maxsim_splitd``
+kernels, its backward proposals; the fused contrastive step is covered, above).
 
 Deliberate differences (flash-maxsim's behaviour is not reproduced):
 

@@ -64,6 +64,8 @@ Deliberate differences (its behaviour is not reproduced):
   once per query and document), and its backward recomputes the projection a chunk of documents at a time
   (the peer gathers ``Nq * Nd * Lq`` hidden rows of ``d_model``: more than ``H_d`` itself in in-batch training);
   a NaN or inf in a valid token gives NaN, and masked hidden rows, garbage included, get exactly 0 gradient;
+* the winners MaxSim's training forward keeps for the backward are int16 when ``Ld < 32 768`` (int32 beyond; the
+  peer's always int32): half the buffer, none under ``torch.no_grad()`` (as the peer);
 * ``plaid``: the peer's residual bytes (first dimension in the low bits) are rewritten through a 256-entry table
   into ColBERT's order and, for ``nbits`` 2 or 4 with ``normalize=True``, ``d`` a multiple of 8 and finite bucket
   weights, scored on chip by :func:`lik.maxsim_residual`; ``nbits=8`` and ``normalize=False`` (no lik codec
