@@ -195,10 +195,6 @@ def token_stream_kernel(
     DOT_PRECISION: tl.constexpr,
     LOADER: tl.constexpr,
     SEGMENTS: tl.constexpr = 3,
-    codes_ptr=None,
-    centroids_ptr=None,
-    weights_ptr=None,
-    n_centroids=1,
     DECODE: tl.constexpr = None,
     NBITS: tl.constexpr = 0,
 ):
@@ -208,9 +204,11 @@ def token_stream_kernel(
     carry contiguous fp32 scales ``q_scale [Nq, Lq]`` and ``d_scale [n_d_rows]``. Grid:
     ``n_row_blocks * programs``; the document side needs ``DIM <= BLOCK_K`` (resident features).
 
-    With ``NBITS`` > 0, ``d`` holds residual codes (``d [n_d_rows, DIM * NBITS // 8]`` uint8, ``codes``,
-    ``centroids``, ``weights``) and the jit function ``DECODE`` makes each tile on chip (the residual loader of
-    :mod:`lik.ops.residual.decode`, passed in so that the core imports nothing of an op)."""
+    With ``NBITS`` > 0 the rows are compressed residuals, decoded per tile on chip by the jit function ``DECODE``
+    (the residual loader of :mod:`lik.ops.residual.decode`, passed in so that the core imports nothing of an op):
+    ``d [n_d_rows, DIM * NBITS // 8]`` uint8 the packed residuals, ``d_scale`` the int32 / int64 codes and
+    ``q_scale`` the loader's decode table (the 8-bit side tables' slots: no parameter is added, so every launch
+    keeps one positional form)."""
     BLOCK_M: tl.constexpr = GROUP_ROWS * GROUPS
     pid = tl.program_id(0)
     program = divide(pid, row_blocks_multiplier, row_blocks_shift)
@@ -280,9 +278,7 @@ def token_stream_kernel(
         # Unpredicated rows: past the run, the run's last row again (its columns belong to no document here).
         rows = tl.minimum(tile_lo + tl.arange(0, BLOCK_T), run_end - 1)
         if NBITS > 0:
-            d_tile = DECODE(
-                d_ptr, codes_ptr, centroids_ptr, weights_ptr, rows, n_centroids, stride_dl, DIM, NBITS, BLOCK_K
-            ).to(q_rows.dtype)
+            d_tile = DECODE(d_ptr, d_scale_ptr, q_scale_ptr, rows, stride_dl, DIM, NBITS, BLOCK_K).to(q_rows.dtype)
         elif DIM == BLOCK_K:
             d_tile = tl.load(d_ptr + rows[:, None] * stride_dl + offs_k[None, :] * stride_dk)
         else:

@@ -6,7 +6,9 @@ dimensions, the first in the high bits, each group's bits in reversed order. The
 bytes with one vectorised load (not a load per dimension), takes group ``s`` of every byte with a shift, looks its
 weight up in a table indexed by the group as stored (:func:`group_weights`: the bit reversal done once on the host),
 and interleaves the ``8 // nbits`` group tiles back into dimension order with ``tl.join`` + ``tl.reshape`` (register
-moves). The centroid rows are one gather from the ``[K, d]`` table (L2-resident); the row norm is in fp32.
+moves). The centroid rows are one gather from the ``[K, d]`` table (L2-resident); the row norm is in fp32. The
+loader's side data is one tensor, :func:`decode_table` (the weights, then the centroids), so that the token stream
+takes it in an existing pointer slot.
 
 :func:`decode_rows` is the ``DECODE`` loader of :func:`lik.core.token_stream.token_stream_kernel` (the compressed
 scan) and the body of :func:`decode_kernel` (the bounded-scratch fallback, :func:`decode_into`).
@@ -15,6 +17,7 @@ scan) and the body of :func:`decode_kernel` (the bounded-scratch fallback, :func
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import triton
@@ -22,7 +25,14 @@ import triton.language as tl
 
 from lik.compression.packing import reversed_bit_map
 
-__all__ = ["decode_rows", "decode_kernel", "decode_into", "group_weights", "decode_centroids"]
+__all__ = ["decode_rows", "decode_kernel", "decode_into", "group_weights", "decode_table", "TABLE_HEADER"]
+
+# Elements of a decode table before its centroids: the 2**nbits fp32 weights (at most 64 bytes) and padding, so that
+# the centroid rows stay 16-byte aligned in every dtype.
+_HEADER = 32
+TABLE_HEADER = tl.constexpr(_HEADER)
+# codec -> {on_gpu: table}; a codec is immutable in use, so its table is built once per kind of device.
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @functools.cache
@@ -46,11 +56,29 @@ def group_weights(codec) -> torch.Tensor:
     return codec._weights32[order].contiguous()
 
 
-def decode_centroids(codec, on_gpu: bool) -> torch.Tensor:
-    """The centroid table the loader gathers from: as stored when 16-bit (their fp32 values are exact in half the
-    bytes; bfloat16 only on a GPU, where the kernel reads it natively), else fp32; contiguous."""
-    exact16 = codec.centroids.dtype == torch.float16 or (codec.centroids.dtype == torch.bfloat16 and on_gpu)
-    return (codec.centroids if exact16 else codec._centroids32).contiguous()
+def decode_table(codec, on_gpu: bool) -> torch.Tensor:
+    """The loader's side data, 1-D contiguous on the codec's device: :data:`TABLE_HEADER` elements whose bytes
+    start with :func:`group_weights` (fp32), then the centroids ``[K, d]`` flattened, as stored when 16-bit (their
+    fp32 values are exact in half the bytes; bfloat16 only on a GPU, where the kernel reads it natively), else fp32.
+    Built once per codec and kind of device.
+
+    Example::
+
+        >>> codec = lik.compression.ResidualCodec(torch.eye(8), torch.zeros(1), torch.tensor([-1.0, 1.0]), 1)
+        >>> decode_table(codec, False)[:2].tolist(), decode_table(codec, False).shape
+        ([-1.0, 1.0], torch.Size([96]))
+    """
+    tables = _TABLES.setdefault(codec, {})
+    table = tables.get(on_gpu)
+    if table is None:
+        exact16 = codec.centroids.dtype == torch.float16 or (codec.centroids.dtype == torch.bfloat16 and on_gpu)
+        centroids = codec.centroids if exact16 else codec._centroids32
+        table = torch.zeros(_HEADER + centroids.numel(), dtype=centroids.dtype, device=codec.device)
+        weights = group_weights(codec)
+        table[:_HEADER].view(torch.float32)[: weights.shape[0]] = weights
+        table[_HEADER:] = centroids.reshape(-1)
+        tables[on_gpu] = table
+    return table
 
 
 @triton.jit
@@ -72,10 +100,8 @@ def _slot_weight(byte, weights_ptr, w0, w1, w2, w3, SLOT: tl.constexpr, NBITS: t
 def decode_rows(
     res_ptr,
     codes_ptr,
-    centroids_ptr,
-    weights_ptr,
+    table_ptr,
     rows,
-    n_centroids,
     stride_rl,
     DIM: tl.constexpr,
     NBITS: tl.constexpr,
@@ -83,18 +109,17 @@ def decode_rows(
 ):
     """fp32 ``[len(rows), BLOCK_K]``: the decoded tokens at (valid, absolute) ``rows``, zero past ``DIM``.
 
-    ``res_ptr`` uint8 rows of ``DIM * NBITS // 8`` bytes (row stride ``stride_rl``), ``codes_ptr`` int32 / int64,
-    ``centroids_ptr`` ``[n_centroids, DIM]`` contiguous, ``weights_ptr`` :func:`group_weights`. ``BLOCK_K`` is a
-    power of two >= ``DIM``. Codes are clamped to the table (checked on the host; the clamp keeps an unchecked one
-    from reading outside it)."""
+    ``res_ptr`` uint8 rows of ``DIM * NBITS // 8`` bytes (row stride ``stride_rl``), ``codes_ptr`` int32 / int64
+    codes in the table (checked on the host), ``table_ptr`` :func:`decode_table`. ``BLOCK_K`` is a power of two
+    >= ``DIM``."""
     BLOCK_T: tl.constexpr = rows.shape[0]
     PER_BYTE: tl.constexpr = 8 // NBITS
     BYTES: tl.constexpr = BLOCK_K // PER_BYTE
     offs_k = tl.arange(0, BLOCK_K)
     offs_b = tl.arange(0, BYTES)
+    weights_ptr = table_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
     code = tl.load(codes_ptr + rows).to(tl.int32)
-    code = tl.minimum(tl.maximum(code, 0), n_centroids - 1)
-    centroid_ptrs = centroids_ptr + code[:, None] * DIM + offs_k[None, :]
+    centroid_ptrs = table_ptr + TABLE_HEADER + code[:, None] * DIM + offs_k[None, :]
     byte_ptrs = res_ptr + rows[:, None] * stride_rl + offs_b[None, :]
     if DIM == BLOCK_K:
         centroid = tl.load(centroid_ptrs).to(tl.float32)
@@ -161,11 +186,9 @@ def decode_rows(
 def decode_kernel(
     res_ptr,
     codes_ptr,
-    centroids_ptr,
-    weights_ptr,
+    table_ptr,
     out_ptr,
     n_rows,
-    n_centroids,
     stride_rl,
     stride_ol,
     DIM: tl.constexpr,
@@ -180,10 +203,8 @@ def decode_kernel(
     x = decode_rows(
         res_ptr,
         codes_ptr,
-        centroids_ptr,
-        weights_ptr,
+        table_ptr,
         tl.minimum(rows, n_rows - 1),
-        n_centroids,
         stride_rl,
         DIM,
         NBITS,
@@ -210,11 +231,9 @@ def decode_into(out: torch.Tensor, codes: torch.Tensor, residuals: torch.Tensor,
     decode_kernel[(triton.cdiv(n_rows, block_t),)](
         residuals,
         codes,
-        decode_centroids(codec, out.is_cuda),
-        group_weights(codec),
+        decode_table(codec, out.is_cuda),
         out,
         n_rows,
-        codec.num_centroids,
         residuals.stride(0),
         out.stride(0),
         DIM=dim,

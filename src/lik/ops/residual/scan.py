@@ -19,7 +19,7 @@ from lik.core.forward_launch import dot_precision
 from lik.core.token_stream import token_stream_kernel
 from lik.ops.maxsim.packed_function import PackedQuery, score_packed
 
-from .decode import decode_centroids, decode_into, decode_rows, group_weights
+from .decode import decode_into, decode_rows, decode_table
 from .reference import maxsim_residual_reference
 from .validation import ResidualInputs
 
@@ -49,8 +49,8 @@ def residual_stream(q, q_mask, codes, residuals, codec, cu, cfg: ResidualStreamC
         q_mask_arg,
         cu,
         partial,
-        partial,
-        partial,
+        decode_table(codec, q.is_cuda),  # (the 8-bit query scales' slot)
+        codes,  # (the 8-bit document scales' slot)
         n_q,
         l_q,
         n_docs,
@@ -74,10 +74,6 @@ def residual_stream(q, q_mask, codes, residuals, codec, cu, cfg: ResidualStreamC
         DOT_PRECISION=dot_precision(q.dtype),
         LOADER=0,
         SEGMENTS=cfg.segments,
-        codes_ptr=codes,
-        centroids_ptr=decode_centroids(codec, q.is_cuda),
-        weights_ptr=group_weights(codec),
-        n_centroids=codec.num_centroids,
         DECODE=decode_rows,
         NBITS=codec.nbits,
         num_warps=cfg.num_warps,
