@@ -1,11 +1,10 @@
-"""The residual MaxSim kernel: ColBERTv2 codes decoded on chip inside the MaxSim loop, and its launcher.
+"""The residual MaxSim kernel with winners (the gradient's forward): ColBERTv2 codes decoded on chip inside the
+MaxSim loop, and its launcher.
 
-Why a kernel of its own and not a ``LOADER`` flag of :func:`~lik.core.forward_kernel.maxsim_fwd_kernel`: the core
-loop's loaders hand the tile step row *pointers* (``document_tile`` / ``similarity_tile`` load the rows, in
-``BLOCK_K`` chunks for wide embeddings, straight into the product), and a decoded row exists only after a gather,
-an unpack and a row norm over its whole width, so the flag would have to reach into the tile step, the stream, the
-persistent and token-stream walks and the NaN pass of every layout. Adding it there is the next step (it belongs to
-the core's owners); this kernel keeps the core's pieces for everything else: the query rows and their stacking
+Inference does not come here: it takes the token stream of :mod:`lik.core.token_stream` with the residual loader of
+:mod:`.decode` (:mod:`.scan`), which walks runs of documents as full tiles. This kernel keeps the per-document loop
+because the gradient needs each (query token, document)'s winning row, which the token stream does not track; it
+uses the core's pieces for everything else: the query rows and their stacking
 (:func:`~lik.core.tile.query_rows`, :func:`~lik.core.tile.group_offsets`,
 :func:`~lik.core.tile.store_group_sums`), the packed document spans (:func:`~lik.core.segments.segment`), the
 product (:func:`~lik.core.tile.tile_dot`) and the NaN-propagating max (:func:`~lik.core.reductions.nan_max`).
