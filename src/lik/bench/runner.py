@@ -32,7 +32,7 @@ from .measure import Timer, measure_ceilings, measure_storage_ceilings, quantize
 from .methods import METHODS, Method, peer_versions, select_methods
 from .ops import OPS, Op, select_ops
 from .plots import plot_all
-from .report import format_report, record_name
+from .report import format_report, load_results, record_name
 from .roofline import flop_count, min_bytes
 from .shapes import EIGHT_BIT_CELLS, SUITES, Shape, select_shapes
 
@@ -142,8 +142,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ceilings", action="store_true",
                    help="no cells: measure the machine's ceilings (device copy, matmul per dtype, pinned host "
                    "copies) into OUT/ceilings.json")
-    p.add_argument("--from-json", default=None,
-                   help="no run: print the tables of an existing results JSON and redraw its plots")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                   help="no run: print the tables of one or more results JSON files (merged in order, a later "
+                   "file's cell replacing an earlier one's) and redraw their plots")
     args = p.parse_args(argv)
     if args.suite and args.ops == "all":  # --suite names MaxSim suites: the dense MaxSim tables only
         args.ops = ",".join(op.name for op in OPS if op.suites)
@@ -393,9 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.from_json:
         try:
-            results = json.loads(Path(args.from_json).read_text())
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"lik bench: --from-json {args.from_json}: {exc}") from None
+            results = load_results(args.from_json)
+        except ValueError as exc:
+            raise SystemExit(f"lik bench: {exc}") from None
     else:
         results = run(args, argv=argv)
     _report(results, args, print)
