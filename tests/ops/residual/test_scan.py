@@ -215,3 +215,15 @@ def test_heuristic_paths(monkeypatch):
 
 def test_exported():
     assert lik.ops.residual.score_residual_packed is score_residual_packed
+
+
+def test_many_documents_in_one_tile(paths):
+    _kernels()
+    codec = make_codec(16, 1)
+    lengths = [1] * 9 + [0, 2, 0, 3, 20, 1, 1]  # more than the unrolled passes' documents in a 16-token tile
+    codes, residuals, cu = make_corpus(codec, lengths)
+    Q = torch.randn(2, 3, 16)
+    with override(residual_stream=STREAM):
+        out = score_residual_packed(Q, None, codes, residuals, codec, cu)
+    assert paths["stream"] == 1
+    torch.testing.assert_close(out.double(), expected(Q, codes, residuals, codec, cu), atol=1e-4, rtol=1e-4)
