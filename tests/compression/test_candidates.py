@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import lik._device
 import lik.compression.candidates as candidates
+import lik.compression.interaction as interaction
 from lik.compression import build_ivf, generate_candidates
 from lik.compression.candidates_reference import build_ivf_reference, generate_candidates_reference
 
@@ -39,8 +41,10 @@ def _both(Q, mask, centroids, codes, cu, **kw):
 @pytest.fixture(params=[1 << 30, 4096, 64], ids=["one-block", "small-blocks", "tiny-blocks"])
 def block_bytes(request, monkeypatch):
     """Every test below runs with one block and with blocks so small that queries, query groups and token
-    gathers are all split (64 bytes: one query per block, one pair per gather)."""
+    gathers are all split (64 bytes: one query per block, one pair per gather), on the PyTorch path of stage 3
+    (the CPU's; the kernel's own tests are at the end: the interpreter runs one program per pair)."""
     monkeypatch.setattr(candidates, "BLOCK_BYTES", request.param)
+    monkeypatch.setattr(lik._device, "interpreting", lambda: False)
     return request.param
 
 
@@ -270,3 +274,42 @@ def test_gpu_matches_cpu_and_stays_in_budget(monkeypatch):
     # Half-precision products round scores differently: compare as sets, allowing a few boundary swaps.
     overlap = [len(set(a.tolist()) & set(b.tolist())) / 256 for a, b in zip(got.cpu(), want)]
     assert min(overlap) > 0.97
+
+
+@pytest.fixture
+def small_kernel_blocks(monkeypatch):
+    """Token and query-token blocks of 4, so that tiny interpreter shapes walk several of each."""
+    monkeypatch.setattr(interaction, "_BLOCK_T", 4)
+    monkeypatch.setattr(interaction, "_MAX_BLOCK_L", 4)
+
+
+@pytest.mark.parametrize("with_keep", [False, True])
+def test_interaction_kernel_matches_torch(small_kernel_blocks, with_keep):
+    # 6 pairs: documents of 1 to 9 tokens (1 to 3 token blocks), 6 query tokens (2 passes of 4), masked query
+    # tokens holding NaN and inf, a document whose tokens are all pruned (-inf), a NaN kept score (NaN).
+    g = torch.Generator().manual_seed(11)
+    St = torch.randn(2, 5, 6, generator=g)
+    St[:, :, 5] = float("nan")  # query token 5 is masked below: never read into a score
+    St[1, :, 4] = float("inf")
+    codes = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 4, 3, 2, 1], dtype=torch.int32)
+    cu = torch.tensor([0, 9, 10, 12, 14])
+    valid = torch.tensor([[1, 1, 1, 0, 1, 0], [1, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    keep = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 0]], dtype=torch.bool) if with_keep else None
+    pair_q, pair_doc = torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([0, 1, 3, 0, 2, 3])
+    if with_keep:
+        St[0, 3, 0] = float("nan")  # kept centroid 3 of query 0: document 0 (which holds it) scores NaN
+    got = interaction.centroid_interaction(St, valid, keep, pair_q, pair_doc, codes, cu)
+    want = interaction.centroid_interaction_torch(St, valid, keep, pair_q, pair_doc, codes, cu, 1 << 20)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    if with_keep:
+        assert got[0].isnan() and got[1] == float("-inf") and got[2:].isfinite().all()  # doc 1: only centroid 4
+    else:
+        assert got.isfinite().all()
+
+
+def test_kernel_path_matches_reference(small_kernel_blocks):
+    # generate_candidates end to end with stage 3 in the kernel (the interpreter here, the GPU's path).
+    codes, cu = _corpus(n_docs=8, C=6, max_len=7, seed=12)
+    Q, mask, centroids = _queries(Nq=2, Lq=5, C=6, seed=13)
+    got, want = _both(Q, mask, centroids, codes, cu, n_probe=2, n_candidates=6, centroid_score_threshold=0.0)
+    assert torch.equal(got, want)

@@ -4,8 +4,8 @@ ColBERT packs them) and readers for the indexes ColBERT and fast-plaid write.
 Files by role: ``kmeans`` (centroid training on the data's device), ``sampling`` (ColBERTv2's training plan:
 sample sizes, centroid count, held-out split, bucket quantiles), ``packing`` (the bit layout and ColBERT's lookup
 tables), ``codec`` (:class:`ResidualCodec`: compress, decompress, train), ``training`` (ColBERTv2's plan over a
-packed corpus), ``candidates`` (PLAID's IVF and candidate generation; ``candidates_reference``: its float64
-specification), ``colbert_format`` (reading a colbert-ai index directory), ``fast_plaid_format`` (reading a
+packed corpus), ``candidates`` (PLAID's IVF and candidate generation; ``interaction``: its stage-3 kernel;
+``candidates_reference``: its float64 specification), ``colbert_format`` (reading a colbert-ai index directory), ``fast_plaid_format`` (reading a
 fast-plaid one, PyLate's default index).
 """
 

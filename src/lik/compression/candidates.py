@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import _device
+from .interaction import centroid_interaction, centroid_interaction_torch
+
 __all__ = ["build_ivf", "generate_candidates", "BLOCK_BYTES"]
 
 # Bound of each stage's temporaries (centroid scores of a query block, expanded (query, cell, doc) entries, gathered
@@ -134,34 +137,6 @@ def _centroid_scores(Q: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return torch.matmul(centroids.unsqueeze(0), Q.transpose(1, 2)).float()
 
 
-def _approximate_scores(St, valid, keep, pair_q, pair_doc, codes, cu, lengths) -> torch.Tensor:
-    """fp32 ``[P]``: ``sum_s max_t St[q, codes[t], s]`` of each (query, document) pair, over the valid query
-    tokens and the document's kept tokens (-inf when none is kept), in blocks of gathered token scores."""
-    nq, C, Lq = St.shape
-    rows = St.reshape(nq * C, Lq)
-    tokens = lengths[pair_doc]
-    out = torch.empty(pair_q.numel(), dtype=torch.float32, device=St.device)
-    max_tokens = max(1, BLOCK_BYTES // (4 * max(Lq, 1) * 3))
-    cum = tokens.cumsum(0)
-    total = int(cum[-1]) if cum.numel() else 0
-    targets = torch.arange(1, (total - 1) // max_tokens + 1, device=cum.device) * max_tokens
-    bounds = torch.searchsorted(cum, targets, right=True)
-    edges = [0] + sorted(set(bounds.tolist()) - {0, pair_q.numel()}) + [pair_q.numel()]
-    for p0, p1 in zip(edges[:-1], edges[1:]):
-        q, n = pair_q[p0:p1], tokens[p0:p1]
-        count = int(n.sum())
-        owner = torch.repeat_interleave(torch.arange(p1 - p0, device=St.device), n, output_size=count)
-        code = codes[_expand_ranges(cu[pair_doc[p0:p1]], n, count)].long()
-        vals = rows[q[owner] * C + code]  # [tokens, Lq]
-        if keep is not None:
-            vals = vals.masked_fill(~keep[q[owner], code].unsqueeze(1), float("-inf"))
-        best = torch.full((p1 - p0, Lq), float("-inf"), device=St.device)
-        best.scatter_reduce_(0, owner.unsqueeze(1).expand(-1, Lq), vals, "amax")
-        # A masked query token adds 0; a document with no kept token keeps -inf.
-        out[p0:p1] = torch.where(valid[q], best, 0.0).sum(1)
-    return out
-
-
 def _rank(scores, pair_q, pair_doc, nq: int, n_candidates: int, out: torch.Tensor) -> None:
     """Write each query's best ``n_candidates`` documents into ``out`` ``[nq, n_candidates]``: descending score,
     ties (and NaN, ranked as -inf) to the lower document. Pairs arrive sorted by (query, document)."""
@@ -232,9 +207,10 @@ def generate_candidates(
     Memory: every block of temporaries stays near ``BLOCK_BYTES`` (1 GiB): the centroid scores of a block of
     ``max(1, BLOCK_BYTES // (12 * Lq * C))`` queries, the (query, probed cell, document) entries of a group of
     those queries (32 bytes each, up to ``BLOCK_BYTES``; a single query past that runs alone, at most
-    ``Lq * n_probe`` cells' lists), and the gathered token scores (``12 * Lq`` bytes per candidate token, in
-    blocks). So 256 queries of 32 tokens against 2**18 centroids and a billion tokens need a few GiB, not the
-    34 GiB of all scores at once.
+    ``Lq * n_probe`` cells' lists). On a GPU stage 3 is one kernel (:mod:`lik.compression.interaction`) that
+    keeps each pair's running max in registers; the CPU gathers ``12 * Lq`` bytes per candidate token, in blocks.
+    So 256 queries of 32 tokens against 2**18 centroids and a billion tokens need a few GiB, not the 34 GiB of
+    all centroid scores at once.
 
     Example::
 
@@ -274,7 +250,7 @@ def generate_candidates(
     if 0 in (Nq, Lq, n_candidates, codes.numel()):
         return out
     n_probe = min(n_probe, C)
-    sizes_all, lengths = ivf_offsets.diff(), cu.diff()
+    sizes_all = ivf_offsets.diff()
     max_entries = max(1, BLOCK_BYTES // _ENTRY_BYTES)
     block = max(1, BLOCK_BYTES // (12 * Lq * C))  # the scores, the threshold's masked copy, the top-k
     for q0 in range(0, Nq, block):
@@ -308,7 +284,10 @@ def generate_candidates(
                 pairs = torch.unique(owner * n_docs + doc)  # the union per query, sorted by (query, document)
                 pair_q, pair_doc = pairs // n_docs, pairs % n_docs
                 # Stage 3: centroid interaction, then each query's best.
-                scores = _approximate_scores(St, v, keep, pair_q, pair_doc, codes, cu, lengths)
+                if St.is_cuda or _device.interpreting():
+                    scores = centroid_interaction(St, v, keep, pair_q, pair_doc, codes, cu)
+                else:
+                    scores = centroid_interaction_torch(St, v, keep, pair_q, pair_doc, codes, cu, BLOCK_BYTES)
                 _rank(scores, pair_q - g0, pair_doc, g1 - g0, n_candidates, out[q0 + g0 : q0 + g1])
             g0 = g1
     return out
