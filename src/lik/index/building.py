@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from ..ops.quantization import quantize
 from .format import EIGHT_BIT, Shard
+from .plaid_codec import CodecTrainer
 
 __all__ = ["DocumentBatch", "as_int", "quiet", "shards_from", "pack", "BATCH_TOKENS"]
 
@@ -188,12 +189,17 @@ class _Staging:
         return torch.cat(parts, out=self.buffer[:rows])
 
 
-def _convert(tokens: torch.Tensor, dtype: torch.dtype, device: torch.device | None, resident: bool):
+def _convert(tokens: torch.Tensor, dtype: torch.dtype, device: torch.device | None, resident: bool, codec=None):
     """``tokens`` in the index ``dtype`` (quantized per token for 8-bit: on the GPU when ``tokens`` or the index's
     ``device`` is one), with the fp32 scales of an 8-bit index; moved to host memory in one copy, or, ``resident``,
-    to ``device``."""
+    to ``device``. With a ``codec`` (a compressed index): its residuals uint8 and codes int32, compressed on the
+    codec's device."""
     cuda = device is not None and device.type == "cuda"
-    if dtype in EIGHT_BIT:
+    if codec is not None:
+        if tokens.numel() and not bool(torch.isfinite(tokens).all()):
+            raise ValueError("docs must be finite (no NaN or inf) for codec='plaid'")
+        scale, stored = codec.compress(tokens)
+    elif dtype in EIGHT_BIT:
         if tokens.device.type == "cpu" and cuda and tokens.numel():
             tokens = tokens.to(device, non_blocking=tokens.is_pinned())
         stored, scale = quantize(tokens, dtype)
@@ -232,23 +238,48 @@ class _ShardFiller:
         return shard
 
 
-def shards_from(docs: Iterable, d, dtype, shard_tokens: int, progress, device=None, resident: bool = False
-                ) -> Iterator[Shard]:
+def _trained_first(batches: Iterator, trainer: CodecTrainer) -> Iterator:
+    """``batches`` as they come, after the codec was trained on the first ones (held back until the trainer's
+    ``train_tokens`` tokens, or the end, are in hand)."""
+    held, count = [], 0
+    for batch in batches:
+        held.append(batch)
+        count += sum(t.shape[0] for t in batch[0])
+        if count >= trainer.train_tokens:
+            break
+    if held:
+        trainer.train([t for parts, _, _ in held for t in parts], [n for _, lengths, _ in held for n in lengths])
+    yield from held
+    del held
+    yield from batches
+
+
+def shards_from(docs: Iterable, d, dtype, shard_tokens: int, progress, device=None, resident: bool = False,
+                codec=None) -> Iterator[Shard]:
     """Yield :class:`Shard` s of about ``shard_tokens`` tokens from ``docs`` (``[L_i, d]`` tensors and
     :class:`DocumentBatch` es); never holds more than one shard's documents and one batch. ``device``: where an
     8-bit index quantizes batches of CPU documents (a CUDA device; else where they are). ``resident``: the shards'
-    tensors stay on that CUDA device (a GPU-resident index: no round trip through host memory)."""
+    tensors stay on that CUDA device (a GPU-resident index: no round trip through host memory). ``codec``: a
+    :class:`lik.compression.ResidualCodec`, or a :class:`~lik.index.plaid_codec.CodecTrainer` that trains one on
+    the first batches (it then holds them, about ``train_tokens`` tokens, besides a shard): compressed shards."""
     device = None if device is None else torch.device(device)
-    filler = _ShardFiller(shard_tokens, dtype)
-    staging = _Staging(device) if dtype in EIGHT_BIT and device is not None and device.type == "cuda" else None
+    filler = _ShardFiller(shard_tokens, torch.uint8 if codec is not None else dtype)
+    staging = None
+    if (dtype in EIGHT_BIT or codec is not None) and device is not None and device.type == "cuda":
+        staging = _Staging(device)
+    batches = _batches(docs, d, min(BATCH_TOKENS, shard_tokens))
+    trainer = codec if isinstance(codec, CodecTrainer) else None
+    if trainer is not None and trainer.codec is None:
+        batches = _trained_first(batches, trainer)
     bar = tqdm(desc="index documents", unit="doc", disable=quiet(progress))
     try:
-        for parts, lengths, _ in _batches(docs, d, min(BATCH_TOKENS, shard_tokens)):
+        for parts, lengths, _ in batches:
             if staging is not None and parts[0].device.type == "cpu":
                 tokens = staging.gather(parts)
             else:
                 tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
-            stored, scale = _convert(tokens, dtype, device, resident)
+            stored, scale = _convert(tokens, dtype, device, resident, None if trainer is None and codec is None
+                                     else (trainer.codec if trainer is not None else codec))
             yield from filler.add(stored, scale, lengths)
             bar.update(len(lengths))
     finally:
@@ -262,5 +293,5 @@ def pack(tokens, scales, lengths, d, dtype) -> Shard:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     packed = torch.cat(tokens) if tokens else torch.empty(0, d, dtype=dtype)
-    scale = torch.cat(scales) if dtype in EIGHT_BIT else None
+    scale = torch.cat(scales) if dtype in EIGHT_BIT or (scales and scales[0] is not None) else None
     return Shard(packed, cu, scale)

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from .format import DTYPES, MANIFEST_NAME, read_manifest
 from .index import Index
+from .plaid_codec import codec_flags, describe
 from .storage import is_lik_index
 
 __all__ = [
@@ -360,20 +361,19 @@ def run_index(args: argparse.Namespace) -> int:
     if args.index_command == "info":
         directory = _index_directory(args.path)
         index = _load_index(directory, placement="disk", device="cpu", verify=args.verify)
-        manifest = read_manifest(directory)
-        print(json.dumps({"path": str(directory), "documents": len(index), "tokens": manifest.num_tokens,
-                          "d": index.d, "dtype": str(index.dtype).removeprefix("torch."),
-                          "shards": len(manifest.shards), "bytes": sum(s.bytes for s in manifest.shards),
-                          "checked": "sha256 checksums" if args.verify else "sizes (--verify checks checksums)"},
-                         indent=1))
+        print(json.dumps(describe(directory, index, read_manifest(directory), args.verify), indent=1))
         return 0
     if args.shard_tokens < 1:
         raise UsageError(f"--shard-tokens must be at least 1, got {args.shard_tokens}")
+    try:
+        compression = codec_flags(args)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     _input_files(args.embeddings)
     _check_build_target(args)
     start = time.perf_counter()
     try:
-        index = Index.build(_documents(args.embeddings), dtype=DTYPES[args.dtype], out=args.out,
+        index = Index.build(_documents(args.embeddings), dtype=DTYPES[args.dtype], out=args.out, **compression,
                             shard_tokens=args.shard_tokens, overwrite=args.overwrite, placement="disk", device="cpu")
     except FileExistsError as error:  # --out was checked above: someone wrote there meanwhile (said in flags)
         what = ("something other than a lik index, or another writer's index, took its place" if args.overwrite
@@ -381,7 +381,8 @@ def run_index(args: argparse.Namespace) -> int:
         raise CommandError(f"--out {args.out}: changed during the build, nothing replaced: {what}") from error
     seconds = time.perf_counter() - start
     tokens = sum(s.num_tokens for s in index.segments)
-    print(f"built {args.out}: {len(index)} documents, {tokens} tokens, d={index.d}, {args.dtype} "
+    what = args.dtype if index.codec is None else f"plaid {index.codec.nbits}-bit"
+    print(f"built {args.out}: {len(index)} documents, {tokens} tokens, d={index.d}, {what} "
           f"in {seconds:.2f} s ({format_rate(len(index), seconds, 'documents')})")
     return 0
 

@@ -216,10 +216,11 @@ def compact_segments(segments: Sequence[Shard], removed: torch.Tensor) -> list[S
 
 
 def read_documents(segments: Sequence[Shard], first_position: int, space: IdSpace,
-                   ids: torch.Tensor) -> list[torch.Tensor]:
+                   ids: torch.Tensor, decode=None) -> list[torch.Tensor]:
     """The tokens of the documents ``ids`` (checked CPU int64, in that order) of ``segments`` (held from position
     ``first_position`` on), as CPU tensors: the stored dtype for a float index, fp32 (token times its scale) for
-    an 8-bit one. One gather and one copy per segment. ``KeyError`` for a removed id."""
+    an 8-bit one, ``decode(residuals, codes)`` for a compressed one. One gather and one copy per segment.
+    ``KeyError`` for a removed id."""
     gone = torch.isin(ids, space.removed) | torch.isin(ids, space.dropped)
     if bool(gone.any()):
         raise KeyError(f"ids: document {int(ids[gone][0])} was removed")
@@ -239,7 +240,9 @@ def read_documents(segments: Sequence[Shard], first_position: int, space: IdSpac
             continue
         part = _take(segment, positions[wanted] - starts[number])
         tokens = part.tokens.cpu()
-        if part.scale is not None:
+        if decode is not None:
+            tokens = decode(tokens, part.scale.cpu()).cpu()
+        elif part.scale is not None:
             tokens = tokens.float() * part.scale.cpu()[:, None]
         for slot, piece in zip(wanted.tolist(), tokens.split(part.cu_seqlens.diff().tolist())):
             found[slot] = piece

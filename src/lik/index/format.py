@@ -6,6 +6,9 @@ directories are written and replaced)::
     manifest.json
     gen-<32 hex>/shard-00000.safetensors   tokens [T_s, d] (dtype), cu_seqlens int64 [N_s + 1],
                                            scale fp32 [T_s] (8-bit only)
+    gen-<32 hex>/shard-00000.safetensors   (compressed) residuals uint8 [T_s, d * nbits / 8], codes int32 [T_s],
+                                           cu_seqlens int64 [N_s + 1]
+    gen-<32 hex>/codec.safetensors         (compressed) the codec (see lik.index.plaid_codec)
 
 Documents are numbered in shard order, then in order inside a shard (insertion order). A shard's safetensors
 header is parsed here, not by the ``safetensors`` library, so that ``"disk"`` can memory-map the token bytes and
@@ -67,7 +70,7 @@ MAX_HEADER_BYTES = 100_000_000
 _TAG_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _TAG_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8,
-               "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "I64": torch.int64}
+               "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,11 @@ class FileRegion:
 @dataclass(frozen=True)
 class Shard:
     """One shard's documents: ``tokens [T, d]``, ``cu_seqlens`` int64 ``[n + 1]`` from 0, ``scale`` fp32 ``[T]``;
-    ``region``: where ``tokens`` and ``scale`` lie in the shard file, when they are memory-mapped from it."""
+    ``region``: where ``tokens`` and ``scale`` lie in the shard file, when they are memory-mapped from it.
+
+    A compressed (PLAID) shard keeps its packed residuals, uint8 ``[T, d * nbits / 8]``, as ``tokens`` and its
+    centroid codes, int32 ``[T]``, as ``scale`` (also :attr:`codes`): both are per-token rows of fixed width, so
+    chunking, placement, streaming and compaction treat them as they treat an 8-bit shard's tokens and scales."""
 
     tokens: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -101,6 +108,11 @@ class Shard:
     @property
     def num_docs(self) -> int:
         return self.cu_seqlens.numel() - 1
+
+    @property
+    def codes(self) -> torch.Tensor | None:
+        """A compressed shard's int32 centroid codes ``[T]`` (the ``scale`` slot)."""
+        return self.scale
 
     @property
     def num_tokens(self) -> int:
@@ -140,8 +152,13 @@ def shard_file_name(number: int) -> str:
 
 def write_shard(path: Path, shard: Shard) -> ShardInfo:
     """Write ``shard`` to the new file ``path``, flush it to disk and describe it for the manifest."""
-    tensors = {"tokens": shard.tokens.contiguous(), "cu_seqlens": shard.cu_seqlens.to(torch.int64).contiguous()}
-    if shard.scale is not None:
+    cu = shard.cu_seqlens.to(torch.int64).contiguous()
+    if shard.tokens.dtype == torch.uint8:  # compressed: residuals and codes
+        tensors = {"residuals": shard.tokens.contiguous(), "codes": shard.scale.to(torch.int32).contiguous(),
+                   "cu_seqlens": cu}
+    else:
+        tensors = {"tokens": shard.tokens.contiguous(), "cu_seqlens": cu}
+    if shard.scale is not None and shard.tokens.dtype != torch.uint8:
         tensors["scale"] = shard.scale.to(torch.float32).contiguous()
     path = Path(path)
     save_file(tensors, str(path))
@@ -271,16 +288,26 @@ def open_shard(handle, path: Path, info: ShardInfo, manifest: Manifest, *, mmap:
         kind = "truncated" if size < info.bytes else "larger than recorded"
         raise ValueError(f"{path}: shard is {kind} ({size} bytes, the manifest says {info.bytes})")
     data_start, entries = _header(handle, path, size)
-    tag = next(t for t, dtype in _TAG_DTYPES.items() if dtype == manifest.dtype)
-    tokens_entry = _entry(entries, "tokens", path, (tag,), f"{tag} (the manifest says {dtype_name(manifest.dtype)})")
+    codec = manifest.codec
+    if codec is None:
+        tag = next(t for t, dtype in _TAG_DTYPES.items() if dtype == manifest.dtype)
+        width, tokens_entry = manifest.d, _entry(entries, "tokens", path, (tag,),
+                                                 f"{tag} (the manifest says {dtype_name(manifest.dtype)})")
+    else:
+        width, tokens_entry = manifest.d * codec.nbits // 8, _entry(entries, "residuals", path, ("U8",), "U8")
     cu_entry = _entry(entries, "cu_seqlens", path, ("I64", "I32"), "an integer tensor (I64)")
-    if tokens_entry[1] != [info.num_tokens, manifest.d] or cu_entry[1] != [info.num_docs + 1]:
+    if tokens_entry[1] != [info.num_tokens, width] or cu_entry[1] != [info.num_docs + 1]:
         raise ValueError(
-            f"{path}: shard holds tokens {tokens_entry[1]} and cu_seqlens {cu_entry[1]}; the manifest says "
-            f"{info.num_docs} documents / {info.num_tokens} tokens of d={manifest.d}"
+            f"{path}: shard holds {'tokens' if codec is None else 'residuals'} {tokens_entry[1]} and cu_seqlens "
+            f"{cu_entry[1]}; the manifest says {info.num_docs} documents / {info.num_tokens} tokens of d={manifest.d}"
+            + ("" if codec is None else f" at {codec.nbits} bits")
         )
     scale_entry = None
-    if manifest.dtype in EIGHT_BIT:
+    if codec is not None:
+        scale_entry = _entry(entries, "codes", path, ("I32",), "I32")
+        if scale_entry[1] != [info.num_tokens]:
+            raise ValueError(f"{path}: codes has shape {scale_entry[1]}, expected [{info.num_tokens}]")
+    elif manifest.dtype in EIGHT_BIT:
         scale_entry = _entry(entries, "scale", path, ("F32",), "F32")
         if scale_entry[1] != [info.num_tokens]:
             raise ValueError(f"{path}: scale has shape {scale_entry[1]}, expected [{info.num_tokens}]")
@@ -293,9 +320,13 @@ def open_shard(handle, path: Path, info: ShardInfo, manifest: Manifest, *, mmap:
         raise ValueError(f"{path}: cu_seqlens must start at 0, be non-decreasing and end at the token count")
     tokens = _map_tensor(handle, path, data_start, tokens_entry, mmap)
     scale = None if scale_entry is None else _map_tensor(handle, path, data_start, scale_entry, mmap)
+    # Codes index the centroids inside the scoring kernels, which do not check them: a damaged one is refused here
+    # (reads the codes, 4 bytes a token, also when checksums are not verified).
+    if codec is not None and scale.numel() and bool((scale.min() < 0) | (scale.max() >= codec.num_centroids)):
+        raise ValueError(f"{path}: codes outside [0, {codec.num_centroids}) (the codec's centroids): corrupt shard")
     region = None
     if mmap:
         scale_offset = None if scale_entry is None else data_start + scale_entry[2]
-        region = FileRegion(path, handle, data_start + tokens_entry[2], manifest.d * tokens.element_size(),
+        region = FileRegion(path, handle, data_start + tokens_entry[2], width * tokens.element_size(),
                             scale_offset)
     return Shard(tokens, cu_seqlens, scale, region)

@@ -2,62 +2,34 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
-from .building import as_int, quiet, shards_from
+from .building import as_int, shards_from
 from .distributed import gather_top_k
-from .documents import IdSpace, check_ids, compact_segments, live_selection, rank_counts, read_documents
+from .documents import IdSpace, check_ids, compact_segments, rank_counts, read_documents
 from .format import Shard, dtype_name, open_shard, open_shard_file
 from .placement import PLACEMENTS, ResidentSource, StreamedSource, coalesce, place_together, plan_chunks
+from ..compression import is_colbert_index, is_fast_plaid_index, load_plaid_index
+from .plaid_codec import CodecTrainer, check_codec, read_codec
+from .plaid_search import residual_scorer, search_candidates, search_mode
 from .search import check_queries, search_buckets, select_chunks
-from .storage import IndexWriter, load_generation
+from .state import State as _State
+from .state import auto_placement as _auto_placement
+from .state import check_shard as _check_shard
+from .state import resolve_device as _resolve_device
+from .state import write_index as _write
+from .storage import load_generation
 
 __all__ = ["Index", "DEFAULT_SHARD_TOKENS", "DEFAULT_CHUNK_TOKENS"]
 
 DEFAULT_SHARD_TOKENS = 1 << 22  # tokens per shard file (1 GiB of fp16 at d = 128)
 DEFAULT_CHUNK_TOKENS = 1 << 20  # tokens scored per maxsim_packed call
 _LOAD_OPTIONS = {"placement", "device", "chunk_tokens", "verify"}
-
-
-def _free_host_bytes() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-class _State:
-    """One consistent view of an index's documents: its segments (never changed), their ids, and the chunk source
-    and live-document selection built from them on first use. ``add`` / ``remove`` / ``compact`` make a new state
-    and swap one reference, so a search holds the state it began with and a source is never paired with other
-    segments. ``num_docs``: documents stored in the whole index (all ranks)."""
-
-    def __init__(self, segments, num_docs: int | None, ids: IdSpace | None = None, source=None):
-        self.segments = tuple(segments)
-        self.num_docs = sum(s.num_docs for s in self.segments) if num_docs is None else num_docs
-        self.ids = IdSpace(self.num_docs) if ids is None else ids
-        self._source, self._live = source, None
-        self._lock = threading.Lock()
-
-    def source(self, build):
-        with self._lock:
-            if self._source is None:
-                self._source = build(self.segments)
-            return self._source
-
-    def live_selection(self, source):
-        """Every chunk of ``source`` with its live documents (cached: removed ones never change in a state)."""
-        with self._lock:
-            if self._live is None:
-                self._live = live_selection(source.plans, self.ids.removed_positions(), source.device)
-            return self._live
 
 
 class Index:
@@ -70,6 +42,11 @@ class Index:
         >>> index = lik.Index.load("my-index", placement="auto")
         >>> scores, ids = index.search(torch.randn(32, 128), k=2)      # fp32 [2], int64 [2]
         >>> scores, ids = index.search(torch.randn(4, 32, 128), k=2, doc_ids=[0, 3])   # [4, 2] each
+
+    Compressed: ``lik.Index.build(docs, codec="plaid", nbits=2)`` stores each token as a centroid code and 2-bit
+    residual buckets (ColBERTv2 / PLAID, about 36 bytes a token at d = 128 instead of 256 in fp16), searched
+    exhaustively or by candidate generation (``search(..., n_probe=, candidates=)``); see ``docs/search.md``.
+    ``lik.Index.load`` also opens a colbert-ai or fast-plaid index directory.
 
     Several GPUs: in each process of a ``torch.distributed`` group, ``Index.load(path, shard=rank,
     num_shards=world_size)``; ``search`` then merges the ranks' top-k with collectives and returns the same
@@ -86,9 +63,11 @@ class Index:
     """
 
     def __init__(self, d: int, dtype: torch.dtype, segments=(), *, placement="host", device="cpu",
-                 first_id=0, total_docs=None, shard=0, num_shards=1, chunk_tokens=None):
+                 first_id=0, total_docs=None, shard=0, num_shards=1, chunk_tokens=None, codec=None):
         dtype_name(dtype)
         self.d, self.dtype = int(d), dtype
+        # A compressed index's lik.compression.ResidualCodec (on ``device``); None for exact tokens.
+        self.codec = None if codec is None else codec.to(device)
         self.placement, self.device = placement, torch.device(device)
         self.first_id, self.shard, self.num_shards = first_id, shard, num_shards
         # None: DEFAULT_CHUNK_TOKENS for streamed placements and the CPU, whole shards for a GPU-resident index.
@@ -111,19 +90,24 @@ class Index:
 
     # ------------------------------------------------------------------ building and saving
     @classmethod
-    def build(cls, docs: Iterable[torch.Tensor], *, dtype: torch.dtype = torch.float16, out=None,
-              shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool | None = None,
-              **load_options) -> Index:
+    def build(cls, docs: Iterable[torch.Tensor], *, dtype: torch.dtype | None = None, codec: str = "exact",
+              nbits: int | None = None, out=None, shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False,
+              progress: bool | None = None, **load_options) -> Index:
         """An index of ``docs``: a list or any iterable of ``[L_i, d]`` float tensors (``L_i`` may be 0) and / or
         :class:`lik.index.DocumentBatch` es (encoder batches: padded with a mask or lengths, or packed).
 
-        ``dtype``: float16 / bfloat16 / float32 (stored as is) or int8 / float8_e4m3fn (quantized per token
-        with :func:`lik.quantize`). Documents are converted in batches where they are (CPU documents of an 8-bit
-        index on the CUDA ``device`` when there is one), one copy per batch. With ``out``, shards are written to
+        ``dtype``: float16 (default) / bfloat16 / float32 (stored as is) or int8 / float8_e4m3fn (quantized per
+        token with :func:`lik.quantize`). ``codec="plaid"``: tokens compressed to a centroid code and ``nbits``
+        (1, 2 or 4; default 2) residual bits a dimension (:mod:`lik.index.plaid_codec`: the codec is trained on the
+        first ~1 Mi tokens, ColBERTv2's plan, and later ``add`` s reuse it); ``dtype`` is then the float dtype
+        queries and decoded tokens are scored in; ``d`` a multiple of 8. Documents are converted in batches where
+        they are (CPU documents of an 8-bit or compressed index on the CUDA ``device`` when there is one), one
+        copy per batch. With ``out``, shards are written to
         that directory as they fill (never more than one shard in memory) and the saved index is loaded with
         ``load_options``; without, the index is held in host memory (``placement="gpu"``: on the device, built
         there). ``overwrite`` as in :meth:`save`. Example (encoder batches of embeddings and their masks):
         ``lik.Index.build(lik.index.DocumentBatch.padded(e, mask=m) for e, m in batches)``."""
+        codec, nbits, dtype = check_codec(codec, nbits, dtype)
         dtype_name(dtype)
         shard_tokens = as_int(shard_tokens, "shard_tokens")
         if shard_tokens < 1:
@@ -135,17 +119,21 @@ class Index:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         device = _resolve_device(load_options.get("device"), "auto" if out is not None else placement)
+        trainer = None if codec == "exact" else CodecTrainer(nbits, device)
         if out is not None:
-            _write(Path(out), shards_from(docs, None, dtype, shard_tokens, progress, device), dtype, overwrite, None)
+            shards = shards_from(docs, None, dtype, shard_tokens, progress, device, codec=trainer)
+            _write(Path(out), shards, dtype, overwrite, None, codec=trainer and (lambda: trainer.codec))
             return cls.load(out, **load_options)
         # An index built for the GPU keeps its converted batches there (they cross to the host only to be saved).
-        segments = list(shards_from(docs, None, dtype, shard_tokens, progress, device, resident=placement == "gpu"))
+        segments = list(shards_from(docs, None, dtype, shard_tokens, progress, device, resident=placement == "gpu",
+                                    codec=trainer))
         if not segments:
             raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
         if placement in ("auto", "disk"):  # nothing is on disk yet: "disk" means host memory until saved
             placement = "host" if placement == "disk" else _auto_placement(segments, device)
-        index = cls(segments[0].tokens.shape[1], dtype, placement=placement, device=device,
-                    chunk_tokens=load_options.get("chunk_tokens"))
+        d = segments[0].tokens.shape[1] if trainer is None else trainer.codec.dim
+        index = cls(d, dtype, placement=placement, device=device, chunk_tokens=load_options.get("chunk_tokens"),
+                    codec=None if trainer is None else trainer.codec)
         index.segments = index._place_all(segments, placement) if placement == "gpu" or device.type == "cuda" \
             else segments
         return index
@@ -153,13 +141,14 @@ class Index:
     def add(self, docs: Iterable[torch.Tensor], *, progress: bool | None = None) -> Index:
         """Append ``docs`` (ids continue from :attr:`num_ids`, which is ``len(self)`` until documents are removed);
         returns ``self``. All or nothing: if a document is refused, none of ``docs`` is added. Safe while other
-        threads search (see the class docstring)."""
+        threads search (see the class docstring). A compressed index compresses them with its codec as it is."""
         if self.num_shards > 1:
             raise ValueError("add: this index is one shard of a distributed index; add to the full index and save")
         with self._write_lock:
             placement = "host" if self.placement == "disk" else self.placement
             added = [self._place(segment, placement)
-                     for segment in shards_from(docs, self.d, self.dtype, DEFAULT_SHARD_TOKENS, progress, self.device)]
+                     for segment in shards_from(docs, self.d, self.dtype, DEFAULT_SHARD_TOKENS, progress, self.device,
+                                                  codec=self.codec)]
             state = self._state
             self._state = _State(state.segments + tuple(added), None,
                                  state.ids.with_added(sum(s.num_docs for s in added)))
@@ -212,13 +201,16 @@ class Index:
 
     def get(self, ids) -> list[torch.Tensor]:
         """The tokens of live documents ``ids`` (a 1-D integer sequence, in that order; repeats allowed) as CPU
-        tensors ``[L_i, d]``: the stored values (dtype of a float index; fp32 token times scale for an 8-bit one).
+        tensors ``[L_i, d]``: the stored values (dtype of a float index; fp32 token times scale for an 8-bit one;
+        fp32 decoded tokens, ``codec.decompress``, for a compressed one).
 
         Example: ``index.get([0, 3])[1].shape`` is ``[L_3, d]``.
         """
         state = self._state
         ids = check_ids(ids, state.ids.num_ids, "ids", keep_order=True)
-        return read_documents(state.segments, self.first_id, state.ids, ids)
+        codec = None if self.codec is None else self.codec.to("cpu")
+        decode = None if codec is None else lambda residuals, codes: codec.decompress(codes, residuals)
+        return read_documents(state.segments, self.first_id, state.ids, ids, decode=decode)
 
     def save(self, path, *, overwrite: bool = False, progress: bool | None = None) -> None:
         """Write the index to directory ``path``.
@@ -232,7 +224,8 @@ class Index:
             raise ValueError("save: this index is one shard of a distributed index")
         state = self._state
         cpu = (Shard(s.tokens.cpu(), s.cu_seqlens, None if s.scale is None else s.scale.cpu()) for s in state.segments)
-        _write(Path(path), cpu, self.dtype, overwrite, self.d, progress=progress, ranges=state.ids.ranges())
+        _write(Path(path), cpu, self.dtype, overwrite, self.d, progress=progress, ranges=state.ids.ranges(),
+               codec=self.codec)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -250,25 +243,50 @@ class Index:
                 manifest and every shard header are still validated; only flipped bits inside tensor data pass.
 
         The manifest and its shard files are read as one generation, also while another process replaces the
-        index; a loaded index keeps reading the files it opened.
+        index; a loaded index keeps reading the files it opened. A colbert-ai or fast-plaid index directory
+        (:func:`lik.compression.load_plaid_index`) loads as a compressed index held in memory (``"disk"``
+        means host memory there); ``save`` writes it as a lik index, its own directory is never written.
         """
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         shard, num_shards = _check_shard(shard, num_shards)
         device = _resolve_device(device, placement)
         directory = Path(path)
+        if not (directory / "manifest.json").exists() and (is_colbert_index(directory)
+                                                            or is_fast_plaid_index(directory)):
+            return cls._from_plaid(directory, placement, shard, num_shards, device, chunk_tokens)
         manifest, (pieces, handles) = load_generation(
             directory, lambda m: _open_range(directory, m, shard, num_shards, verify))
         total = manifest.num_docs
         if placement == "auto":
             placement = _auto_placement(pieces, device)
+        codec = None if manifest.codec is None else read_codec(directory, manifest, device, verify)
         index = cls(manifest.d, manifest.dtype, placement=placement, device=device,
                     first_id=total * shard // num_shards, total_docs=total, shard=shard, num_shards=num_shards,
-                    chunk_tokens=chunk_tokens)
+                    chunk_tokens=chunk_tokens, codec=codec)
         index._state = _State(index._place_all(pieces, placement), total, IdSpace.from_manifest(manifest))
         if placement != "disk":  # the data was copied out of the files
             for handle in handles:
                 handle.close()
+        index.path = directory
+        return index
+
+    @classmethod
+    def _from_plaid(cls, directory: Path, placement, shard, num_shards, device, chunk_tokens) -> Index:
+        """A colbert-ai / fast-plaid directory as a compressed index (documents in its order, ids from 0)."""
+        plaid = load_plaid_index(directory)
+        cu = plaid.cu_seqlens
+        total = cu.numel() - 1
+        lo, hi = total * shard // num_shards, total * (shard + 1) // num_shards
+        whole = Shard(plaid.residuals, cu, plaid.codes.to(torch.int32))
+        piece = whole.slice_docs(lo, hi)
+        placement = "host" if placement == "disk" else placement
+        if placement == "auto":
+            placement = _auto_placement([piece], device)
+        index = cls(plaid.codec.dim, torch.float16, placement=placement, device=device, first_id=lo,
+                    total_docs=total, shard=shard, num_shards=num_shards, chunk_tokens=chunk_tokens,
+                    codec=plaid.codec)
+        index._state = _State(index._place_all([piece], placement), total)
         index.path = directory
         return index
 
@@ -321,8 +339,8 @@ class Index:
 
     @torch.no_grad()
     def search(self, Q, k: int, q_mask: torch.Tensor | None = None, *, doc_ids=None,
-               cu_seqlens_q: torch.Tensor | None = None):
-        """Exact top-``k`` MaxSim search.
+               cu_seqlens_q: torch.Tensor | None = None, n_probe: int | None = None, candidates: int | None = None):
+        """Exact top-``k`` MaxSim search (of the decoded tokens, for a compressed index).
 
         Args:
             Q: ``[Lq, d]`` or ``[Nq, Lq, d]`` float queries (cast to a float index's dtype; quantized per token
@@ -333,6 +351,11 @@ class Index:
             q_mask: optional bool ``[Lq]`` / ``[Nq, Lq]``, True for real query tokens (dense ``Q`` only).
             doc_ids: optional ids to restrict the search to (any order, duplicates and removed ids ignored).
             cu_seqlens_q: int32 / int64 ``[Nq + 1]`` offsets of packed queries (a CPU tensor costs no sync).
+            n_probe, candidates: a compressed index only (:mod:`lik.index.plaid_search`): both ``None`` (default)
+                scans every document up to 32 Mi tokens held and generates candidates beyond; either given
+                generates candidates: ``n_probe`` centroids per query token (default 8), ``candidates`` documents
+                per query scored in full (default ``max(k, 4096)``). Fewer than ``k`` candidates: the rest of
+                the row is score ``-inf``, id ``-1``.
 
         Returns:
             ``(scores, ids)``: fp32 and int64, ``[k]`` for 2-D ``Q``, ``[Nq, k]`` for 3-D or ragged ``Q``, on
@@ -341,6 +364,8 @@ class Index:
         Example:
             >>> scores, ids = index.search([torch.randn(32, 128), torch.randn(9, 128)], k=10)   # [2, 10] each
         """
+        if self.codec is None and (n_probe is not None or candidates is not None):
+            raise ValueError("n_probe / candidates apply to a compressed index (codec='plaid'); this one is exact")
         queries, squeeze, n_queries, where = check_queries(Q, q_mask, cu_seqlens_q, self.d, self.dtype)
         state = self._state  # one view of the documents for the whole search, whatever add() does meanwhile
         doc_ids = check_ids(doc_ids, state.ids.num_ids, "doc_ids")
@@ -357,8 +382,15 @@ class Index:
         source = state.source(self._make_source)
         selection = state.live_selection(source) if doc_ids is None else select_chunks(source.plans, positions)
         local_docs = sum(source.plans[n].num_docs if local is None else local.numel() for n, local in selection)
+        mode = None if self.codec is None else search_mode(
+            n_probe, candidates, k, sum(s.num_tokens for s in state.segments), self.codec.num_centroids)
         with source.lock:
-            scores, ids = search_buckets(queries, n_queries, source, selection, min(k, local_docs))
+            if mode is None:
+                scorer = None if self.codec is None else residual_scorer(self.codec)
+                scores, ids = search_buckets(queries, n_queries, source, selection, min(k, local_docs), scorer)
+            else:
+                scores, ids = search_candidates(queries, n_queries, source, selection, min(k, local_docs),
+                                                self.codec, *mode)
         if self.num_shards > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("this index is one shard of several: initialise torch.distributed to search it")
@@ -368,13 +400,16 @@ class Index:
                                    "ranks")
             counts = rank_counts(world, positions, state.ids.removed_positions(), k, state.num_docs)
             scores, ids = gather_top_k(scores, ids, k, counts)
-        scores, ids = scores.to(where), state.ids.ids_of(ids.to(where))
+        ids = ids.to(where)
+        found = ids >= 0  # candidate generation pads with -1
+        scores, ids = scores.to(where), torch.where(found, state.ids.ids_of(ids.clamp(min=0)), -1)
         return (scores[0], ids[0]) if squeeze else (scores, ids)
 
     def __repr__(self) -> str:
         where = f"shard {self.shard}/{self.num_shards}, " if self.num_shards > 1 else ""
         tokens = sum(s.num_tokens for s in self._state.segments)
-        return (f"lik.Index({len(self)} documents, {where}{tokens} tokens held, d={self.d}, "
+        codec = "" if self.codec is None else f"codec=plaid, nbits={self.codec.nbits}, "
+        return (f"lik.Index({len(self)} documents, {where}{tokens} tokens held, d={self.d}, {codec}"
                 f"dtype={dtype_name(self.dtype)}, placement={self.placement!r}, device={str(self.device)!r})")
 
 
@@ -406,45 +441,3 @@ def _open_range(directory: Path, manifest, shard: int, num_shards: int, verify: 
             handle.close()
         raise
     return pieces, kept
-
-
-def _resolve_device(device, placement: str) -> torch.device:
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if placement == "gpu" and device.type != "cuda":
-        raise ValueError(f"placement='gpu' needs a CUDA device, got device={str(device)!r}")
-    return device
-
-
-def _check_shard(shard, num_shards) -> tuple[int, int]:
-    if (shard is None) != (num_shards is None):
-        raise ValueError("shard and num_shards go together: pass both or neither")
-    if shard is None:
-        return 0, 1
-    shard, num_shards = as_int(shard, "shard"), as_int(num_shards, "num_shards")
-    if num_shards < 1 or not 0 <= shard < num_shards:
-        raise ValueError(f"need 0 <= shard < num_shards, got shard={shard}, num_shards={num_shards}")
-    return shard, num_shards
-
-
-def _auto_placement(pieces, device) -> str:
-    nbytes = sum(p.tokens.nbytes + (0 if p.scale is None else p.scale.nbytes) for p in pieces)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        if nbytes < 0.7 * free:
-            return "gpu"
-    return "host" if nbytes < 0.5 * _free_host_bytes() else "disk"
-
-
-def _write(path: Path, shards, dtype, overwrite: bool, d: int | None, progress=None, ranges=None) -> None:
-    """Write ``shards`` as a new generation of the index at ``path`` (see :class:`~lik.index.storage.IndexWriter`)."""
-    with IndexWriter(path, overwrite=overwrite) as writer:
-        for number, shard in enumerate(tqdm(shards, desc="write shards", unit="shard", disable=quiet(progress))):
-            if d is not None and shard.tokens.shape[1] != d:
-                raise ValueError(f"docs: shard {number} has d={shard.tokens.shape[1]}, expected d={d}")
-            d = shard.tokens.shape[1]
-            writer.write_shard(shard)
-        if d is None:
-            raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
-        writer.commit(d, dtype, **(ranges or {}))

@@ -21,6 +21,15 @@ refuses it, instead of returning removed documents); it adds, in document ids (i
 Ranges are half-open, sorted, disjoint, and the two lists share no id; ``num_ids`` is ``num_docs`` plus the ids
 in ``compacted``. The stored documents (shard order) have the ids of ``[0, num_ids)`` outside ``compacted``, in
 increasing order.
+
+Version 4 is written by a compressed index (a lik that reads versions 1 to 3 only refuses it); it has every
+version-3 field and ``"codec"``, the residual codec's file in the generation directory (see
+:mod:`lik.index.plaid_codec`)::
+
+    "codec": {"name": "plaid", "nbits": 2, "num_centroids": K, "file": "codec.safetensors", "bytes", "sha256"}
+
+Its shards hold ``residuals`` uint8 ``[T_s, d * nbits / 8]`` and ``codes`` int32 ``[T_s]`` instead of ``tokens``;
+``dtype`` is then the float dtype queries and decoded tokens are scored in.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ __all__ = [
     "DTYPES",
     "EIGHT_BIT",
     "ShardInfo",
+    "CodecInfo",
     "IdRanges",
     "Manifest",
     "dtype_name",
@@ -55,8 +65,8 @@ __all__ = [
 ]
 
 FORMAT_NAME = "lik-index"
-FORMAT_VERSION = 3  # the newest written: an index without removed documents is written as version 2
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # the newest written: an exact index without removed documents is written as version 2
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST_NAME = "manifest.json"
 # A manifest lists one short entry per shard: this bounds what a hostile file makes a load read into memory.
 MAX_MANIFEST_BYTES = 1 << 28
@@ -114,6 +124,19 @@ class ShardInfo:
     sha256: str
 
 
+@dataclass(frozen=True)
+class CodecInfo:
+    """The compressed codec of a version-4 index: ``name`` ("plaid"), ``nbits`` (1, 2, 4), ``num_centroids`` and
+    the codec file (a plain name in the generation directory) with its size and sha256."""
+
+    name: str
+    nbits: int
+    num_centroids: int
+    file: str
+    bytes: int
+    sha256: str
+
+
 IdRanges = tuple[tuple[int, int], ...]  # sorted, disjoint half-open ranges [start, stop) of document ids
 
 
@@ -130,6 +153,7 @@ class Manifest:
     removed: IdRanges = ()
     compacted: IdRanges = ()
     num_ids: int | None = None
+    codec: CodecInfo | None = None
 
     def __post_init__(self):
         if self.num_ids is None:
@@ -159,10 +183,12 @@ class Manifest:
             "num_docs": self.num_docs,
             "num_tokens": self.num_tokens,
         }
-        if self.removed or self.compacted or self.num_ids != self.num_docs:
-            fields.update(version=3, num_ids=self.num_ids, removed=[list(r) for r in self.removed],
-                          compacted=[list(r) for r in self.compacted],
+        if self.removed or self.compacted or self.num_ids != self.num_docs or self.codec is not None:
+            fields.update(version=3 if self.codec is None else 4, num_ids=self.num_ids,
+                          removed=[list(r) for r in self.removed], compacted=[list(r) for r in self.compacted],
                           ids_sha256=ids_digest(self.num_ids, self.removed, self.compacted))
+        if self.codec is not None:
+            fields["codec"] = vars(self.codec)
         text = json.dumps({**fields, "shards": [vars(s) for s in self.shards]}, indent=1)
         # One range per line, not one number per line: a long removal list stays readable and small.
         return re.sub(r"\[\n\s*(\d+),\n\s*(\d+)\n\s*\]", r"[\1, \2]", text)
@@ -189,6 +215,24 @@ def _shard_info(raw, number: int, path) -> ShardInfo:
         raise ValueError(f"{path}: field {where}'sha256' must be 64 lowercase hex digits, got {sha!r:.80}")
     return ShardInfo(file, _count(raw, "num_docs", where, path), _count(raw, "num_tokens", where, path),
                      _count(raw, "bytes", where, path), sha)
+
+
+def _codec_info(raw: dict, path) -> CodecInfo:
+    codec = raw.get("codec")
+    if not isinstance(codec, dict):
+        raise ValueError(f"{path}: field 'codec' must be an object, got {type(codec).__name__}")
+    if codec.get("name") != "plaid":
+        raise ValueError(f"{path}: field 'codec.name' must be 'plaid', got {codec.get('name')!r:.40}")
+    if codec.get("nbits") not in (1, 2, 4) or type(codec.get("nbits")) is not int:
+        raise ValueError(f"{path}: field 'codec.nbits' must be 1, 2 or 4, got {codec.get('nbits')!r:.40}")
+    if "file" not in codec:
+        raise ValueError(f"{path}: field 'codec.file' is missing")
+    file = check_plain_name(codec["file"], f"{path}: field 'codec.file'")
+    sha = codec.get("sha256")
+    if not isinstance(sha, str) or _SHA256.fullmatch(sha) is None:
+        raise ValueError(f"{path}: field 'codec.sha256' must be 64 lowercase hex digits, got {sha!r:.80}")
+    return CodecInfo("plaid", codec["nbits"], _count(codec, "num_centroids", "codec.", path, low=1), file,
+                     _count(codec, "bytes", "codec.", path), sha)
 
 
 def _id_ranges(raw: dict, key: str, num_ids: int, path) -> IdRanges:
@@ -274,7 +318,17 @@ def parse_manifest(text: bytes, path) -> Manifest:
         if _count(raw, key, "", path) != total:
             raise ValueError(f"{path}: num_docs / num_tokens do not equal the sums over the shard list "
                              f"(field {key!r} is {raw[key]}, the shards sum to {total})")
-    if version >= 3:
+    if version >= 4:
+        codec = _codec_info(raw, path)
+        if codec.file in seen:
+            raise ValueError(f"{path}: field 'codec.file' names the shard file {codec.file!r}")
+        if DTYPES[dtype] in EIGHT_BIT:
+            raise ValueError(f"{path}: field 'dtype' of a compressed index must be a float dtype, got {dtype!r}")
+        manifest = Manifest(d, DTYPES[dtype], infos, generation, **_removals(raw, manifest.num_docs, path),
+                            codec=codec)
+    elif "codec" in raw:
+        raise ValueError(f"{path}: field 'codec' belongs to format version 4, the manifest says {version}")
+    elif version >= 3:
         manifest = Manifest(d, DTYPES[dtype], infos, generation, **_removals(raw, manifest.num_docs, path))
     elif present := [key for key in _ID_FIELDS if key in raw]:
         # Only version 3 has them: a version digit damaged from 3 must not bring removed documents back.

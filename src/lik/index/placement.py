@@ -123,7 +123,7 @@ def place_together(segments: Sequence[Shard], device: torch.device) -> list[Shar
     rows = sum(s.num_tokens for s in segments)
     first = segments[0]
     tokens = torch.empty(rows, *first.tokens.shape[1:], dtype=first.tokens.dtype, device=device)
-    scale = None if first.scale is None else torch.empty(rows, dtype=torch.float32, device=device)
+    scale = None if first.scale is None else torch.empty(rows, dtype=first.scale.dtype, device=device)
     placed, start = [], 0
     for segment in segments:
         stop = start + segment.num_tokens
@@ -210,15 +210,17 @@ class StreamedSource(ChunkSource):
         dim = self.segments[0].tokens.shape[1] if self.segments else 0
         dtype = self.segments[0].tokens.dtype if self.segments else torch.float16
         has_scale = bool(self.segments) and self.segments[0].scale is not None
+        # fp32 scales of an 8-bit index, int32 codes of a compressed one: 4 bytes a token either way.
+        side = self.segments[0].scale.dtype if has_scale else torch.float32
         self.buffers = [torch.empty(capacity, dim, dtype=dtype, device=self.device) for _ in range(2)]
         self.scale_buffers = [
-            torch.empty(capacity if has_scale else 0, dtype=torch.float32, device=self.device) for _ in range(2)
+            torch.empty(capacity if has_scale else 0, dtype=side, device=self.device) for _ in range(2)
         ]
         self.offsets_host = [_chunk_offsets(self.segments[p.segment], p).pin_memory() for p in self.plans]
         if staged:
             self.staging = [torch.empty(capacity, dim, dtype=dtype).pin_memory() for _ in range(2)]
             self.scale_staging = [
-                torch.empty(capacity if has_scale else 0, dtype=torch.float32).pin_memory() for _ in range(2)
+                torch.empty(capacity if has_scale else 0, dtype=side).pin_memory() for _ in range(2)
             ]
         self.copy_stream = torch.cuda.Stream(device=self.device)
         if hasattr(os, "posix_fadvise"):  # chunks are read front to back: ask for a large readahead

@@ -93,6 +93,7 @@ def search_buckets(
     source: ChunkSource,
     selection: Sequence[tuple[int, torch.Tensor | None]],
     k: int,
+    scorer=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` of ``n_queries`` queries, given as dense buckets (:func:`lik.retrieval.queries.buckets`; one bucket
     ``[Nq, Lq, d]`` in order for a dense ``Q``), over the selected chunks: ``(scores fp32 [Nq, k'], ids int64
@@ -101,7 +102,8 @@ def search_buckets(
     Each bucket's ``q`` (float, in the index's dtype for a float index) and bool ``mask`` were checked by the
     caller: a bucket is quantized once for an 8-bit index, and each chunk goes to packed MaxSim's internal scoring
     entry, with no check repeated and no host synchronisation. A chunk whose ``[Nq, documents]`` scores would pass
-    :data:`~lik.retrieval.exact.DEFAULT_BUDGET_BYTES` is scored in runs of documents."""
+    :data:`~lik.retrieval.exact.DEFAULT_BUDGET_BYTES` is scored in runs of documents. ``scorer(bucket, tokens, cu,
+    scale) -> fp32 [n, documents]`` replaces packed MaxSim (a compressed index's residual scorer)."""
     device = source.device
     best_scores = torch.empty(n_queries, 0, dtype=torch.float32, device=device)
     best_ids = torch.empty(n_queries, 0, dtype=torch.int64, device=device)
@@ -131,12 +133,12 @@ def search_buckets(
     packed, best = None, None
     for chunk, plan, local in zip(source.chunks(numbers), plans, locals_):
         if packed is None:
-            packed = [(b, packed_query(b.q, b.mask, chunk.tokens.dtype)) for b in queries]
+            packed = [(b, b if scorer else packed_query(b.q, b.mask, chunk.tokens.dtype)) for b in queries]
         # A chunk past the budget is scored in runs of documents; its selected positions (sorted) then go run by run
         # (read once on the host: only a large chunk with removed or filtered documents pays that sync).
         split = local is not None and chunk.num_docs > step
         host_local = local.cpu() if split else None
-        for first_id, scores in _scored(packed, n_queries, chunk, plan, source, step):
+        for first_id, scores in _scored(packed, n_queries, chunk, plan, source, step, scorer or score_packed):
             if split:
                 a = first_id - chunk.first_id
                 lo, hi = torch.searchsorted(host_local, torch.tensor([a, a + scores.shape[1]])).tolist()
@@ -157,7 +159,7 @@ def search_buckets(
     return best_scores, best_ids
 
 
-def _scored(packed, n_queries: int, chunk: Chunk, plan: ChunkPlan, source: ChunkSource, step: int):
+def _scored(packed, n_queries: int, chunk: Chunk, plan: ChunkPlan, source: ChunkSource, step: int, score):
     """``(first id, scores fp32 [Nq, n])`` of the chunk's documents, in runs of at most ``step`` documents."""
     runs = [(0, chunk.num_docs)]
     if chunk.num_docs > step:
@@ -172,7 +174,7 @@ def _scored(packed, n_queries: int, chunk: Chunk, plan: ChunkPlan, source: Chunk
             t0, t1 = int(offsets[a]), int(offsets[b])
             tokens, cu = tokens[t0:t1], cu[a : b + 1] - cu[a]
             scale = None if scale is None else scale[t0:t1]
-        parts = [(bucket, score_packed(query, tokens, cu, scale)) for bucket, query in packed]
+        parts = [(bucket, score(query, tokens, cu, scale)) for bucket, query in packed]
         if len(parts) == 1 and parts[0][0].index is None:
             yield chunk.first_id + a, parts[0][1]
         else:

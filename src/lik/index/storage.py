@@ -316,10 +316,17 @@ class IndexWriter:
         self.infos.append(info)
         return info
 
-    def commit(self, d: int, dtype, *, removed=(), compacted=()) -> Manifest:
+    def write_file(self, name: str, write):
+        """Write one more file of the new generation: ``write(path)`` creates and flushes it (a compressed index's
+        codec, :func:`lik.index.plaid_codec.write_codec`); returns what ``write`` returns."""
+        return write(self.staging / self.generation / name)
+
+    def commit(self, d: int, dtype, *, removed=(), compacted=(), codec=None) -> Manifest:
         """Publish the shards written so far as the index at ``destination``; returns its manifest.
-        ``removed`` / ``compacted``: the id ranges of removed documents (see :mod:`lik.index.manifest`)."""
-        manifest = Manifest(d, dtype, tuple(self.infos), self.generation, tuple(removed), tuple(compacted))
+        ``removed`` / ``compacted``: the id ranges of removed documents (see :mod:`lik.index.manifest`);
+        ``codec``: the :class:`~lik.index.manifest.CodecInfo` of a compressed index's codec file."""
+        manifest = Manifest(d, dtype, tuple(self.infos), self.generation, tuple(removed), tuple(compacted),
+                            codec=codec)
         fsync_directory(self.staging / self.generation)
         _write_new_file(self.staging / MANIFEST_NAME, manifest.to_json())
         fsync_directory(self.staging)
