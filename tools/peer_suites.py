@@ -235,7 +235,7 @@ def _run_pytest(python, files, cwd, env, out, name, clock: Clock, workers) -> li
     outcomes = _junit_outcomes(junit) if junit.is_file() else []
     if code is None:  # what ran before the limit counts; the files with nothing reported did not run
         ran = {o.test.split("::")[0] for o in outcomes}
-        stopped = f"pytest stopped at its {timeout_s} s limit before this file ran"
+        stopped = f"pytest stopped at its {timeout_s} s limit before a test of this file finished"
         return outcomes + [Outcome(f, "not run", stopped) for f in files if f not in ran]
     return outcomes or [Outcome(f, "failed", "pytest wrote no report (see the log)") for f in files]
 
