@@ -50,3 +50,62 @@ def leaves(inputs: dict, dtype=None) -> dict:
             x = x.detach().to(dtype or x.dtype).clone().requires_grad_()
         out[name] = x
     return out
+
+
+# Machine epsilon (the spacing of the floats in [1, 2)): one ulp of x is at most ULP * |x|.
+ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-23}
+
+
+def scored_documents(H, W, b=None, d_mask=None, *, dtype=torch.float64, normalize=True):
+    """float64 ``[..., Ld, d_out]``: the projected rows as the forward kernel scores them, computed in float64 (the
+    kernel: fp32 accumulation) and rounded once to ``dtype`` (kernel.py: the normalised rows are rounded to the input
+    dtype before the product with Q). The unfused path in half precision rounds twice (``F.linear``'s output, then
+    ``F.normalize``'s); the kernel only once."""
+    H = H.double() if d_mask is None else torch.where(d_mask[..., None], H.double(), 0)
+    D = F.linear(H, W.double(), None if b is None else b.double())
+    if normalize:
+        D = F.normalize(D, dim=-1)
+    return D.to(dtype).double()
+
+
+def similarities(Q, D, d_mask=None):
+    """float64 ``[Nq, B, Lq, Ld]`` of queries ``[Nq, Lq, d]`` and shared documents ``[B, Ld, d]``; masked document
+    tokens -inf ("exclude")."""
+    sim = torch.einsum("nsk,jtk->njst", Q.double(), D)
+    return sim if d_mask is None else sim.masked_fill(~d_mask[None, :, None, :], float("-inf"))
+
+
+def check_winners(sim, winners, q_mask, slack: float) -> int:
+    """Asserts that the kernel's ``winners [Nq, B, Lq]`` are -1 exactly where a query token takes no gradient (masked,
+    or no valid document token) and elsewhere a token whose similarity is within ``slack`` of the row's maximum;
+    returns how many differ from the first float64 argmax (near-ties: the rounding of the kernel's fp32 arithmetic)."""
+    best, first = sim.max(-1)
+    counts = torch.isfinite(best)
+    if q_mask is not None:
+        counts &= q_mask[:, None, :]
+    assert torch.equal(winners >= 0, counts), "winners: -1 where the reference has a winner, or the reverse"
+    chosen = sim.gather(-1, winners.clamp_min(0).long()[..., None])[..., 0]
+    deficit = torch.where(counts, best - chosen, 0)
+    flips = int((counts & (winners.long() != first)).sum())
+    assert deficit.max().item() <= slack, (
+        f"winners short of the max by up to {deficit.max().item():.3g} (> {slack:.3g}); {flips} of "
+        f"{int(counts.sum())} differ from float64's")
+    return flips
+
+
+def winner_scores(Q, H, W, b, q_mask, d_mask, winners, *, normalize=True):
+    """float64 ``[Nq, B]``, differentiable in ``Q``, ``H``, ``W``, ``b``: each query token's similarity with the
+    given winner (-1: none) in the unrounded projection, summed. Its gradients are the exact gradients at those
+    winners, which the kernel's backward computes (fp32, from the unrounded projection)."""
+    H = H if d_mask is None else torch.where(d_mask[..., None], H, 0)
+    D = F.linear(H, W, b)
+    if normalize:
+        D = F.normalize(D, dim=-1)
+    n_docs, l_d, d_out = D.shape
+    index = (torch.arange(n_docs, device=D.device)[None, :, None] * l_d + winners.clamp_min(0).long())
+    rows = D.reshape(-1, d_out)[index.reshape(-1)].reshape(*winners.shape, d_out)
+    sim = (Q[:, None] * rows).sum(-1)
+    keep = winners >= 0
+    if q_mask is not None:
+        keep &= q_mask[:, None, :]
+    return torch.where(keep, sim, 0).sum(-1)

@@ -14,7 +14,7 @@ from ...core.segments import PACKED, PADDED
 from .kernel import fused_head_forward_kernel
 from .validation import FusedHeadInputs
 
-__all__ = ["FusedHeadConfig", "fused_head_config", "forced_config", "row_splits", "fused_head_forward"]
+__all__ = ["FusedHeadConfig", "fused_head_config", "gpu_tiles", "forced_config", "row_splits", "fused_head_forward"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,12 @@ def fused_head_config(*, d_model: int, d_out: int, rows: int, dtype: torch.dtype
         return _FORCED[-1]
     if interpreting():
         return FusedHeadConfig(block_m=16, block_n=16, block_k=32, min_split_rows=16, target_programs=8)
+    return gpu_tiles(d_model=d_model, d_out=d_out, rows=rows, dtype=dtype)
+
+
+def gpu_tiles(*, d_model: int, d_out: int, rows: int, dtype: torch.dtype) -> FusedHeadConfig:
+    """The tiles :func:`fused_head_config` picks on a GPU (a function of its own so that interpreter tests can force
+    exactly the GPU's blocks on small shapes)."""
     d_out_pad = max(16, next_power_of_2(d_out))
     block_n = 128 if d_out_pad <= 128 and dtype != torch.float32 else 64
     block_m = min(64, max(16, next_power_of_2(rows)))

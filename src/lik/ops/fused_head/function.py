@@ -126,7 +126,10 @@ def maxsim_from_hidden(
     (``normalize=False``: without ``F.normalize``) without writing the projected documents to memory: each tile of
     hidden rows is projected on chip (fp32 accumulation), ``b`` added, the rows L2-normalised (F.normalize's
     ``eps = 1e-12``) and scored against every query before the next tile is read. The projection of a document is
-    computed once however many queries score it.
+    computed once however many queries score it. The normalised rows are rounded once to the input dtype before the
+    product with ``Q`` (the unfused path in half precision rounds twice: ``F.linear``'s output, then
+    ``F.normalize``'s), so at a near-tie (two tokens within an ulp of the dtype) the winner, and with it the
+    gradient, can differ from a float64 evaluation's.
 
     Args:
         Q: queries, already projected (and normalised): ``[Lq, d_out]`` or ``[Nq, Lq, d_out]``; float16, bfloat16
