@@ -11,9 +11,9 @@ through one span per side, so every scorer shares these three kernels:
 * :func:`soft_fwd_kernel`: a program per (query, document) pair walks the query's row blocks and streams the
   document's tiles through each; per row it saves what the backward needs: the base-2 log-sum-exp (smooth) or the
   ``top_k`` chosen tokens (top-k, -1 in empty slots). Nothing of size rows x tokens leaves the chip.
-* :func:`soft_bwd_dq_kernel`: a program per (query, row block, feature block) recomputes each tile's weights
-  (smooth: ``exp2(s * log2(e) / tau - lse2)``; top-k: ``1 / count`` on its chosen tokens) and adds
-  ``grad * W @ D``.
+* :func:`soft_bwd_dq_kernel`: a program per (query, row block, feature block) adds ``grad * W @ D``: smooth
+  recomputes each tile's weights ``exp2(s * log2(e) / tau - lse2)``; top-k's are ``1 / count`` on the row's
+  chosen tokens, so it gathers those ``top_k`` rows of ``D`` (no product with the other tiles).
 * :func:`soft_bwd_dd_kernel`: a program per (document, token block, feature block) adds ``(grad * W)^T @ Q``
   over its queries: no atomics, so bitwise repeatable.
 
@@ -254,7 +254,8 @@ def soft_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """``dQ`` (fp32 ``[n_splits, *q.shape]``, contiguous) of one query's row block and feature block: the sum over
-    its documents of ``grad[n, b] * W @ D`` with ``W`` recomputed per tile. Rows that scored 0 get 0 (the launcher
+    its documents of ``grad[n, b] * W @ D``, with ``W`` recomputed per tile (smooth) or as a gather of each row's
+    ``TOP_K`` chosen rows of ``D`` (top-k: ``W`` is sparse). Rows that scored 0 get 0 (the launcher
     zeroes ``dq_ptr``). Each program takes ``split_docs`` documents and writes its fp32 partial at ``split *
     split_stride`` (the launcher adds the ``n_splits`` partials in a fixed order: deterministic)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -291,16 +292,26 @@ def soft_bwd_dq_kernel(
         d_mask_base = d_mask_ptr + doc_set * stride_dmn + b * stride_dmb
         row_stat, toks = _row_stats(stats_ptr, n * stride_tn + b * stride_tb + q_start, rows, row_ok, slots,
                                     REDUCTION, TOP_K)
-        for t0 in range(0, d_length, BLOCK_N):
-            cols = t0 + tl.arange(0, BLOCK_N)
-            loaded, counted = _columns(d_mask_base, cols, d_length, stride_dml, HAS_D_MASK, EXCLUDE)
-            d_tile = _rows(d_base, cols, loaded, ff, stride_dl, stride_dk, DIM)  # (with one chunk: all of d)
-            sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            if REDUCTION == REDUCE_SMOOTH:
+        if REDUCTION == REDUCE_SMOOTH:
+            for t0 in range(0, d_length, BLOCK_N):
+                cols = t0 + tl.arange(0, BLOCK_N)
+                loaded, counted = _columns(d_mask_base, cols, d_length, stride_dml, HAS_D_MASK, EXCLUDE)
+                d_tile = _rows(d_base, cols, loaded, ff, stride_dl, stride_dk, DIM)  # (with one chunk: all of d)
                 sim = _similarity(q_tile, d_tile, q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded,
                                   stride_dl, stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
-            w = _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION, TOP_K, SLOTS)
-            out = tl.dot(w.to(d_tile.dtype), d_tile, out, input_precision=DOT_PRECISION)
+                w = _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION, TOP_K, SLOTS)
+                out = tl.dot(w.to(d_tile.dtype), d_tile, out, input_precision=DOT_PRECISION)
+        else:
+            # Top-k: W is 1 / count on each row's chosen tokens, so dQ gathers those TOP_K rows of D per query row
+            # instead of a product with every tile (a masked token chosen in mask_mode "zero" is a constant 0).
+            w_row = row_stat * grad
+            for j in range(TOP_K):  # (a loop, not unrolled: TOP_K gathers in flight spill registers)
+                token = tl.sum(tl.where(slots[None, :] == j, toks, 0), axis=1)
+                chosen = token >= 0
+                if HAS_D_MASK:
+                    chosen &= tl.load(d_mask_base + token.to(tl.int64) * stride_dml, mask=chosen, other=0) != 0
+                picked = _rows(d_base, token, chosen, ff, stride_dl, stride_dk, DIM)
+                out += tl.where(chosen, w_row, 0.0)[:, None] * picked.to(tl.float32)
     tl.store(dq_ptr + split * split_stride + dq_rows[:, None] * DIM + ff[None, :], out.to(dq_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (ff[None, :] < DIM))
 
