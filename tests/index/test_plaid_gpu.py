@@ -58,9 +58,11 @@ def test_million_token_plaid_index_on_the_gpu():
     )
     assert len(index) == N_DOCS and index.codec.nbits == 2
 
-    # Queries: 32 tokens near documents' tokens.
+    # Queries: 32 tokens near one document's tokens each (its source should rank first, its topic's next).
     g = torch.Generator(device=device).manual_seed(1)
-    rows = torch.randint(0, total, (64, 32), device=device, generator=g)
+    source = torch.randint(0, N_DOCS, (64,), device=device, generator=g)
+    lengths = (cu[source + 1] - cu[source]).unsqueeze(1)
+    rows = cu[source].unsqueeze(1) + (torch.rand(64, 32, device=device, generator=g) * lengths).long()
     Q = F.normalize(tokens[rows].float() + 0.2 * torch.randn(64, 32, D, device=device, generator=g), dim=-1).half()
 
     # The float64 reference: MaxSim of the decoded tokens (the residual op's float64 reference path).
@@ -76,7 +78,8 @@ def test_million_token_plaid_index_on_the_gpu():
     scores, ids = index.search(Q, 10)
     torch.cuda.synchronize()
     scan_ms = (time.perf_counter() - start) * 1e3
-    assert _recall(ids, want) >= 0.97
+    assert _recall(ids, want) >= 0.95
+    assert (ids[:, 0] == source).float().mean() >= 0.9
     # Every returned score is the reference score of that document, up to fp16 products.
     torch.testing.assert_close(scores.double(), ref.gather(1, ids), atol=0.08, rtol=0.0)
 
@@ -92,7 +95,7 @@ def test_million_token_plaid_index_on_the_gpu():
         f"plaid search, 64 queries x 32 tokens: exhaustive {scan_ms:.2f} ms, candidates (8 probes, 1024) "
         f"{candidate_ms:.2f} ms, recall@10 of candidates against the scan {recall:.3f}"
     )
-    assert recall >= 0.9
+    assert recall >= 0.8
     valid = c_ids >= 0
     torch.testing.assert_close(c_scores[valid].double(), ref.gather(1, c_ids.clamp(min=0))[valid], atol=0.08, rtol=0.0)
 

@@ -168,3 +168,55 @@ def test_colbert_and_fast_plaid_directories_load_and_convert(tmp_path, writer):
     assert torch.equal(loaded.codec.centroids, plaid.codec.centroids) and len(loaded) == k + 1
     part = lik.Index.load(directory, shard=1, num_shards=2)
     assert part.local_range == (k // 2, k) and sum(s.num_docs for s in part.segments) == k - k // 2
+
+
+def _rank_main(rank: int, world: int, port: int, path: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from lik.ops.residual import check_residual_inputs, maxsim_residual_reference
+
+    def reference(Q, q_mask, codes, residuals, codec, cu_seqlens):
+        inputs = check_residual_inputs(Q, codes, residuals, codec, cu_seqlens, q_mask)
+        return inputs.finish(maxsim_residual_reference(inputs))
+
+    plaid_search.score_residual_packed = reference  # a spawned process: the kernel is tested elsewhere
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        index = lik.Index.load(path, shard=rank, num_shards=world, placement="host", device="cpu", chunk_tokens=20)
+        Q = queries(17)
+        results = {"scan": index.search(Q, 7), "candidates": index.search(Q, 5, n_probe=1, candidates=5)}
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_match_one_process(index, tmp_path):
+    import torch.multiprocessing as mp
+
+    from .test_distributed import free_port
+
+    index.remove([4])
+    index.save(tmp_path / "ix")
+    single = lik.Index.load(tmp_path / "ix", chunk_tokens=20)
+    Q = queries(17)
+    scan = single.search(Q, 7)
+    assert_top_k(
+        *scan,
+        reference_scores(index.codec, make_docs(2, LENGTHS), Q),
+        7,
+        live=[i for i in range(len(LENGTHS)) if i != 4],
+    )
+    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path / "ix"), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert [torch.equal(a, b) for a, b in zip(got["scan"], scan)] == [True, True]
+        # Candidates: each rank's own, merged; the best of them are the single process's best over the union.
+        scores, ids = got["candidates"]
+        assert ids.shape == (3, 5) and (ids != 4).all()
+        found = ids >= 0
+        ref = reference_scores(index.codec, make_docs(2, LENGTHS), Q).gather(1, ids.clamp(min=0))
+        torch.testing.assert_close(scores[found].double(), ref[found], atol=1e-4, rtol=1e-5)
+        assert torch.equal(scores, torch.sort(scores, dim=1, descending=True).values)

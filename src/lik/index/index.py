@@ -354,8 +354,8 @@ class Index:
             n_probe, candidates: a compressed index only (:mod:`lik.index.plaid_search`): both ``None`` (default)
                 scans every document up to 32 Mi tokens held and generates candidates beyond; either given
                 generates candidates: ``n_probe`` centroids per query token (default 8), ``candidates`` documents
-                per query scored in full (default ``max(k, 4096)``). Fewer than ``k`` candidates: the rest of
-                the row is score ``-inf``, id ``-1``.
+                per query and per chunk scored in full (default ``max(k, 4096)``; a GPU-resident index is one
+                chunk). Fewer than ``k`` candidates: the rest of the row is score ``-inf``, id ``-1``.
 
         Returns:
             ``(scores, ids)``: fp32 and int64, ``[k]`` for 2-D ``Q``, ``[Nq, k]`` for 3-D or ragged ``Q``, on

@@ -5,13 +5,15 @@ MaxSim against the residual codes decoded on chip.
   :func:`lik.index.search.search_buckets`, which also does the chunking, filters, removed documents and merges).
 * Candidates: per chunk, :mod:`lik.compression.candidates` probes the ``n_probe`` centroids nearest each query
   token in an inverted file (IVF: centroid -> documents holding a token of it) and prunes by centroid
-  interaction down to ``candidates`` documents per query; the union of the batch's candidates is gathered into a
+  interaction down to ``candidates`` documents per query (per chunk: a GPU-resident index is one chunk, a
+  streamed one has a chunk per ``chunk_tokens``); the union of the batch's candidates is gathered into a
   packed sub-corpus, scored once, and each query keeps the scores of its own candidates.
 
 The IVF is not stored: it is rebuilt from the codes, per chunk, by the first candidate search of an index state
-and kept (on the scoring device) until ``add`` / ``remove`` / ``compact`` makes a new state. It costs one sort of
-the codes (milliseconds per million tokens on a GPU) and at most 4 bytes a token, and it can never disagree with
-the shards (a loaded, compacted or appended index has the IVF of exactly its codes).
+and kept until ``add`` / ``remove`` / ``compact`` makes a new state (on the device for a GPU-resident index, in
+host memory for a streamed one). It costs one sort of the codes (milliseconds per million tokens on a GPU) and at
+most 4 bytes a token, and it can never disagree with the shards (a loaded, compacted or appended index has the IVF
+of exactly its codes).
 
 Automatic mode (``n_probe=None, candidates=None``): exhaustive while the process holds at most
 :data:`EXHAUSTIVE_TOKENS` tokens, candidates beyond (``n_probe`` :data:`DEFAULT_N_PROBE`, ``candidates``
@@ -27,6 +29,7 @@ import torch
 from ..ops.residual import score_residual_packed
 from ..retrieval.exact import merge_top_k
 from .building import as_int
+from .placement import StreamedSource
 
 __all__ = [
     "EXHAUSTIVE_TOKENS",
@@ -90,11 +93,13 @@ def _candidates_module():
 
 
 def _ivf(source, number: int, chunk, num_centroids: int, module):
-    """The chunk's IVF, built on first use and kept with the source (one per index state)."""
+    """The chunk's IVF, built on first use and kept with the source (one per index state): on the device for a
+    resident index, in host memory for a streamed one (copied to the device with its chunk)."""
     cache = source.__dict__.setdefault("ivf", {})
     if number not in cache:
-        cache[number] = module.build_ivf(chunk.scale, chunk.cu_seqlens, num_centroids)
-    return cache[number]
+        ivf = module.build_ivf(chunk.scale, chunk.cu_seqlens, num_centroids)
+        cache[number] = tuple(t.cpu() for t in ivf) if isinstance(source, StreamedSource) else ivf
+    return tuple(t.to(chunk.scale.device) for t in cache[number])
 
 
 def _gather(chunk, docs: torch.Tensor):
