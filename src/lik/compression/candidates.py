@@ -46,22 +46,44 @@ def _check_index_tensor(name: str, t, device=None) -> torch.Tensor:
     return t
 
 
-def _check_offsets(name: str, offsets: torch.Tensor, total: int, what: str) -> torch.Tensor:
-    """int64 offsets rising from 0 to ``total`` (one sync, on the offsets' device)."""
+class _ValueChecks:
+    """Checks that read the data: their flags are stacked and read with one synchronisation, then the first
+    failing one raises (a GPU call pays one round trip for all of them)."""
+
+    def __init__(self):
+        self.flags, self.errors = [], []
+
+    def add(self, flag: torch.Tensor, error: Exception) -> None:
+        self.flags.append(flag.reshape(()))
+        self.errors.append(error)
+
+    def run(self) -> None:
+        bad = torch.stack(self.flags).tolist() if self.flags else []
+        for failed, error in zip(bad, self.errors):
+            if failed:
+                raise error
+
+
+def _check_offsets(name: str, offsets: torch.Tensor, total: int, what: str, checks: _ValueChecks) -> torch.Tensor:
+    """int64 offsets, to rise from 0 to ``total`` (checked by ``checks``)."""
     if offsets.numel() < 1:
         raise ValueError(f"{name} must have at least one entry (offsets [{what} + 1])")
     offsets = offsets.long()
     bad = (offsets[0] != 0) | (offsets[-1] != total) | (offsets.diff() < 0).any()
-    if bool(bad):
-        raise ValueError(f"{name} must rise from 0 to {total} without decreasing")
+    checks.add(bad, ValueError(f"{name} must rise from 0 to {total} without decreasing"))
     return offsets
 
 
-def _check_corpus(codes, cu_seqlens, num_centroids: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_range(name: str, t: torch.Tensor, upper: int, what: str, checks: _ValueChecks) -> None:
+    if t.numel():
+        checks.add((t.min() < 0) | (t.max() >= upper), ValueError(f"{name} must lie in [0, {upper}) ({what})"))
+
+
+def _check_corpus(codes, cu_seqlens, num_centroids: int, checks: _ValueChecks, device=None):
     codes = _check_index_tensor("codes", codes, device)
-    cu = _check_offsets("cu_seqlens", _check_index_tensor("cu_seqlens", cu_seqlens, codes.device), codes.numel(), "N")
-    if codes.numel() and bool((codes.min() < 0) | (codes.max() >= num_centroids)):
-        raise ValueError(f"codes must lie in [0, {num_centroids}) (the centroids)")
+    cu_seqlens = _check_index_tensor("cu_seqlens", cu_seqlens, codes.device)
+    cu = _check_offsets("cu_seqlens", cu_seqlens, codes.numel(), "N", checks)
+    _check_range("codes", codes, num_centroids, "the centroids", checks)
     return codes, cu
 
 
@@ -107,7 +129,9 @@ def build_ivf(codes: torch.Tensor, cu_seqlens: torch.Tensor, num_centroids: int)
     """
     if not _is_int(num_centroids) or num_centroids < 0:
         raise ValueError(f"num_centroids must be a non-negative int, got {num_centroids!r}")
-    codes, cu = _check_corpus(codes, cu_seqlens, num_centroids)
+    checks = _ValueChecks()
+    codes, cu = _check_corpus(codes, cu_seqlens, num_centroids, checks)
+    checks.run()
     device = codes.device
     offsets = torch.zeros(num_centroids + 1, dtype=torch.int64, device=device)
     lengths = cu.diff()
@@ -223,18 +247,17 @@ def generate_candidates(
     """
     valid = _check_queries(Q, q_mask, centroids)
     device, C = Q.device, centroids.shape[0]
-    codes, cu = _check_corpus(codes, cu_seqlens, C, device)
+    checks = _ValueChecks()
+    codes, cu = _check_corpus(codes, cu_seqlens, C, checks, device)
     ivf_doc_ids = _check_index_tensor("ivf_doc_ids", ivf_doc_ids, device)
-    ivf_offsets = _check_offsets(
-        "ivf_offsets", _check_index_tensor("ivf_offsets", ivf_offsets, device), ivf_doc_ids.numel(), "C"
-    )
-    n_docs = cu.numel() - 1
+    ivf_offsets = _check_index_tensor("ivf_offsets", ivf_offsets, device)
     if ivf_offsets.numel() != C + 1:
         raise ValueError(
             f"ivf_offsets must have C + 1 = {C + 1} entries (one list per centroid), got {ivf_offsets.numel()}"
         )
-    if ivf_doc_ids.numel() and bool((ivf_doc_ids.min() < 0) | (ivf_doc_ids.max() >= n_docs)):
-        raise ValueError(f"ivf_doc_ids must lie in [0, {n_docs}) (the documents of cu_seqlens)")
+    ivf_offsets = _check_offsets("ivf_offsets", ivf_offsets, ivf_doc_ids.numel(), "C", checks)
+    n_docs = cu.numel() - 1
+    _check_range("ivf_doc_ids", ivf_doc_ids, n_docs, "the documents of cu_seqlens", checks)
     if not _is_int(n_probe) or n_probe < 1:
         raise ValueError(f"n_probe must be a positive int, got {n_probe!r}")
     if not _is_int(n_candidates) or n_candidates < 0:
@@ -244,6 +267,7 @@ def generate_candidates(
         isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold != threshold
     ):
         raise ValueError(f"centroid_score_threshold must be a number or None, got {threshold!r}")
+    checks.run()  # the one synchronisation of the checks, after every check that needs none
 
     Nq, Lq, _ = Q.shape
     out = torch.full((Nq, n_candidates), -1, dtype=torch.int64, device=device)
