@@ -14,7 +14,7 @@ import lik
 
 pytestmark = pytest.mark.gpu
 
-N_DOCS, DOC_LEN, D, N_CLUSTERS = 10_000, 100, 128, 1024
+N_DOCS, DOC_LEN, D, N_CLUSTERS, N_QUERIES = 10_000, 100, 128, 1024, 64
 
 
 def _corpus(device):
@@ -60,10 +60,12 @@ def test_million_token_plaid_index_on_the_gpu():
 
     # Queries: 32 tokens near one document's tokens each (its source should rank first, its topic's next).
     g = torch.Generator(device=device).manual_seed(1)
-    source = torch.randint(0, N_DOCS, (64,), device=device, generator=g)
+    source = torch.randint(0, N_DOCS, (N_QUERIES,), device=device, generator=g)
     lengths = (cu[source + 1] - cu[source]).unsqueeze(1)
-    rows = cu[source].unsqueeze(1) + (torch.rand(64, 32, device=device, generator=g) * lengths).long()
-    Q = F.normalize(tokens[rows].float() + 0.2 * torch.randn(64, 32, D, device=device, generator=g), dim=-1).half()
+    rows = cu[source].unsqueeze(1) + (torch.rand(N_QUERIES, 32, device=device, generator=g) * lengths).long()
+    Q = F.normalize(
+        tokens[rows].float() + 0.2 * torch.randn(N_QUERIES, 32, D, device=device, generator=g), dim=-1
+    ).half()
 
     # The float64 reference: MaxSim of the decoded tokens (the residual op's float64 reference path).
     codes = torch.cat([s.codes for s in index.segments])
@@ -92,7 +94,7 @@ def test_million_token_plaid_index_on_the_gpu():
     candidate_ms = (time.perf_counter() - start) * 1e3
     recall = _recall(c_ids, ids)
     print(
-        f"plaid search, 64 queries x 32 tokens: exhaustive {scan_ms:.2f} ms, candidates (8 probes, 1024) "
+        f"plaid search, {N_QUERIES} queries x 32 tokens: exhaustive {scan_ms:.2f} ms, candidates (8 probes, 1024) "
         f"{candidate_ms:.2f} ms, recall@10 of candidates against the scan {recall:.3f}"
     )
     assert recall >= 0.8
