@@ -365,10 +365,7 @@ def run_index(args: argparse.Namespace) -> int:
         return 0
     if args.shard_tokens < 1:
         raise UsageError(f"--shard-tokens must be at least 1, got {args.shard_tokens}")
-    try:
-        compression = codec_flags(args)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    compression = codec_flags(args, UsageError)
     _input_files(args.embeddings)
     _check_build_target(args)
     start = time.perf_counter()

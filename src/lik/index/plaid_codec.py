@@ -188,20 +188,20 @@ def codec_figures(codec: ResidualCodec | None, num_tokens: int) -> dict:
     }
 
 
-def codec_flags(args) -> dict:
+def codec_flags(args, error=ValueError) -> dict:
     """``lik index build``'s ``--codec`` / ``--nbits`` (absent from an older parser: exact) as keyword arguments of
-    :meth:`lik.Index.build`; ``ValueError`` naming the flag for a bad combination."""
+    :meth:`lik.Index.build`; ``error`` (a ``ValueError`` class) naming the flag for a bad combination."""
     codec, nbits = getattr(args, "codec", "exact") or "exact", getattr(args, "nbits", None)
     if codec not in CODECS:
-        raise ValueError(f"--codec must be one of {', '.join(CODECS)}, got {codec!r}")
+        raise error(f"--codec must be one of {', '.join(CODECS)}, got {codec!r}")
     if codec == "exact":
         if nbits is not None:
-            raise ValueError(f"--nbits {nbits}: only with --codec plaid")
+            raise error(f"--nbits {nbits}: only with --codec plaid")
         return {}
     if nbits is not None and nbits not in NBITS:
-        raise ValueError(f"--nbits must be 1, 2 or 4, got {nbits}")
+        raise error(f"--nbits must be 1, 2 or 4, got {nbits}")
     if args.dtype in ("int8", "float8_e4m3fn"):
-        raise ValueError(
+        raise error(
             f"--dtype {args.dtype}: --codec plaid stores residual codes; its --dtype is the dtype it "
             "scores in (float16, bfloat16 or float32)"
         )
