@@ -69,8 +69,8 @@ def test_matches_float64(dtype, shape, backward):
     """Scores against float64; winners and gradients against float64 at the kernel's winners.
 
     The kernel picks each winner on the projected rows rounded to the input dtype (kernel.py), float64's reference
-    on exact rows: their argmax differ at near-ties (fp16: ~1 in 1 500 of the (query token, document) pairs at these
-    shapes, bf16: ~1 in 300), and each such pair moves a whole row of dQ (one document's term of its sum) by ~10 %
+    on exact rows: their argmax differ at near-ties (fp16: 1 in 1 500 to 7 500 of the (query token, document) pairs at
+    these shapes, bf16: 1 in 250 to 450), and each moves a whole row of dQ (one document's term of its sum) by ~10 %
     of the largest. So the winners are checked to be maximal in the rows as the kernel rounds them (within
     winner_slack), and the gradients against the exact gradients at those winners."""
     previous = torch.get_float32_matmul_precision()
