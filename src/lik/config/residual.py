@@ -41,7 +41,8 @@ FALLBACK_CHUNK_TOKENS = 1 << 18
 class ResidualStreamConfig:
     """Tiles of the token stream with the residual loader: ``groups`` query groups of ``group_rows`` rows against
     ``block_t`` tokens per tile, ``programs_per_sm`` programs per SM in all, ``max_registers`` > 0 capping the
-    registers per thread, ``segments`` documents per tile folded in unrolled passes. ``chunk_tokens`` > 0: the
+    registers per thread, ``segments`` documents per tile folded in unrolled passes, ``byte_table`` the loader's way to
+    a byte's bucket weights (see :mod:`lik.ops.residual.decode`). ``chunk_tokens`` > 0: the
     fallback instead (runs of whole documents of about that many tokens decoded, then ``maxsim_packed``'s scan).
 
     Example:
@@ -59,6 +60,9 @@ class ResidualStreamConfig:
     max_registers: int = 0
     segments: int = 3
     chunk_tokens: int = 0
+    # a byte's weights from the 256-entry byte table (one vector load), else by selects on each dimension's bits
+    # (sm_90 ptxas: about as many instructions either way; the table adds shared-memory traffic. Unmeasured.)
+    byte_table: bool = False
 
     @property
     def block_m(self) -> int:

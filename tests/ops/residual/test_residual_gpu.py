@@ -3,6 +3,8 @@ shape, no decompressed copy in memory, and a speed print (``pytest -m gpu -s``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,6 +109,7 @@ def test_scan_paths_match_the_decoded_copy(n_q, path):
         if path == "stream" and tiles.chunk_tokens:  # the heuristic's fallback: force the 256-row stream tiles
             tiles = ResidualStreamConfig(32, 8, 64, 8, 2, 2, 128)
         forced = tiles if path == "stream" else ResidualStreamConfig(chunk_tokens=1 << 16)
+        forced = dataclasses.replace(forced, byte_table=n_q == 32)  # both loaders
         with override(residual_stream=forced):
             out = score_residual_packed(Q, q_mask, codes, residuals, codec, cu)
     torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-3)
@@ -152,6 +155,7 @@ def test_speed_print(n_q, n_tokens):
 
     call = lambda: score_residual_packed(Q, None, codes, residuals, codec, cu)  # noqa: E731
     fused = timed(call, stream)
+    fused_table = timed(call, dataclasses.replace(stream, byte_table=True))
     fallback = timed(call, ResidualStreamConfig(chunk_tokens=1 << 18))
     chosen = timed(call)
     plain = do_bench(lambda: lik.maxsim_packed(Q, codec.decompress(codes, residuals, torch.float16), cu))
@@ -162,7 +166,8 @@ def test_speed_print(n_q, n_tokens):
     floor = max(t * (4 + residuals.shape[1]) / 4.3e12, flops / 750e12) * 1e3
     exact_floor = max(t * 256 / 4.3e12, flops / 750e12) * 1e3
     print(
-        f"\nresidual scan Nq={n_q} T={t}: fused {fused:.3f} ms ({fused / exact:.2f}x resident), fallback "
+        f"\nresidual scan Nq={n_q} T={t}: fused {fused:.3f} ms ({fused / exact:.2f}x resident; byte-table loader "
+        f"{fused_table:.3f} ms), fallback "
         f"{fallback:.3f} ms ({fallback / exact:.2f}x), heuristic {'fallback' if tiles.chunk_tokens else 'fused'} "
         f"{chosen:.3f} ms, decompress+maxsim_packed {plain:.3f} ms, maxsim_packed resident fp16 {exact:.3f} ms; "
         f"floor {floor:.3f} ms (resident's {exact_floor:.3f} ms)"

@@ -4,6 +4,8 @@ on-chip decoder against the codec's; the launch heuristic's choice of path."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,8 +96,11 @@ def test_group_weights_undo_colberts_bit_order():
     ("path", "nbits", "dim"),
     [
         ("stream", 2, 128),
-        ("stream", 2, 96),  # a width below its power of two: masked columns
+        ("table", 2, 96),  # a width below its power of two: masked columns
         ("fallback", 4, 24),
+        pytest.param("stream", 2, 96, marks=pytest.mark.slow),
+        pytest.param("table", 1, 16, marks=pytest.mark.slow),
+        pytest.param("table", 4, 24, marks=pytest.mark.slow),
         pytest.param("stream", 1, 16, marks=pytest.mark.slow),
         pytest.param("stream", 4, 24, marks=pytest.mark.slow),
         pytest.param("fallback", 1, 16, marks=pytest.mark.slow),
@@ -112,9 +117,10 @@ def test_paths_match_float64(paths, path, nbits, dim):
     q_mask[0, 1] = False
     Q[0, 1] = float("nan")  # garbage under the mask must not leak
     q_mask[2] = False  # an all-masked query
-    with override(residual_stream=STREAM if path == "stream" else FALLBACK):
+    forced = {"stream": STREAM, "table": dataclasses.replace(STREAM, byte_table=True), "fallback": FALLBACK}[path]
+    with override(residual_stream=forced):
         out = score_residual_packed(Q, q_mask, codes, residuals, codec, cu)
-    assert paths[path] == 1 and sum(paths.values()) == 1
+    assert paths["fallback" if path == "fallback" else "stream"] == 1 and sum(paths.values()) == 1
     want = expected(Q, codes, residuals, codec, cu, q_mask)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)

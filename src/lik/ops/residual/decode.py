@@ -25,12 +25,19 @@ import triton.language as tl
 
 from lik.compression.packing import reversed_bit_map
 
-__all__ = ["decode_rows", "decode_kernel", "decode_into", "group_weights", "decode_table", "TABLE_HEADER"]
+__all__ = [
+    "decode_rows",
+    "decode_rows_select",
+    "decode_kernel",
+    "decode_into",
+    "group_weights",
+    "decode_table",
+    "TABLE_HEADER",
+]
 
-# Elements of a decode table before its centroids: the 2**nbits fp32 weights (at most 64 bytes) and padding, so that
-# the centroid rows stay 16-byte aligned in every dtype.
-_HEADER = 32
-TABLE_HEADER = tl.constexpr(_HEADER)
+# Bytes of a decode table before its centroids: the 2**nbits fp32 group weights (64 bytes), then the byte table
+# (256 x 8 // nbits fp32: every byte's dimensions' weights, at most 8 KiB); 16-byte aligned centroid rows follow.
+TABLE_HEADER = tl.constexpr(64 + 8192)
 # codec -> {on_gpu: table}; a codec is immutable in use, so its table is built once per kind of device.
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -57,26 +64,34 @@ def group_weights(codec) -> torch.Tensor:
 
 
 def decode_table(codec, on_gpu: bool) -> torch.Tensor:
-    """The loader's side data, 1-D contiguous on the codec's device: :data:`TABLE_HEADER` elements whose bytes
-    start with :func:`group_weights` (fp32), then the centroids ``[K, d]`` flattened, as stored when 16-bit (their
+    """The loader's side data, 1-D contiguous on the codec's device: :data:`TABLE_HEADER` bytes holding
+    :func:`group_weights` (fp32, 64 bytes) and the byte table (fp32 ``[256, 8 // nbits]``: the weights of a packed
+    byte's dimensions, first dimension first), then the centroids ``[K, d]`` flattened, as stored when 16-bit (their
     fp32 values are exact in half the bytes; bfloat16 only on a GPU, where the kernel reads it natively), else fp32.
     Built once per codec and kind of device.
 
     Example::
 
         >>> codec = lik.compression.ResidualCodec(torch.eye(8), torch.zeros(1), torch.tensor([-1.0, 1.0]), 1)
-        >>> decode_table(codec, False)[:2].tolist(), decode_table(codec, False).shape
-        ([-1.0, 1.0], torch.Size([96]))
+        >>> table = decode_table(codec, False)
+        >>> table[:2].tolist(), table[16 + 8 * 0b10000000 : 16 + 8 * 0b10000000 + 2].tolist(), table.shape
+        ([-1.0, 1.0], [1.0, -1.0], torch.Size([2128]))
     """
     tables = _TABLES.setdefault(codec, {})
     table = tables.get(on_gpu)
     if table is None:
         exact16 = codec.centroids.dtype == torch.float16 or (codec.centroids.dtype == torch.bfloat16 and on_gpu)
         centroids = codec.centroids if exact16 else codec._centroids32
-        table = torch.zeros(_HEADER + centroids.numel(), dtype=centroids.dtype, device=codec.device)
+        header = TABLE_HEADER.value // centroids.element_size()
+        table = torch.zeros(header + centroids.numel(), dtype=centroids.dtype, device=codec.device)
         weights = group_weights(codec)
-        table[:_HEADER].view(torch.float32)[: weights.shape[0]] = weights
-        table[_HEADER:] = centroids.reshape(-1)
+        nbits, per_byte = codec.nbits, 8 // codec.nbits
+        values = torch.arange(256, device=codec.device)[:, None]
+        shifts = 8 - nbits * (torch.arange(per_byte, device=codec.device) + 1)
+        words = table[:header].view(torch.float32)
+        words[: weights.shape[0]] = weights
+        words[16 : 16 + 256 * per_byte] = weights[(values >> shifts) & ((1 << nbits) - 1)].reshape(-1)
+        table[header:] = centroids.reshape(-1)
         tables[on_gpu] = table
     return table
 
@@ -97,7 +112,7 @@ def _slot_weight(byte, weights_ptr, w0, w1, w2, w3, SLOT: tl.constexpr, NBITS: t
 
 
 @triton.jit
-def decode_rows(
+def _decode(
     res_ptr,
     codes_ptr,
     table_ptr,
@@ -106,12 +121,10 @@ def decode_rows(
     DIM: tl.constexpr,
     NBITS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BYTE_TABLE: tl.constexpr,
 ):
-    """fp32 ``[len(rows), BLOCK_K]``: the decoded tokens at (valid, absolute) ``rows``, zero past ``DIM``.
-
-    ``res_ptr`` uint8 rows of ``DIM * NBITS // 8`` bytes (row stride ``stride_rl``), ``codes_ptr`` int32 / int64
-    codes in the table (checked on the host), ``table_ptr`` :func:`decode_table`. ``BLOCK_K`` is a power of two
-    >= ``DIM``."""
+    """:func:`decode_rows`; ``BYTE_TABLE``: a byte's weights in one vector load from the byte table (L1-resident),
+    else each dimension's by selects on its group's bits (a gather of the 16-entry table for 4 bits)."""
     BLOCK_T: tl.constexpr = rows.shape[0]
     PER_BYTE: tl.constexpr = 8 // NBITS
     BYTES: tl.constexpr = BLOCK_K // PER_BYTE
@@ -119,7 +132,8 @@ def decode_rows(
     offs_b = tl.arange(0, BYTES)
     weights_ptr = table_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
     code = tl.load(codes_ptr + rows).to(tl.int32)
-    centroid_ptrs = table_ptr + TABLE_HEADER + code[:, None] * DIM + offs_k[None, :]
+    HEADER: tl.constexpr = TABLE_HEADER // (table_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    centroid_ptrs = table_ptr + HEADER + code[:, None] * DIM + offs_k[None, :]
     byte_ptrs = res_ptr + rows[:, None] * stride_rl + offs_b[None, :]
     if DIM == BLOCK_K:
         centroid = tl.load(centroid_ptrs).to(tl.float32)
@@ -127,6 +141,22 @@ def decode_rows(
     else:
         centroid = tl.load(centroid_ptrs, mask=offs_k[None, :] < DIM, other=0.0).to(tl.float32)
         byte = tl.load(byte_ptrs, mask=offs_b[None, :] < DIM // PER_BYTE, other=0).to(tl.int32)
+    if BYTE_TABLE:
+        offs_s = tl.arange(0, PER_BYTE)
+        w = tl.load(weights_ptr + 16 + byte[:, :, None] * PER_BYTE + offs_s[None, None, :])
+    else:
+        w = _select_weights(byte, weights_ptr, NBITS)
+    x = centroid + tl.reshape(w, (BLOCK_T, BLOCK_K))
+    if DIM != BLOCK_K:
+        x = tl.where(offs_k[None, :] < DIM, x, 0.0)
+    # torch.nn.functional.normalize: x / max(|x|, 1e-12), a zero row stays zero (one reciprocal per row)
+    inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
+    return x * inv[:, None]
+
+
+@triton.jit
+def _select_weights(byte, weights_ptr, NBITS: tl.constexpr):
+    """``[T, BYTES, 8 // NBITS]`` fp32 weights of each byte's dimensions, by selects on the groups' bits."""
     w0 = tl.load(weights_ptr)
     w1 = tl.load(weights_ptr + 1)
     w2 = w0
@@ -174,12 +204,41 @@ def decode_rows(
             ),
         )
         w = tl.join(even, odd)
-    x = centroid + tl.reshape(w, (BLOCK_T, BLOCK_K))
-    if DIM != BLOCK_K:
-        x = tl.where(offs_k[None, :] < DIM, x, 0.0)
-    # torch.nn.functional.normalize: x / max(|x|, 1e-12), a zero row stays zero (one reciprocal per row)
-    inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
-    return x * inv[:, None]
+    return tl.reshape(w, (w.shape[0], w.shape[1], 8 // NBITS))
+
+
+@triton.jit
+def decode_rows(
+    res_ptr,
+    codes_ptr,
+    table_ptr,
+    rows,
+    stride_rl,
+    DIM: tl.constexpr,
+    NBITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 ``[len(rows), BLOCK_K]``: the decoded tokens at (valid, absolute) ``rows``, zero past ``DIM``.
+
+    ``res_ptr`` uint8 rows of ``DIM * NBITS // 8`` bytes (row stride ``stride_rl``), ``codes_ptr`` int32 / int64
+    codes in the table (checked on the host), ``table_ptr`` :func:`decode_table`. ``BLOCK_K`` is a power of two
+    >= ``DIM``. A byte's weights come from the byte table in one vector load."""
+    return _decode(res_ptr, codes_ptr, table_ptr, rows, stride_rl, DIM, NBITS, BLOCK_K, True)
+
+
+@triton.jit
+def decode_rows_select(
+    res_ptr,
+    codes_ptr,
+    table_ptr,
+    rows,
+    stride_rl,
+    DIM: tl.constexpr,
+    NBITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """:func:`decode_rows` with the weights chosen by selects on each group's bits (no byte table load)."""
+    return _decode(res_ptr, codes_ptr, table_ptr, rows, stride_rl, DIM, NBITS, BLOCK_K, False)
 
 
 @triton.jit(do_not_specialize=["n_rows"])

@@ -19,7 +19,7 @@ from lik.core.forward_launch import dot_precision
 from lik.core.token_stream import token_stream_kernel
 from lik.ops.maxsim.packed_function import PackedQuery, score_packed
 
-from .decode import decode_into, decode_rows, decode_table
+from .decode import decode_into, decode_rows, decode_rows_select, decode_table
 from .reference import maxsim_residual_reference
 from .validation import ResidualInputs
 
@@ -74,7 +74,7 @@ def residual_stream(q, q_mask, codes, residuals, codec, cu, cfg: ResidualStreamC
         DOT_PRECISION=dot_precision(q.dtype),
         LOADER=0,
         SEGMENTS=cfg.segments,
-        DECODE=decode_rows,
+        DECODE=decode_rows if cfg.byte_table else decode_rows_select,
         NBITS=codec.nbits,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
