@@ -114,3 +114,10 @@ def test_million_token_plaid_index_on_the_gpu():
     h_scores, h_ids = host.search(Q, 10)
     assert _recall(h_ids, ids) >= 0.99
     torch.testing.assert_close(h_scores, scores, atol=1e-3, rtol=0.0)
+    # Candidates per streamed chunk (4 chunks, each its own IVF in host memory).
+    hc_scores, hc_ids = host.search(Q, 10, n_probe=8, candidates=1024)
+    assert _recall(hc_ids, ids) >= 0.8
+    valid = hc_ids >= 0
+    torch.testing.assert_close(
+        hc_scores[valid].double(), ref.gather(1, hc_ids.clamp(min=0))[valid], atol=0.08, rtol=0.0
+    )
