@@ -253,13 +253,6 @@ def systems(args, corpus, docs_cpu, Q, exact, root: Path, device):
     on_gpu = torch.device(device).type == "cuda"
     placement = "gpu" if on_gpu else "auto"
     out = []
-    if not args.scale:
-
-        def exact_rows():
-            build = lambda: lik_build(corpus, root / "lik-exact", device, placement)  # noqa: E731
-            return [measure("lik exact fp16", build, lambda i, q: i.search(q, K)[1], Q, exact, device)]
-
-        out.append(("lik exact fp16", exact_rows))
     for nbits in args.nbits:
         fp_name = f"fast-plaid {nbits}-bit (8 probes, 4096 full scores)"
         if args.scale:
@@ -302,6 +295,13 @@ def systems(args, corpus, docs_cpu, Q, exact, root: Path, device):
             return rows
 
         out.append((name, lik_rows))
+    if not args.scale:
+
+        def exact_rows():
+            build = lambda: lik_build(corpus, root / "lik-exact", device, placement)  # noqa: E731
+            return [measure("lik exact fp16", build, lambda i, q: i.search(q, K)[1], Q, exact, device)]
+
+        out.append(("lik exact fp16", exact_rows))
     return out
 
 
