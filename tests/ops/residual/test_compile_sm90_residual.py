@@ -52,6 +52,11 @@ def _workload():
         for n_q in (1, 4, 8) if (nbits, dim) == (2, 128) else (1,):  # 32, 128 and 256 query rows
             score_residual_packed(torch.randn(n_q, 32, dim).half(), None, codes, residuals, codec, cu)
         decode_into(torch.empty(90, dim, dtype=torch.float16), codes, residuals, codec)
+    # fp32 and bf16 queries against fp32 centroids (their own tiles), fp32 products
+    codec = ResidualCodec(F.normalize(torch.randn(16, 128), dim=-1), torch.zeros(3), torch.rand(4), 2)
+    residuals = pack_residual_bits(torch.randint(0, 4, (90, 128)), 2)
+    for dtype in (torch.float32, torch.bfloat16):
+        score_residual_packed(torch.randn(4, 32, 128).to(dtype), None, codes, residuals, codec, cu)
 
 
 @pytest.mark.slow
