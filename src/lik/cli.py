@@ -95,6 +95,10 @@ def _add_index_parser(commands) -> None:
     build.add_argument("--out", required=True, help="index directory to create")
     build.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="storage dtype (default float16)")
     build.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
+    build.add_argument("--codec", choices=("exact", "plaid"), default="exact",
+                       help="exact tokens (default) or PLAID residual codes (ColBERTv2: centroid + nbits a dimension)")
+    build.add_argument("--nbits", type=int, default=None, help="residual bits a dimension for --codec plaid: 1, 2 or 4 "
+                       "(default 2)")
     build.add_argument("--overwrite", action="store_true",
                        help="replace the lik index at --out (anything else there is refused, never deleted)")
     info = actions.add_parser(
