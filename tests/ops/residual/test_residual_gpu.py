@@ -156,6 +156,8 @@ def test_speed_print(n_q, n_tokens):
     call = lambda: score_residual_packed(Q, None, codes, residuals, codec, cu)  # noqa: E731
     fused = timed(call, stream)
     fused_table = timed(call, dataclasses.replace(stream, byte_table=True))
+    # one query: 128-token tiles on 8 warps (the packed stream's 128-token tile) against the heuristic's 64 on 4
+    wide = timed(call, dataclasses.replace(stream, block_t=128, num_warps=8)) if n_q == 1 else float("nan")
     fallback = timed(call, ResidualStreamConfig(chunk_tokens=1 << 18))
     chosen = timed(call)
     plain = do_bench(lambda: lik.maxsim_packed(Q, codec.decompress(codes, residuals, torch.float16), cu))
@@ -167,7 +169,7 @@ def test_speed_print(n_q, n_tokens):
     exact_floor = max(t * 256 / 4.3e12, flops / 750e12) * 1e3
     print(
         f"\nresidual scan Nq={n_q} T={t}: fused {fused:.3f} ms ({fused / exact:.2f}x resident; byte-table loader "
-        f"{fused_table:.3f} ms), fallback "
+        f"{fused_table:.3f} ms; 128-token tiles {wide:.3f} ms), fallback "
         f"{fallback:.3f} ms ({fallback / exact:.2f}x), heuristic {'fallback' if tiles.chunk_tokens else 'fused'} "
         f"{chosen:.3f} ms, decompress+maxsim_packed {plain:.3f} ms, maxsim_packed resident fp16 {exact:.3f} ms; "
         f"floor {floor:.3f} ms (resident's {exact_floor:.3f} ms)"
