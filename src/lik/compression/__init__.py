@@ -5,8 +5,8 @@ Files by role: ``kmeans`` (centroid training on the data's device), ``sampling``
 sample sizes, centroid count, held-out split, bucket quantiles), ``packing`` (the bit layout and ColBERT's lookup
 tables), ``codec`` (:class:`ResidualCodec`: compress, decompress, train), ``training`` (ColBERTv2's plan over a
 packed corpus), ``candidates`` (PLAID's IVF and candidate generation; ``interaction``: its stage-3 kernel;
-``candidates_reference``: its float64 specification), ``colbert_format`` (reading a colbert-ai index directory), ``fast_plaid_format`` (reading a
-fast-plaid one, PyLate's default index).
+``candidates_reference``: its float64 specification), ``colbert_format`` (reading a colbert-ai index directory),
+``fast_plaid_format`` (reading a fast-plaid one, PyLate's default index).
 """
 
 from .candidates import build_ivf, generate_candidates
