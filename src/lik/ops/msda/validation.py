@@ -39,6 +39,14 @@ def check_inputs(value, value_spatial_shapes, value_level_start_index, sampling_
     or int64), ``sampling_locations [N, Lq, M, L, P, 2]``, ``attention_weights [N, Lq, M, L, P]``, all on one
     device. ``im2col_step`` must be an int; its value is ignored.
     """
+    _check(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights, im2col_step)
+
+
+def _check(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights, im2col_step,
+           counts=None) -> None:
+    """:func:`check_inputs`; with ``counts`` (RT-DETRv2's points per level) the samples are ``[N, Lq, M, T, 2]``
+    and ``[N, Lq, M, T]``, whose own shapes :func:`check_inputs_v2` has checked: only their N, M and level count
+    are compared here (no stand-in tensors in the layout above: each would cost an allocation per call)."""
     value = _tensor("value", value)
     shapes = _tensor("value_spatial_shapes", value_spatial_shapes)
     starts = _tensor("value_level_start_index", value_level_start_index)
@@ -61,15 +69,15 @@ def check_inputs(value, value_spatial_shapes, value_level_start_index, sampling_
     n_levels = shapes.shape[0]
     if tuple(starts.shape) != (n_levels,):
         raise ValueError(f"value_level_start_index must be [L] = [{n_levels}], got shape {list(starts.shape)}")
-    if loc.dim() != 6 or loc.shape[-1] != 2:
+    if counts is None and (loc.dim() != 6 or loc.shape[-1] != 2):
         raise ValueError(f"sampling_locations must be [N, Lq, M, L, P, 2], got shape {list(loc.shape)}")
     n, _, m, _ = value.shape
-    if loc.shape[0] != n or loc.shape[2] != m or loc.shape[3] != n_levels:
+    if loc.shape[0] != n or loc.shape[2] != m or (loc.shape[3] if counts is None else len(counts)) != n_levels:
         raise ValueError(
             f"sampling_locations has shape {list(loc.shape)}, which does not match N={n}, M={m} of value and "
             f"L={n_levels} of value_spatial_shapes"
         )
-    if tuple(weights.shape) != tuple(loc.shape[:-1]):
+    if counts is None and tuple(weights.shape) != tuple(loc.shape[:-1]):
         raise ValueError(
             f"attention_weights must be [N, Lq, M, L, P] = {list(loc.shape[:-1])}, got {list(weights.shape)}"
         )
@@ -117,11 +125,9 @@ def check_inputs_v2(value, value_spatial_shapes, value_level_start_index, sampli
                                                                                                   value.shape[2]):
         raise ValueError(f"sampling_locations has shape {list(loc.shape)}, which does not match N={value.shape[0]}, "
                          f"M={value.shape[2]} of value")
-    # The common checks on [N, Lq, M, L, 1] stand-ins of the samples (their point counts are checked above).
-    levels = len(num_points_list)
-    check_inputs(value, shapes, value_level_start_index, loc.new_empty(()).expand(*loc.shape[:3], levels, 1, 2),
-                 weights.new_empty(()).expand(*loc.shape[:3], levels, 1))
-    return tuple(num_points_list)
+    counts = tuple(num_points_list)
+    _check(value, shapes, value_level_start_index, loc, weights, 64, counts)
+    return counts
 
 
 def level_table(value_spatial_shapes: torch.Tensor, value_level_start_index: torch.Tensor,
