@@ -10,6 +10,7 @@ import torch
 from lik import _launch, _replay
 from lik.ops.msda import backward as msda_backward_module
 from lik.ops.msda import forward as msda_forward_module
+from lik.ops.msda import function as msda_function_module
 from lik.ops.msda import ms_deform_attn
 from lik.ops.msda.backward import msda_backward
 from lik.ops.msda.forward import msda_forward
@@ -46,6 +47,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(msda_backward_module, "replay_key", replay_key)
     monkeypatch.setattr(msda_forward_module, "_FORWARD_REPLAYS", {})
     monkeypatch.setattr(msda_backward_module, "_REPLAYS", {})
+    monkeypatch.setattr(msda_function_module, "_CHECKED", {})
     return runs
 
 
@@ -165,14 +167,20 @@ def _decoder_like(rng, dtype=torch.float32):
 def test_gpu_repeated_calls_replay_with_the_general_paths_numbers(rng, monkeypatch, dtype, tol):
     monkeypatch.setattr(msda_backward_module, "_REPLAYS", {})
     monkeypatch.setattr(msda_forward_module, "_FORWARD_REPLAYS", {})
+    monkeypatch.setattr(msda_function_module, "_CHECKED", {})
     backward_launches = _counting_launch(monkeypatch)
     forward_launches = _counting_launch(monkeypatch, msda_forward_module)
     problem = _decoder_like(rng, dtype)
     first = with_grads(ms_deform_attn, *problem)
     assert len(forward_launches) == len(backward_launches) == 1
     assert len(msda_forward_module._FORWARD_REPLAYS) == len(msda_backward_module._REPLAYS) == 1
+    assert len(msda_function_module._CHECKED) == 1  # ms_deform_attn's next call with this key skips its checks
+    checks = []
+    real_check = msda_function_module.check_inputs
+    monkeypatch.setattr(msda_function_module, "check_inputs", lambda *a: checks.append(a) or real_check(*a))
     second = with_grads(ms_deform_attn, *problem)
     assert len(forward_launches) == len(backward_launches) == 1  # both replayed
+    assert not checks
     # The output, location and weight gradients involve no atomics: the same bits; the value gradient is summed by
     # atomics in any order.
     assert torch.equal(first[0], second[0]) and torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])

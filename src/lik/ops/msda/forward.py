@@ -24,7 +24,7 @@ from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, l
 from .validation import check_level_table
 
 __all__ = ["msda_fwd_kernel", "nearest_pixel", "msda_forward", "launch_forward", "contiguous_strides", "kernel_value",
-           "dense", "check_pixel_count", "check_point_tile", "RUNTIME_INTS", "replay_key"]
+           "dense", "check_pixel_count", "check_point_tile", "RUNTIME_INTS", "replay_key", "recorded_plan", "replay"]
 
 # Batch, query count, heads, levels and points vary per call and never trigger a recompile.
 RUNTIME_INTS = ["n_rows", "n_pixels", "n_queries", "n_heads", "n_levels", "n_points"]
@@ -201,12 +201,31 @@ _FORWARD_REPLAYS: dict[tuple, object] = {}
 
 def replay_key(value, shapes, starts, loc, attn, *more) -> tuple | None:
     """What fixes a launch besides the addresses: the current device (where Triton launches) and per tensor
-    :func:`lik._replay.layout_key`, with ``more``; None when no launch may be replayed now (CPU tensors, replays
-    off: :func:`lik._replay.allowed`)."""
-    if not value.is_cuda or not allowed():
+    :func:`lik._replay.layout_key`, with ``more``; None when no launch may be replayed now (a tensor off CUDA,
+    replays off: :func:`lik._replay.allowed`). Every tensor is asked (not only ``value``) because
+    :func:`lik.ms_deform_attn` skips its device checks for a key it has seen pass them."""
+    if not (value.is_cuda and shapes.is_cuda and starts.is_cuda and loc.is_cuda and attn.is_cuda) or not allowed():
         return None
     return (current_device(), layout_key(value), layout_key(shapes), layout_key(starts), layout_key(loc),
             layout_key(attn), *more)
+
+
+def recorded_plan(key: tuple):
+    """The recorded forward of calls with ``key`` (:func:`replay_key`), or None when there is none to replay."""
+    plan = _FORWARD_REPLAYS.get(key)
+    return None if plan is NEVER else plan
+
+
+def replay(plan, value, shapes, starts, loc, attn) -> torch.Tensor:
+    """The forward of a call whose key recorded ``plan``, relaunched for these tensors: the output is made and the
+    recorded kernel launched with their addresses (the full path's bits; the level table is the caller's to check).
+
+    Example:
+        >>> out = replay(recorded_plan(replay_key(value, shapes, starts, loc, attn)), value, shapes, starts, loc, attn)
+    """
+    (out,) = buffers = plan.allocate()
+    plan((value, shapes, starts, loc, attn), buffers)
+    return out
 
 
 def msda_forward(
@@ -227,16 +246,13 @@ def msda_forward(
     if key is None:
         return _forward(value, shapes, starts, loc, attn)
     plan = _FORWARD_REPLAYS.get(key)
-    sources = (value, shapes, starts, loc, attn)
     if plan is not None and plan is not NEVER:
-        (out,) = buffers = plan.allocate()
-        plan(sources, buffers)
-        return out
+        return replay(plan, value, shapes, starts, loc, attn)
     if plan is NEVER:
         return _forward(value, shapes, starts, loc, attn)
     with recording() as recorded:
         out = _forward(value, shapes, starts, loc, attn)
-    plan = plan_of(recorded, sources)
+    plan = plan_of(recorded, (value, shapes, starts, loc, attn))
     if plan is not None:
         file(_FORWARD_REPLAYS, key, plan)
     return out

@@ -1,0 +1,196 @@
+"""The host path of deformable attention, counted on the CPU so it cannot grow unnoticed: the PyTorch operators one
+call issues besides its kernel launch (a forward: its output's allocation, nothing else), no device synchronisation
+(``aten._local_scalar_dense``, a ``.item()`` / ``.tolist()`` / ``bool()`` of a CUDA tensor) once the level table has
+been checked, and a repeated :func:`lik.ms_deform_attn` whose key passed the checks skipping them (no check, no
+route: the recorded launch at once) while bad arguments are still refused.
+
+The kernels are stubbed (``launch`` records and returns): what runs is the Python around them, as on a GPU host.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lik import _launch, _replay
+from lik.ops.msda import forward as msda_forward_module
+from lik.ops.msda import function as msda_function_module
+from lik.ops.msda import ms_deform_attn, ms_deform_attn_v2
+from lik.ops.msda.validation import check_inputs_v2
+
+from .helpers import rand_problem
+
+HW = [(5, 6), (3, 3)]
+ALLOCATION = "aten.empty.memory_format"
+
+
+class _Operators(TorchDispatchMode):
+    """Every ATen operator dispatched inside the block, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _operators(call) -> tuple[list[str], object]:
+    with _Operators() as seen:
+        out = call()
+    return seen.names, out
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """Kernels on the CPU (the interpreter's routing) with the forward's launch stubbed: each launch is recorded as
+    ``(kernel, grid, args)`` and seen by a replay recording, and nothing runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = []
+
+    def launch(kernel, grid, *args, **kwargs):
+        if _launch.WATCH is not None:
+            _launch.WATCH(kernel, grid, args, kwargs)
+        launches.append((kernel, grid, args))
+
+    monkeypatch.setattr(msda_forward_module, "launch", launch)
+    monkeypatch.setattr(msda_forward_module, "_FORWARD_REPLAYS", {})
+    monkeypatch.setattr(msda_function_module, "_CHECKED", {})
+    return launches
+
+
+@pytest.fixture
+def replays(stubbed, monkeypatch):
+    """:func:`stubbed`, with replays on the CPU as on a GPU: keys for CPU tensors, and a stand-in compiled launcher
+    that records the addresses a replay hands it."""
+    runs = []
+
+    class StandIn:
+        def __init__(self, kernel, grid):
+            self.grid, self.device, self.function, self.packed, self.tail = (*grid, 1, 1)[:3], 0, kernel, None, ()
+            self.run = lambda *a: runs.append((kernel, a[9:]))
+
+    def replay_key(value, shapes, starts, loc, attn, *more):
+        return tuple(_replay.layout_key(t) for t in (value, shapes, starts, loc, attn)) + more
+
+    monkeypatch.setattr(_launch, "replay_of", lambda kernel, grid, *args, **kwargs: StandIn(kernel, grid))
+    monkeypatch.setattr(_launch, "_get_stream", lambda device: 0)
+    monkeypatch.setattr(msda_forward_module, "replay_key", replay_key)
+    return stubbed, runs
+
+
+def _problem(rng, training: bool):
+    value, shapes, starts, loc, attn, _ = rand_problem(rng, 2, 4, 3, 8, HW, 2)
+    if training:
+        value, loc, attn = (t.requires_grad_() for t in (value, loc, attn))
+    return value, shapes, starts, loc, attn
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_forward_issues_one_allocation_and_no_synchronisation(rng, stubbed, training):
+    """The full path (a CPU call: no replay): the output's allocation is the only operator, the first call included
+    (reading a CPU level table dispatches nothing; a CUDA table is read once per table, a documented sync)."""
+    problem = _problem(rng, training)
+    for _ in range(2):
+        names, out = _operators(lambda: ms_deform_attn(*problem))
+        assert names == [ALLOCATION]
+        assert out.shape == (2, 4, 24) and out.requires_grad == training
+    assert len(stubbed) == 2
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_checked_key_replays_without_checking_again(rng, replays, monkeypatch, training):
+    launches, runs = replays
+    problem = _problem(rng, training)
+    ms_deform_attn(*problem)  # the full path: checked, recorded, filed under the call's key
+    assert len(launches) == 1 and not runs and len(msda_function_module._CHECKED) == 1
+    checks = []
+    real_check = msda_function_module.check_inputs
+    monkeypatch.setattr(msda_function_module, "check_inputs", lambda *a: checks.append(a) or real_check(*a))
+    again = _problem(rng, training)  # new tensors, the same key
+    names, out = _operators(lambda: ms_deform_attn(*again))
+    assert names == [ALLOCATION] and not checks and len(launches) == 1
+    # The stand-in received what the full path's launch got, with this call's addresses and its own output.
+    ((kernel, got),) = runs
+    full_kernel, _, want = launches[0]
+    assert kernel is full_kernel and len(got) == len(want)
+    full_out = want[6]  # msda_fwd_kernel's out_ptr (kept alive by the record)
+    for a, b in zip(got, want):
+        if isinstance(b, torch.Tensor):
+            assert _label(a, again, out) == _label(b.data_ptr(), problem, full_out)
+        else:
+            assert a == b
+    assert out.requires_grad == training
+    if training:
+        assert type(out.grad_fn).__name__ == "_ReplayedFunctionBackward"
+
+
+def _label(address: int, sources, out) -> int | str:
+    """Which of a call's tensors ``address`` is: its output, or the index of the input."""
+    if address == out.data_ptr():
+        return "out"
+    return [t.data_ptr() for t in sources].index(address)
+
+
+def test_a_checked_key_still_refuses_bad_arguments(rng, replays):
+    value, shapes, starts, loc, attn = _problem(rng, False)
+    ms_deform_attn(value, shapes, starts, loc, attn)
+    assert len(msda_function_module._CHECKED) == 1
+    with pytest.raises(TypeError, match="im2col_step"):
+        ms_deform_attn(value, shapes, starts, loc, attn, "64")
+    with pytest.raises(TypeError, match="im2col_step"):
+        ms_deform_attn(value, shapes, starts, loc, attn, True)
+    with pytest.raises(TypeError, match="sampling_locations"):
+        ms_deform_attn(value, shapes, starts, loc.numpy(), attn)
+    with pytest.raises(ValueError, match="attention_weights"):
+        ms_deform_attn(value, shapes, starts, loc, attn[..., :1])
+    # The level table's values are not part of the key: changed in place, they are read and refused again.
+    starts[1] += 1
+    with pytest.raises(ValueError, match="value_level_start_index"):
+        ms_deform_attn(value, shapes, starts, loc, attn)
+
+
+def test_no_checked_key_off_the_gpu_or_while_replays_are_off(rng, stubbed):
+    """Without the replay machinery (CPU tensors here; a forced config, a launch hook or an untested Triton on a
+    GPU) every call is checked."""
+    problem = _problem(rng, False)
+    for _ in range(2):
+        ms_deform_attn(*problem)
+    assert msda_function_module._CHECKED == {}
+    assert msda_function_module._checked_key(*problem, 64) is None
+
+
+def test_the_v2_checks_make_no_tensors(rng):
+    value, shapes, starts, loc, attn = _problem(rng, False)
+    n, n_queries, heads = loc.shape[:3]
+    loc5, attn4 = loc.reshape(n, n_queries, heads, 4, 2), attn.reshape(n, n_queries, heads, 4)
+    names, counts = _operators(lambda: check_inputs_v2(value, shapes, starts, loc5, attn4, [1, 3], "discrete"))
+    assert names == [] and counts == (1, 3)
+    with pytest.raises(ValueError, match="num_points_list"):
+        check_inputs_v2(value, shapes, starts, loc5, attn4, [1, 2, 1])
+    with pytest.raises(ValueError, match="does not match N=1"):
+        check_inputs_v2(value[:1], shapes, starts, loc5, attn4, [1, 3])
+    with pytest.raises(ValueError, match="attention_weights"):
+        check_inputs_v2(value, shapes, starts, loc5, attn4[..., :3], [1, 3])
+
+
+@pytest.mark.parametrize("counts, method", [([2, 2], "default"), ([1, 3], "default"), ([2, 2], "discrete")])
+def test_a_v2_forward_issues_no_synchronisation(rng, stubbed, monkeypatch, counts, method):
+    """Equal counts run ms_deform_attn on views of the samples (two views and the output); other counts and the
+    discrete method launch with the cached point table (the output only)."""
+    from lik.ops.msda import v2
+
+    monkeypatch.setattr(v2, "launch_forward", _stub_v2_launch)
+    value, shapes, starts, loc, attn = _problem(rng, False)
+    n, n_queries, heads = loc.shape[:3]
+    loc5, attn4 = loc.reshape(n, n_queries, heads, 4, 2), attn.reshape(n, n_queries, heads, 4)
+    for _ in range(2):
+        names, _ = _operators(lambda: ms_deform_attn_v2(value, shapes, starts, loc5, attn4, counts, method))
+    equal = method == "default" and counts[0] == counts[1]
+    assert names == (["aten.view.default"] * 2 if equal else []) + [ALLOCATION]
+
+
+def _stub_v2_launch(value, shapes, starts, loc, attn, points=None, max_points=0, discrete=False):
+    return torch.empty((value.shape[0], loc.shape[1], value.shape[2] * value.shape[3]), dtype=value.dtype)
