@@ -194,3 +194,66 @@ def test_a_v2_forward_issues_no_synchronisation(rng, stubbed, monkeypatch, count
 
 def _stub_v2_launch(value, shapes, starts, loc, attn, points=None, max_points=0, discrete=False):
     return torch.empty((value.shape[0], loc.shape[1], value.shape[2] * value.shape[3]), dtype=value.dtype)
+
+
+@pytest.mark.parametrize("method", ["default", "discrete"])
+def test_a_v2_point_table_forward_replays_its_launch(rng, replays, monkeypatch, method):
+    """Unequal counts (D-FINE's [3, 6, 3]) or the discrete method: the point table is one of the recorded launch's
+    sources, and a call with the key replays it with its own addresses."""
+    from lik.ops.msda import v2
+
+    launches, runs = replays
+    monkeypatch.setattr(v2, "_REPLAYS", {})
+
+    def call():
+        value, shapes, starts, loc, attn = _problem(rng, False)
+        n, n_queries, heads = loc.shape[:3]
+        loc5, attn4 = loc.reshape(n, n_queries, heads, 4, 2), attn.reshape(n, n_queries, heads, 4)
+        return (value, shapes, starts, loc5, attn4), ms_deform_attn_v2(
+            value, shapes, starts, loc5, attn4, [1, 3], method
+        )
+
+    first, _ = call()
+    assert len(launches) == 1 and not runs and len(v2._REPLAYS) == 1
+    table = launches[0][2][3]  # msda_fwd_kernel's points_ptr: the cached point table
+    second, out = call()
+    assert len(launches) == 1 and len(runs) == 1
+    (_, got), (_, _, want) = runs[0], launches[0]
+    for a, b in zip(got, want):
+        if isinstance(b, torch.Tensor):
+            assert _label(a, (*second, table), out) == _label(b.data_ptr(), (*first, table), want[6])
+        else:
+            assert a == b
+
+
+# ------------------------------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["default", "discrete"])
+def test_gpu_checked_and_replayed_calls_give_the_full_paths_bits(rng, monkeypatch, method):
+    from lik.ops.msda import v2
+
+    monkeypatch.setattr(msda_forward_module, "_FORWARD_REPLAYS", {})
+    monkeypatch.setattr(msda_function_module, "_CHECKED", {})
+    monkeypatch.setattr(v2, "_REPLAYS", {})
+    hw = [(20, 24), (10, 12), (5, 6), (3, 3)]
+    value, shapes, starts, loc, attn, grad = rand_problem(rng, 2, 60, 8, 32, hw, 4, device="cuda")
+    # ms_deform_attn: the second training call takes the checked key's replay; same output and point gradients
+    # (no atomics), the value gradient up to the atomics' order.
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_() for t in (value, loc, attn)]
+        out = ms_deform_attn(leaves[0], shapes, starts, leaves[1], leaves[2])
+        runs.append((type(out.grad_fn).__name__, out, torch.autograd.grad(out, leaves, grad)))
+    assert runs[0][0] == "_CheckedInputsFunctionBackward" and runs[1][0] == "_ReplayedFunctionBackward"
+    assert torch.equal(runs[0][1], runs[1][1])
+    assert torch.equal(runs[0][2][1], runs[1][2][1]) and torch.equal(runs[0][2][2], runs[1][2][2])
+    assert torch.allclose(runs[0][2][0], runs[1][2][0], rtol=1e-5, atol=1e-6)
+    # ms_deform_attn_v2 with a point table: the replayed forward gives the full path's bits.
+    n, n_queries, heads = loc.shape[:3]
+    loc5, attn4 = loc.reshape(n, n_queries, heads, 16, 2), attn.reshape(n, n_queries, heads, 16)
+    first = ms_deform_attn_v2(value, shapes, starts, loc5, attn4, [2, 6, 4, 4], method)
+    assert len(v2._REPLAYS) == 1
+    again = ms_deform_attn_v2(value.clone(), shapes, starts, loc5.clone(), attn4.clone(), [2, 6, 4, 4], method)
+    assert torch.equal(first, again)

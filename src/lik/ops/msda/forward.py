@@ -24,7 +24,8 @@ from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, l
 from .validation import check_level_table
 
 __all__ = ["msda_fwd_kernel", "nearest_pixel", "msda_forward", "launch_forward", "contiguous_strides", "kernel_value",
-           "dense", "check_pixel_count", "check_point_tile", "RUNTIME_INTS", "replay_key", "recorded_plan", "replay"]
+           "dense", "check_pixel_count", "check_point_tile", "RUNTIME_INTS", "replay_key", "recorded_plan", "replay",
+           "replayed_forward"]
 
 # Batch, query count, heads, levels and points vary per call and never trigger a recompile.
 RUNTIME_INTS = ["n_rows", "n_pixels", "n_queries", "n_heads", "n_levels", "n_points"]
@@ -216,15 +217,33 @@ def recorded_plan(key: tuple):
     return None if plan is NEVER else plan
 
 
-def replay(plan, value, shapes, starts, loc, attn) -> torch.Tensor:
-    """The forward of a call whose key recorded ``plan``, relaunched for these tensors: the output is made and the
-    recorded kernel launched with their addresses (the full path's bits; the level table is the caller's to check).
+def replay(plan, *sources: torch.Tensor) -> torch.Tensor:
+    """The forward of a call whose key recorded ``plan``, relaunched for ``sources`` (those of the recording, in its
+    order): the output is made and the recorded kernel launched with their addresses (the full path's bits; the
+    level table is the caller's to check).
 
     Example:
         >>> out = replay(recorded_plan(replay_key(value, shapes, starts, loc, attn)), value, shapes, starts, loc, attn)
     """
     (out,) = buffers = plan.allocate()
-    plan((value, shapes, starts, loc, attn), buffers)
+    plan(sources, buffers)
+    return out
+
+
+def replayed_forward(table: dict, key: tuple, sources: tuple, full) -> torch.Tensor:
+    """A forward through its recorded launch: replayed from ``table[key]`` when it holds one, else ``full()`` (the
+    full path, which returns the output), recorded and filed under ``key`` on the first call (or marked never
+    replayable: :func:`lik._replay.plan_of`). ``sources`` are the tensors the launches read that the caller owns."""
+    plan = table.get(key)
+    if plan is not None and plan is not NEVER:
+        return replay(plan, *sources)
+    if plan is NEVER:
+        return full()
+    with recording() as recorded:
+        out = full()
+    plan = plan_of(recorded, sources)
+    if plan is not None:
+        file(table, key, plan)
     return out
 
 
@@ -245,17 +264,8 @@ def msda_forward(
     key = replay_key(value, shapes, starts, loc, attn)
     if key is None:
         return _forward(value, shapes, starts, loc, attn)
-    plan = _FORWARD_REPLAYS.get(key)
-    if plan is not None and plan is not NEVER:
-        return replay(plan, value, shapes, starts, loc, attn)
-    if plan is NEVER:
-        return _forward(value, shapes, starts, loc, attn)
-    with recording() as recorded:
-        out = _forward(value, shapes, starts, loc, attn)
-    plan = plan_of(recorded, (value, shapes, starts, loc, attn))
-    if plan is not None:
-        file(_FORWARD_REPLAYS, key, plan)
-    return out
+    return replayed_forward(_FORWARD_REPLAYS, key, (value, shapes, starts, loc, attn),
+                            lambda: _forward(value, shapes, starts, loc, attn))
 
 
 def _forward(value, shapes, starts, loc, attn) -> torch.Tensor:

@@ -5,7 +5,8 @@ transformers' ``multi_scale_deformable_attention_v2`` (RT-DETRv2, D-FINE, DEIMv2
 flattened per head, ``[N, Lq, M, sum(num_points_list), 2]``, and a ``method``. When every level has the same count
 and the method is ``"default"`` this is exactly Deformable DETR's op on a view of the samples, so the call goes to
 :func:`lik.ms_deform_attn` (replays, tiles and all). Otherwise the kernels run with a point table (an int32
-``[L, 2]`` of (first, count) per level, cached per device) and, for ``"discrete"``, the nearest-pixel gather.
+``[L, 2]`` of (first, count) per level, cached per device) and, for ``"discrete"``, the nearest-pixel gather; a
+forward whose key was launched before replays that launch (the backward takes the full path).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from ..._dispatch import kernel_op, router
+from . import forward as forward_module
 from .backward import launch_backward
-from .forward import launch_forward
+from .forward import launch_forward, replayed_forward
 from .function import _uses_kernels, ms_deform_attn
 from .reference import ms_deform_attn_v2_reference
 from .validation import check_inputs_v2, check_level_table
@@ -36,6 +38,10 @@ def _point_table(counts: tuple[int, ...], device: torch.device) -> tuple[torch.T
     return found
 
 
+# Recorded forwards (lik._replay) of the point-table path, by forward_module.replay_key with the counts and method.
+_REPLAYS: dict[tuple, object] = {}
+
+
 def _forward_fake(value, shapes, starts, loc, attn, counts, discrete):
     return value.new_empty((value.shape[0], loc.shape[1], value.shape[2] * value.shape[3]))
 
@@ -43,10 +49,19 @@ def _forward_fake(value, shapes, starts, loc, attn, counts, discrete):
 @kernel_op("lik::msda_v2_forward", fake=_forward_fake)
 def _forward_kernels(value: torch.Tensor, shapes: torch.Tensor, starts: torch.Tensor, loc: torch.Tensor,
                      attn: torch.Tensor, counts: list[int], discrete: bool) -> torch.Tensor:
-    # As msda_forward: every kernel path checks the level table here, before any launch.
+    # As msda_forward: every kernel path checks the level table here, before any launch, and a call whose key was
+    # launched before replays that launch (the point table is one of its sources: the kernel reads it).
     check_level_table(shapes, starts, value.shape[1])
-    table, max_points = _point_table(tuple(counts), value.device)
-    return launch_forward(value, shapes, starts, loc, attn, table, max_points, discrete)
+    counts = tuple(counts)
+    table, max_points = _point_table(counts, value.device)
+
+    def full():
+        return launch_forward(value, shapes, starts, loc, attn, table, max_points, discrete)
+
+    key = forward_module.replay_key(value, shapes, starts, loc, attn, counts, discrete)
+    if key is None:
+        return full()
+    return replayed_forward(_REPLAYS, key, (value, shapes, starts, loc, attn, table), full)
 
 
 def _backward_fake(grad_out, value, shapes, starts, loc, attn, counts, discrete, deterministic):
