@@ -10,8 +10,9 @@ and users chasing the last percent force a configuration for a ``with`` block::
         lik.maxsim(Q, D)
 
 The heuristics live one module per op: :mod:`lik.config.maxsim`, :mod:`lik.config.msda`,
-:mod:`lik.config.nearest`, :mod:`lik.config.packed` (the token stream of packed corpora, key ``packed_stream``); the
-device facts they read, in :mod:`lik._device`.
+:mod:`lik.config.nearest`, :mod:`lik.config.packed` (the token stream of packed corpora, key ``packed_stream``),
+:mod:`lik.config.residual` (the compressed-corpus scan, key ``residual_stream``); the device facts they read, in
+:mod:`lik._device`.
 """
 
 from __future__ import annotations
