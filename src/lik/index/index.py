@@ -13,15 +13,18 @@ from .building import as_int, shards_from
 from .distributed import gather_top_k
 from .documents import IdSpace, check_ids, compact_segments, rank_counts, read_documents
 from .format import Shard, dtype_name, open_shard, open_shard_file
-from .placement import PLACEMENTS, ResidentSource, StreamedSource, coalesce, place_together, plan_chunks
+from .placement import PLACEMENTS, ResidentSource, StreamedSource, coalesce, plan_chunks
 from ..compression import is_colbert_index, is_fast_plaid_index, load_plaid_index
 from .plaid_codec import CodecTrainer, check_codec, read_codec
 from .plaid_search import residual_scorer, search_candidates, search_mode
+from .rescore import check_rescore_dtype, describe_copy, rescore_count, rescore_top
 from .search import check_queries, search_buckets, select_chunks
 from .state import State as _State
 from .state import auto_placement as _auto_placement
 from .state import check_shard as _check_shard
 from .state import resolve_device as _resolve_device
+from .state import place_all as _place_all
+from .state import place_segment as _place_segment
 from .state import write_index as _write
 from .storage import load_generation
 
@@ -63,11 +66,13 @@ class Index:
     """
 
     def __init__(self, d: int, dtype: torch.dtype, segments=(), *, placement="host", device="cpu",
-                 first_id=0, total_docs=None, shard=0, num_shards=1, chunk_tokens=None, codec=None):
+                 first_id=0, total_docs=None, shard=0, num_shards=1, chunk_tokens=None, codec=None,
+                 rescore_dtype=None):
         dtype_name(dtype)
         self.d, self.dtype = int(d), dtype
-        # A compressed index's lik.compression.ResidualCodec (on ``device``); None for exact tokens.
-        self.codec = None if codec is None else codec.to(device)
+        # A compressed index's lik.compression.ResidualCodec (on ``device``); None for exact tokens. rescore_dtype:
+        # the dtype of its shards' exact copies (lik.index.rescore), None without.
+        self.codec, self.rescore_dtype = None if codec is None else codec.to(device), rescore_dtype
         self.placement, self.device = placement, torch.device(device)
         self.first_id, self.shard, self.num_shards = first_id, shard, num_shards
         # None: DEFAULT_CHUNK_TOKENS for streamed placements and the CPU, whole shards for a GPU-resident index.
@@ -91,23 +96,28 @@ class Index:
     # ------------------------------------------------------------------ building and saving
     @classmethod
     def build(cls, docs: Iterable[torch.Tensor], *, dtype: torch.dtype | None = None, codec: str = "exact",
-              nbits: int | None = None, out=None, shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False,
-              progress: bool | None = None, **load_options) -> Index:
+              nbits: int | None = None, num_centroids: int | None = None, train_tokens: int | None = None,
+              rescore_dtype: torch.dtype | None = None, out=None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+              overwrite: bool = False, progress: bool | None = None, **load_options) -> Index:
         """An index of ``docs``: a list or any iterable of ``[L_i, d]`` float tensors (``L_i`` may be 0) and / or
         :class:`lik.index.DocumentBatch` es (encoder batches: padded with a mask or lengths, or packed).
 
         ``dtype``: float16 (default) / bfloat16 / float32 (stored as is) or int8 / float8_e4m3fn (quantized per
         token with :func:`lik.quantize`). ``codec="plaid"``: tokens compressed to a centroid code and ``nbits``
         (1, 2 or 4; default 2) residual bits a dimension (:mod:`lik.index.plaid_codec`: the codec is trained on the
-        first ~1 Mi tokens, ColBERTv2's plan, and later ``add`` s reuse it); ``dtype`` is then the float dtype
-        queries and decoded tokens are scored in; ``d`` a multiple of 8. Documents are converted in batches where
-        they are (CPU documents of an 8-bit or compressed index on the CUDA ``device`` when there is one), one
-        copy per batch. With ``out``, shards are written to
-        that directory as they fill (never more than one shard in memory) and the saved index is loaded with
-        ``load_options``; without, the index is held in host memory (``placement="gpu"``: on the device, built
-        there). ``overwrite`` as in :meth:`save`. Example (encoder batches of embeddings and their masks):
+        first ``train_tokens`` tokens, default 1 Mi, with ``num_centroids`` centroids, default ColBERTv2's rule on
+        those tokens, and later ``add`` s reuse it; ``rescore_dtype`` ``torch.int8`` / ``torch.float16`` also keeps
+        an exact copy of the tokens for ``search(..., rescore=)``, :mod:`lik.index.rescore`); ``dtype`` is then the
+        float dtype queries and decoded tokens are scored in; ``d`` a multiple of 8. Documents are converted in
+        batches where they are (CPU documents of an 8-bit or compressed index on the CUDA ``device`` when there is
+        one), one copy per batch. With ``out``, shards are written to that directory as they fill (never more than
+        one shard in memory) and the saved index is loaded with ``load_options``; without, the index is held in
+        host memory (``placement="gpu"``: on the device, built there). ``overwrite`` as in :meth:`save`. Example
+        (encoder batches of embeddings and their masks):
         ``lik.Index.build(lik.index.DocumentBatch.padded(e, mask=m) for e, m in batches)``."""
-        codec, nbits, dtype = check_codec(codec, nbits, dtype)
+        codec, nbits, dtype = check_codec(codec, nbits, dtype, num_centroids=num_centroids,
+                                          train_tokens=train_tokens, rescore_dtype=rescore_dtype)
+        rescore_dtype = check_rescore_dtype(rescore_dtype)
         dtype_name(dtype)
         shard_tokens = as_int(shard_tokens, "shard_tokens")
         if shard_tokens < 1:
@@ -119,23 +129,25 @@ class Index:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         device = _resolve_device(load_options.get("device"), "auto" if out is not None else placement)
-        trainer = None if codec == "exact" else CodecTrainer(nbits, device)
+        trainer = None if codec == "exact" else CodecTrainer(nbits, device, train_tokens, num_centroids=num_centroids)
         if out is not None:
-            shards = shards_from(docs, None, dtype, shard_tokens, progress, device, codec=trainer)
-            _write(Path(out), shards, dtype, overwrite, None, codec=trainer and (lambda: trainer.codec))
+            shards = shards_from(docs, None, dtype, shard_tokens, progress, device, codec=trainer,
+                                 rescore=rescore_dtype)
+            _write(Path(out), shards, dtype, overwrite, None, codec=trainer and (lambda: trainer.codec),
+                   rescore=rescore_dtype)
             return cls.load(out, **load_options)
         # An index built for the GPU keeps its converted batches there (they cross to the host only to be saved).
         segments = list(shards_from(docs, None, dtype, shard_tokens, progress, device, resident=placement == "gpu",
-                                    codec=trainer))
+                                    codec=trainer, rescore=rescore_dtype))
         if not segments:
             raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
         if placement in ("auto", "disk"):  # nothing is on disk yet: "disk" means host memory until saved
             placement = "host" if placement == "disk" else _auto_placement(segments, device)
         d = segments[0].tokens.shape[1] if trainer is None else trainer.codec.dim
         index = cls(d, dtype, placement=placement, device=device, chunk_tokens=load_options.get("chunk_tokens"),
-                    codec=None if trainer is None else trainer.codec)
-        index.segments = index._place_all(segments, placement) if placement == "gpu" or device.type == "cuda" \
-            else segments
+                    codec=None if trainer is None else trainer.codec, rescore_dtype=rescore_dtype)
+        cuda = placement == "gpu" or device.type == "cuda"
+        index.segments = _place_all(segments, placement, index.device) if cuda else segments
         return index
 
     def add(self, docs: Iterable[torch.Tensor], *, progress: bool | None = None) -> Index:
@@ -146,9 +158,9 @@ class Index:
             raise ValueError("add: this index is one shard of a distributed index; add to the full index and save")
         with self._write_lock:
             placement = "host" if self.placement == "disk" else self.placement
-            added = [self._place(segment, placement)
+            added = [_place_segment(segment, placement, self.device)
                      for segment in shards_from(docs, self.d, self.dtype, DEFAULT_SHARD_TOKENS, progress, self.device,
-                                                  codec=self.codec)]
+                                                  codec=self.codec, rescore=self.rescore_dtype)]
             state = self._state
             self._state = _State(state.segments + tuple(added), None,
                                  state.ids.with_added(sum(s.num_docs for s in added)))
@@ -185,7 +197,7 @@ class Index:
             state = self._state
             if state.ids.removed.numel():
                 placement = "host" if self.placement == "disk" else self.placement
-                kept = [s if any(s is t for t in state.segments) else self._place(s, placement)
+                kept = [s if any(s is t for t in state.segments) else _place_segment(s, placement, self.device)
                         for s in compact_segments(state.segments, state.ids.removed_positions())]
                 self._state = _State(kept, None, state.ids.compacted())
         return self
@@ -223,9 +235,10 @@ class Index:
         if self.num_shards > 1:
             raise ValueError("save: this index is one shard of a distributed index")
         state = self._state
-        cpu = (Shard(s.tokens.cpu(), s.cu_seqlens, None if s.scale is None else s.scale.cpu()) for s in state.segments)
+        cpu = (Shard(s.tokens.cpu(), s.cu_seqlens, None if s.scale is None else s.scale.cpu(), copy=s.copy)
+               for s in state.segments)
         _write(Path(path), cpu, self.dtype, overwrite, self.d, progress=progress, ranges=state.ids.ranges(),
-               codec=self.codec)
+               codec=self.codec, rescore=self.rescore_dtype)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -263,8 +276,8 @@ class Index:
         codec = None if manifest.codec is None else read_codec(directory, manifest, device, verify)
         index = cls(manifest.d, manifest.dtype, placement=placement, device=device,
                     first_id=total * shard // num_shards, total_docs=total, shard=shard, num_shards=num_shards,
-                    chunk_tokens=chunk_tokens, codec=codec)
-        index._state = _State(index._place_all(pieces, placement), total, IdSpace.from_manifest(manifest))
+                    chunk_tokens=chunk_tokens, codec=codec, rescore_dtype=codec and manifest.codec.rescore)
+        index._state = _State(_place_all(pieces, placement, index.device), total, IdSpace.from_manifest(manifest))
         if placement != "disk":  # the data was copied out of the files
             for handle in handles:
                 handle.close()
@@ -286,25 +299,9 @@ class Index:
         index = cls(plaid.codec.dim, torch.float16, placement=placement, device=device, first_id=lo,
                     total_docs=total, shard=shard, num_shards=num_shards, chunk_tokens=chunk_tokens,
                     codec=plaid.codec)
-        index._state = _State(index._place_all([piece], placement), total)
+        index._state = _State(_place_all([piece], placement, index.device), total)
         index.path = directory
         return index
-
-    def _place_all(self, segments, placement: str) -> list[Shard]:
-        """``segments`` placed; on the GPU back to back in one buffer (what :func:`coalesce` joins for search)."""
-        together = placement == "gpu" and len(segments) > 1
-        return place_together(segments, self.device) if together else [self._place(s, placement) for s in segments]
-
-    def _place(self, segment: Shard, placement: str) -> Shard:
-        if placement == "disk":
-            return segment
-        if placement == "gpu":
-            move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
-        elif self.device.type != "cuda":
-            move = lambda t: None if t is None else t.clone()  # noqa: E731 (into RAM, off the file map)
-        else:
-            move = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return Shard(move(segment.tokens), segment.cu_seqlens.clone(), move(segment.scale))
 
     # ------------------------------------------------------------------ searching
     def __len__(self) -> int:
@@ -339,7 +336,8 @@ class Index:
 
     @torch.no_grad()
     def search(self, Q, k: int, q_mask: torch.Tensor | None = None, *, doc_ids=None,
-               cu_seqlens_q: torch.Tensor | None = None, n_probe: int | None = None, candidates: int | None = None):
+               cu_seqlens_q: torch.Tensor | None = None, n_probe: int | None = None, candidates: int | None = None,
+               rescore: int | None = None):
         """Exact top-``k`` MaxSim search (of the decoded tokens, for a compressed index).
 
         Args:
@@ -356,6 +354,9 @@ class Index:
                 generates candidates: ``n_probe`` centroids per query token (default 8), ``candidates`` documents
                 per query and per chunk scored in full (default ``max(k, 4096)``; a GPU-resident index is one
                 chunk). Fewer than ``k`` candidates: the rest of the row is score ``-inf``, id ``-1``.
+            rescore: an index built with ``rescore_dtype`` only (:mod:`lik.index.rescore`): the best ``rescore``
+                documents of each query (default ``max(k, 32)`` with a copy; ``0``: off) rescored exactly from
+                the copy, the top ``k`` of those scores returned.
 
         Returns:
             ``(scores, ids)``: fp32 and int64, ``[k]`` for 2-D ``Q``, ``[Nq, k]`` for 3-D or ragged ``Q``, on
@@ -382,15 +383,20 @@ class Index:
         source = state.source(self._make_source)
         selection = state.live_selection(source) if doc_ids is None else select_chunks(source.plans, positions)
         local_docs = sum(source.plans[n].num_docs if local is None else local.numel() for n, local in selection)
+        rescored = rescore_count(rescore, k, self.rescore_dtype)
+        best = max(k, rescored)  # with rescoring, the best `rescored` documents first
         mode = None if self.codec is None else search_mode(
-            n_probe, candidates, k, sum(s.num_tokens for s in state.segments), self.codec.num_centroids)
+            n_probe, candidates, best, sum(s.num_tokens for s in state.segments), self.codec.num_centroids)
         with source.lock:
             if mode is None:
                 scorer = None if self.codec is None else residual_scorer(self.codec)
-                scores, ids = search_buckets(queries, n_queries, source, selection, min(k, local_docs), scorer)
+                scores, ids = search_buckets(queries, n_queries, source, selection, min(best, local_docs), scorer)
             else:
-                scores, ids = search_candidates(queries, n_queries, source, selection, min(k, local_docs),
+                scores, ids = search_candidates(queries, n_queries, source, selection, min(best, local_docs),
                                                 self.codec, *mode)
+        if rescored:
+            scores, ids = rescore_top(queries, n_queries, state.segments, self.first_id, ids, min(k, local_docs),
+                                      source.device)
         if self.num_shards > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("this index is one shard of several: initialise torch.distributed to search it")
@@ -408,7 +414,8 @@ class Index:
     def __repr__(self) -> str:
         where = f"shard {self.shard}/{self.num_shards}, " if self.num_shards > 1 else ""
         tokens = sum(s.num_tokens for s in self._state.segments)
-        codec = "" if self.codec is None else f"codec=plaid, nbits={self.codec.nbits}, "
+        codec = "" if self.codec is None else f"codec=plaid, nbits={self.codec.nbits}, " + describe_copy(
+            self.rescore_dtype)
         return (f"lik.Index({len(self)} documents, {where}{tokens} tokens held, d={self.d}, {codec}"
                 f"dtype={dtype_name(self.dtype)}, placement={self.placement!r}, device={str(self.device)!r})")
 

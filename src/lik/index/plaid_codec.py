@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from ..compression import ResidualCodec, train_codec
 from ..compression.sampling import num_partitions
 from .format import _header, _map_tensor, _sha256, fsync_file
-from .manifest import EIGHT_BIT, CodecInfo, Manifest
+from .manifest import EIGHT_BIT, CodecInfo, Manifest, dtype_name
 
 __all__ = [
     "CODECS",
@@ -53,15 +53,20 @@ TRAIN_TOKENS = 1 << 20
 CODEC_FILE = "codec.safetensors"
 
 
-def check_codec(codec, nbits, dtype) -> tuple[str, int | None, torch.dtype]:
+def check_codec(codec, nbits, dtype, **plaid_options) -> tuple[str, int | None, torch.dtype]:
     """``(codec, nbits, dtype)`` of :meth:`lik.Index.build` checked: one-line errors naming the argument.
-    ``dtype`` ``None`` means float16; a plaid index takes a float ``dtype`` (the one it scores in)."""
+    ``dtype`` ``None`` means float16; a plaid index takes a float ``dtype`` (the one it scores in).
+    ``plaid_options``: the build's plaid-only arguments (``num_centroids``, ``train_tokens``, ...), refused with
+    ``codec="exact"`` unless ``None``."""
     if not isinstance(codec, str) or codec not in CODECS:
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
     dtype = torch.float16 if dtype is None else dtype
     if codec == "exact":
         if nbits is not None:
             raise ValueError(f"nbits is for codec='plaid' only, got nbits={nbits!r} with codec='exact'")
+        for name, value in plaid_options.items():
+            if value is not None:
+                raise ValueError(f"{name} is for codec='plaid' only, got {name}={value!r} with codec='exact'")
         return codec, None, dtype
     nbits = 2 if nbits is None else nbits
     if isinstance(nbits, bool) or not isinstance(nbits, int) or nbits not in NBITS:
@@ -74,13 +79,29 @@ def check_codec(codec, nbits, dtype) -> tuple[str, int | None, torch.dtype]:
     return codec, nbits, dtype
 
 
+def _positive(value, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive integer or None, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer or None, got {value}")
+    return int(value)
+
+
 class CodecTrainer:
     """A codec to come: trained by :func:`lik.compression.train_codec` on the first ``train_tokens`` tokens a
-    build sees, on ``device``. ``codec`` is ``None`` until then."""
+    build sees (default :data:`TRAIN_TOKENS`), on ``device``, with ``num_centroids`` centroids (default
+    ColBERTv2's rule on those tokens; any positive count, a power of two or not). ``codec`` is ``None`` until
+    then. Both arguments are checked here, before any document is read (one-line errors naming them)."""
 
-    def __init__(self, nbits: int, device, train_tokens: int | None = None, seed: int = 0):
+    def __init__(
+        self, nbits: int, device, train_tokens: int | None = None, seed: int = 0, num_centroids: int | None = None
+    ):
         self.nbits, self.device, self.seed = nbits, device, seed
+        train_tokens = _positive(train_tokens, "train_tokens")
         self.train_tokens = TRAIN_TOKENS if train_tokens is None else train_tokens
+        self.num_centroids = _positive(num_centroids, "num_centroids")
         self.codec: ResidualCodec | None = None
 
     def train(self, tokens: list[torch.Tensor], lengths: list[int]) -> ResidualCodec:
@@ -94,8 +115,14 @@ class CodecTrainer:
             raise ValueError(f"docs: codec='plaid' needs d to be a multiple of 8, got d={sample.shape[1]}")
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-        num_centroids = None
-        if num_partitions(sample.shape[0]) > sample.shape[0] // 4:
+        num_centroids = self.num_centroids
+        if num_centroids is not None and num_centroids > sample.shape[0]:
+            # k-means needs a token per centroid at least; the count is known only now (the documents stream).
+            raise ValueError(
+                f"num_centroids={num_centroids} exceeds the {sample.shape[0]} tokens the codec is "
+                "trained on (raise train_tokens or lower num_centroids)"
+            )
+        if num_centroids is None and num_partitions(sample.shape[0]) > sample.shape[0] // 4:
             # A small corpus (under ~4 000 tokens): ColBERT's count would leave k-means a token or two per
             # centroid; four a centroid at least.
             num_centroids = max(1, sample.shape[0] // 4)
@@ -194,10 +221,21 @@ def codec_flags(args, error=ValueError) -> dict:
     codec, nbits = getattr(args, "codec", "exact") or "exact", getattr(args, "nbits", None)
     if codec not in CODECS:
         raise error(f"--codec must be one of {', '.join(CODECS)}, got {codec!r}")
+    # --num-centroids / --train-tokens / --rescore-dtype (absent from an older parser: defaults).
+    extra = {name: getattr(args, name, None) for name in ("num_centroids", "train_tokens", "rescore_dtype")}
     if codec == "exact":
         if nbits is not None:
             raise error(f"--nbits {nbits}: only with --codec plaid")
+        for name, value in extra.items():
+            if value is not None:
+                raise error(f"--{name.replace('_', '-')} {value}: only with --codec plaid")
         return {}
+    for name in ("num_centroids", "train_tokens"):
+        if extra[name] is not None and extra[name] < 1:
+            raise error(f"--{name.replace('_', '-')} must be at least 1, got {extra[name]}")
+    if extra["rescore_dtype"] not in (None, "int8", "float16"):
+        raise error(f"--rescore-dtype must be int8 or float16, got {extra['rescore_dtype']!r}")
+    extra["rescore_dtype"] = {None: None, "int8": torch.int8, "float16": torch.float16}[extra["rescore_dtype"]]
     if nbits is not None and nbits not in NBITS:
         raise error(f"--nbits must be 1, 2 or 4, got {nbits}")
     if args.dtype in ("int8", "float8_e4m3fn"):
@@ -205,7 +243,7 @@ def codec_flags(args, error=ValueError) -> dict:
             f"--dtype {args.dtype}: --codec plaid stores residual codes; its --dtype is the dtype it "
             "scores in (float16, bfloat16 or float32)"
         )
-    return {"codec": "plaid", "nbits": 2 if nbits is None else nbits}
+    return {"codec": "plaid", "nbits": 2 if nbits is None else nbits, **extra}
 
 
 def describe(directory, index, manifest: Manifest, verify: bool) -> dict:
@@ -220,5 +258,6 @@ def describe(directory, index, manifest: Manifest, verify: bool) -> dict:
         "shards": len(manifest.shards),
         "bytes": sum(s.bytes for s in manifest.shards) + codec_bytes,
         **codec_figures(index.codec, manifest.num_tokens),
+        **({} if getattr(index, "rescore_dtype", None) is None else {"rescore_dtype": dtype_name(index.rescore_dtype)}),
         "checked": "sha256 checksums" if verify else "sizes (--verify checks checksums)",
     }
