@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -255,15 +255,19 @@ def _trained_first(batches: Iterator, trainer: CodecTrainer) -> Iterator:
 
 
 def shards_from(docs: Iterable, d, dtype, shard_tokens: int, progress, device=None, resident: bool = False,
-                codec=None) -> Iterator[Shard]:
+                codec=None, rescore=None) -> Iterator[Shard]:
     """Yield :class:`Shard` s of about ``shard_tokens`` tokens from ``docs`` (``[L_i, d]`` tensors and
     :class:`DocumentBatch` es); never holds more than one shard's documents and one batch. ``device``: where an
     8-bit index quantizes batches of CPU documents (a CUDA device; else where they are). ``resident``: the shards'
     tensors stay on that CUDA device (a GPU-resident index: no round trip through host memory). ``codec``: a
     :class:`lik.compression.ResidualCodec`, or a :class:`~lik.index.plaid_codec.CodecTrainer` that trains one on
-    the first batches (it then holds them, about ``train_tokens`` tokens, besides a shard): compressed shards."""
+    the first batches (it then holds them, about ``train_tokens`` tokens, besides a shard): compressed shards.
+    ``rescore``: with a codec, each shard also keeps an exact copy of its documents in that dtype (float16 or
+    int8, quantized as an exact index of it stores them) in host memory, as its ``copy``."""
     device = None if device is None else torch.device(device)
     filler = _ShardFiller(shard_tokens, torch.uint8 if codec is not None else dtype)
+    # The copy's own filler sees the same lengths, so its shards close with the compressed ones.
+    copies = None if rescore is None else _ShardFiller(shard_tokens, rescore)
     staging = None
     if (dtype in EIGHT_BIT or codec is not None) and device is not None and device.type == "cuda":
         staging = _Staging(device)
@@ -280,12 +284,17 @@ def shards_from(docs: Iterable, d, dtype, shard_tokens: int, progress, device=No
                 tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
             stored, scale = _convert(tokens, dtype, device, resident, None if trainer is None and codec is None
                                      else (trainer.codec if trainer is not None else codec))
-            yield from filler.add(stored, scale, lengths)
+            shards = list(filler.add(stored, scale, lengths))
+            if copies is not None:
+                exact = copies.add(*_convert(tokens, rescore, device, False), lengths)
+                shards = [replace(shard, copy=copy) for shard, copy in zip(shards, exact, strict=True)]
+            yield from shards
             bar.update(len(lengths))
     finally:
         bar.close()
     if filler.lengths:
-        yield filler.close()
+        shard = filler.close()
+        yield shard if copies is None else replace(shard, copy=copies.close())
 
 
 def pack(tokens, scales, lengths, d, dtype) -> Shard:

@@ -194,7 +194,7 @@ def _take(segment: Shard, docs: torch.Tensor) -> Shard:
     cu[1:] = torch.cumsum(lengths, 0)
     tokens = segment.tokens.index_select(0, rows.to(segment.tokens.device))
     scale = None if segment.scale is None else segment.scale.index_select(0, rows.to(segment.scale.device))
-    return Shard(tokens, cu, scale)
+    return Shard(tokens, cu, scale, copy=None if segment.copy is None else _take(segment.copy, docs))
 
 
 def compact_segments(segments: Sequence[Shard], removed: torch.Tensor) -> list[Shard]:

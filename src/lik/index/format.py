@@ -8,6 +8,8 @@ directories are written and replaced)::
                                            scale fp32 [T_s] (8-bit only)
     gen-<32 hex>/shard-00000.safetensors   (compressed) residuals uint8 [T_s, d * nbits / 8], codes int32 [T_s],
                                            cu_seqlens int64 [N_s + 1]
+                                           exact_tokens [T_s, d] (float16 / int8), exact_scale fp32 [T_s]
+                                           (int8): the copy kept for rescoring, when the manifest names one
     gen-<32 hex>/codec.safetensors         (compressed) the codec (see lik.index.plaid_codec)
 
 Documents are numbered in shard order, then in order inside a shard (insertion order). A shard's safetensors
@@ -98,12 +100,15 @@ class Shard:
 
     A compressed (PLAID) shard keeps its packed residuals, uint8 ``[T, d * nbits / 8]``, as ``tokens`` and its
     centroid codes, int32 ``[T]``, as ``scale`` (also :attr:`codes`): both are per-token rows of fixed width, so
-    chunking, placement, streaming and compaction treat them as they treat an 8-bit shard's tokens and scales."""
+    chunking, placement, streaming and compaction treat them as they treat an 8-bit shard's tokens and scales.
+    ``copy``: a compressed shard's exact copy of the same documents (float16, or int8 with scales; same
+    ``cu_seqlens``), kept in host memory or on disk for rescoring, or ``None``."""
 
     tokens: torch.Tensor
     cu_seqlens: torch.Tensor
     scale: torch.Tensor | None
     region: FileRegion | None = None
+    copy: Shard | None = None
 
     @property
     def num_docs(self) -> int:
@@ -126,6 +131,7 @@ class Shard:
             self.cu_seqlens[start : stop + 1] - first,
             None if self.scale is None else self.scale[first:last],
             None if self.region is None else self.region.skip_rows(first),
+            None if self.copy is None else self.copy.slice_docs(start, stop),
         )
 
 
@@ -160,6 +166,10 @@ def write_shard(path: Path, shard: Shard) -> ShardInfo:
         tensors = {"tokens": shard.tokens.contiguous(), "cu_seqlens": cu}
     if shard.scale is not None and shard.tokens.dtype != torch.uint8:
         tensors["scale"] = shard.scale.to(torch.float32).contiguous()
+    if shard.copy is not None:
+        tensors["exact_tokens"] = shard.copy.tokens.cpu().contiguous()
+        if shard.copy.scale is not None:
+            tensors["exact_scale"] = shard.copy.scale.cpu().to(torch.float32).contiguous()
     path = Path(path)
     save_file(tensors, str(path))
     fsync_file(path)
@@ -311,6 +321,17 @@ def open_shard(handle, path: Path, info: ShardInfo, manifest: Manifest, *, mmap:
         scale_entry = _entry(entries, "scale", path, ("F32",), "F32")
         if scale_entry[1] != [info.num_tokens]:
             raise ValueError(f"{path}: scale has shape {scale_entry[1]}, expected [{info.num_tokens}]")
+    rescore = None if codec is None else codec.rescore
+    copy_entries = None
+    if rescore is not None:
+        tag = next(t for t, dtype in _TAG_DTYPES.items() if dtype == rescore)
+        copy_entries = [_entry(entries, "exact_tokens", path, (tag,), f"{tag} (the manifest's rescore_dtype)")]
+        if rescore in EIGHT_BIT:
+            copy_entries.append(_entry(entries, "exact_scale", path, ("F32",), "F32"))
+        if copy_entries[0][1] != [info.num_tokens, manifest.d] or any(e[1] != [info.num_tokens]
+                                                                        for e in copy_entries[1:]):
+            raise ValueError(f"{path}: the rescoring copy has shapes {[e[1] for e in copy_entries]}, expected "
+                             f"[{info.num_tokens}, {manifest.d}] (and [{info.num_tokens}] scales)")
     if header_only:
         return None
     if verify and _sha256(handle) != info.sha256:
@@ -329,4 +350,8 @@ def open_shard(handle, path: Path, info: ShardInfo, manifest: Manifest, *, mmap:
         scale_offset = None if scale_entry is None else data_start + scale_entry[2]
         region = FileRegion(path, handle, data_start + tokens_entry[2], width * tokens.element_size(),
                             scale_offset)
-    return Shard(tokens, cu_seqlens, scale, region)
+    copy = None
+    if copy_entries is not None:
+        parts = [_map_tensor(handle, path, data_start, entry, mmap) for entry in copy_entries]
+        copy = Shard(parts[0], cu_seqlens, parts[1] if len(parts) > 1 else None)
+    return Shard(tokens, cu_seqlens, scale, region, copy)

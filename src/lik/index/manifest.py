@@ -26,7 +26,8 @@ Version 4 is written by a compressed index (a lik that reads versions 1 to 3 onl
 version-3 field and ``"codec"``, the residual codec's file in the generation directory (see
 :mod:`lik.index.plaid_codec`)::
 
-    "codec": {"name": "plaid", "nbits": 2, "num_centroids": K, "file": "codec.safetensors", "bytes", "sha256"}
+    "codec": {"name": "plaid", "nbits": 2, "num_centroids": K, "file": "codec.safetensors", "bytes", "sha256",
+              "rescore_dtype": "int8"}   (optional: the dtype of the exact copy each shard keeps for rescoring)
 
 Its shards hold ``residuals`` uint8 ``[T_s, d * nbits / 8]`` and ``codes`` int32 ``[T_s]`` instead of ``tokens``;
 ``dtype`` is then the float dtype queries and decoded tokens are scored in.
@@ -127,7 +128,8 @@ class ShardInfo:
 @dataclass(frozen=True)
 class CodecInfo:
     """The compressed codec of a version-4 index: ``name`` ("plaid"), ``nbits`` (1, 2, 4), ``num_centroids`` and
-    the codec file (a plain name in the generation directory) with its size and sha256."""
+    the codec file (a plain name in the generation directory) with its size and sha256; ``rescore``: the dtype
+    (float16 or int8) of the exact copy of the tokens every shard keeps for rescoring, or ``None``."""
 
     name: str
     nbits: int
@@ -135,6 +137,7 @@ class CodecInfo:
     file: str
     bytes: int
     sha256: str
+    rescore: torch.dtype | None = None
 
 
 IdRanges = tuple[tuple[int, int], ...]  # sorted, disjoint half-open ranges [start, stop) of document ids
@@ -188,7 +191,9 @@ class Manifest:
                           removed=[list(r) for r in self.removed], compacted=[list(r) for r in self.compacted],
                           ids_sha256=ids_digest(self.num_ids, self.removed, self.compacted))
         if self.codec is not None:
-            fields["codec"] = vars(self.codec)
+            fields["codec"] = {name: value for name, value in vars(self.codec).items() if name != "rescore"}
+            if self.codec.rescore is not None:
+                fields["codec"]["rescore_dtype"] = dtype_name(self.codec.rescore)
         text = json.dumps({**fields, "shards": [vars(s) for s in self.shards]}, indent=1)
         # One range per line, not one number per line: a long removal list stays readable and small.
         return re.sub(r"\[\n\s*(\d+),\n\s*(\d+)\n\s*\]", r"[\1, \2]", text)
@@ -231,8 +236,11 @@ def _codec_info(raw: dict, path) -> CodecInfo:
     sha = codec.get("sha256")
     if not isinstance(sha, str) or _SHA256.fullmatch(sha) is None:
         raise ValueError(f"{path}: field 'codec.sha256' must be 64 lowercase hex digits, got {sha!r:.80}")
+    rescore = codec.get("rescore_dtype")
+    if rescore is not None and rescore not in ("float16", "int8"):
+        raise ValueError(f"{path}: field 'codec.rescore_dtype' must be 'float16' or 'int8', got {rescore!r:.40}")
     return CodecInfo("plaid", codec["nbits"], _count(codec, "num_centroids", "codec.", path, low=1), file,
-                     _count(codec, "bytes", "codec.", path), sha)
+                     _count(codec, "bytes", "codec.", path), sha, None if rescore is None else DTYPES[rescore])
 
 
 def _id_ranges(raw: dict, key: str, num_ids: int, path) -> IdRanges:

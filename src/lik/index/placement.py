@@ -131,7 +131,7 @@ def place_together(segments: Sequence[Shard], device: torch.device) -> list[Shar
         if scale is not None:
             scale[start:stop].copy_(segment.scale)
         part = None if scale is None else scale[start:stop]
-        placed.append(Shard(tokens[start:stop], segment.cu_seqlens.clone(), part))
+        placed.append(Shard(tokens[start:stop], segment.cu_seqlens.clone(), part, copy=segment.copy))
         start = stop
     return placed
 

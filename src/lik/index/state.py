@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,9 +15,12 @@ from tqdm import tqdm
 from .building import as_int, quiet
 from .documents import IdSpace, live_selection
 from .plaid_codec import CODEC_FILE, write_codec
+from .format import Shard
+from .placement import place_together
+from .rescore import place_copy
 from .storage import IndexWriter
 
-__all__ = ["State", "resolve_device", "check_shard", "auto_placement", "write_index"]
+__all__ = ["State", "resolve_device", "check_shard", "auto_placement", "place_all", "place_segment", "write_index"]
 
 
 def _free_host_bytes() -> int:
@@ -82,12 +86,34 @@ def auto_placement(pieces, device) -> str:
     return "host" if nbytes < 0.5 * _free_host_bytes() else "disk"
 
 
+def place_all(segments, placement: str, device: torch.device) -> list[Shard]:
+    """``segments`` placed; on the GPU back to back in one buffer (what :func:`coalesce` joins for search)."""
+    if placement == "gpu" and len(segments) > 1:
+        return [place_copy(s, placement) for s in place_together(segments, device)]
+    return [place_segment(s, placement, device) for s in segments]
+
+
+def place_segment(segment: Shard, placement: str, device: torch.device) -> Shard:
+    """``segment`` where ``placement`` keeps it (a ``"disk"`` one stays as it is: memory-mapped)."""
+    if placement == "disk":
+        return segment
+    segment = place_copy(segment, placement)  # the copy for rescoring stays in host memory
+    if placement == "gpu":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    elif device.type != "cuda":
+        move = lambda t: None if t is None else t.clone()  # noqa: E731 (into RAM, off the file map)
+    else:
+        move = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+    return Shard(move(segment.tokens), segment.cu_seqlens.clone(), move(segment.scale), copy=segment.copy)
+
+
 def write_index(
-    path: Path, shards, dtype, overwrite: bool, d: int | None, progress=None, ranges=None, codec=None
+    path: Path, shards, dtype, overwrite: bool, d: int | None, progress=None, ranges=None, codec=None, rescore=None
 ) -> None:
     """Write ``shards`` as a new generation of the index at ``path`` (see :class:`~lik.index.storage.IndexWriter`).
     ``codec``: a compressed index's :class:`lik.compression.ResidualCodec`, or a callable giving it once the
-    shards are consumed (a build trains it on its first batches); its file is written beside the shards."""
+    shards are consumed (a build trains it on its first batches); its file is written beside the shards.
+    ``rescore``: the dtype of the shards' exact copies (a compressed index's), recorded with the codec."""
     with IndexWriter(path, overwrite=overwrite) as writer:
         for number, shard in enumerate(tqdm(shards, desc="write shards", unit="shard", disable=quiet(progress))):
             width = shard.tokens.shape[1]
@@ -101,7 +127,7 @@ def write_index(
             if codec is None:  # a build whose documents never came
                 raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
             d = codec.dim
-            info = writer.write_file(CODEC_FILE, lambda file: write_codec(file, codec))
+            info = replace(writer.write_file(CODEC_FILE, lambda file: write_codec(file, codec)), rescore=rescore)
         if d is None:
             raise ValueError("docs is empty: pass at least one document (an index needs its width d)")
         writer.commit(d, dtype, **(ranges or {}), codec=info)
