@@ -105,9 +105,9 @@ def test_rescores_only_the_compressed_top(dtype):
 
 def test_default_rescore():
     docs, Q = make_docs(), queries()
-    with_copy = build(docs, torch.int8)
+    with_copy = build(docs, torch.float16)
     many = make_docs(seed=5, lengths=(2,) * 40)
-    big = build(many, torch.int8)
+    big = build(many, torch.float16)
     # max(k, 32) documents by default with a copy; none without.
     assert torch.equal(big.search(Q, 3)[1], big.search(Q, 3, rescore=32)[1])
     assert torch.equal(with_copy.search(Q, 4)[1], with_copy.search(Q, 4, rescore=len(docs))[1])
@@ -141,24 +141,26 @@ def test_ragged_queries_with_an_empty_one():
 
 def test_k_zero_and_all():
     docs, Q = make_docs(), queries()
-    index = build(docs, torch.int8)
+    index = build(docs, torch.float16)
     assert index.search(Q, 0)[1].shape == (3, 0)
     _, ids = index.search(Q, len(docs))
     assert torch.equal(ids.sort(dim=1).values, torch.arange(len(docs)).expand(3, -1))
 
 
-@pytest.mark.parametrize("placement", ["host", "disk"])
-def test_save_load_keeps_the_copy(tmp_path, placement):
+@pytest.mark.parametrize(("placement", "dtype"), [("host", torch.float16), ("disk", torch.int8)])
+def test_save_load_keeps_the_copy(tmp_path, placement, dtype):
     docs, Q = make_docs(), queries()
-    index = build(docs, torch.int8, shard_tokens=30)
+    index = build(docs, dtype, shard_tokens=30)
     index.save(tmp_path / "ix")
     manifest = read_json(tmp_path / "ix" / "manifest.json")
-    assert manifest["codec"]["rescore_dtype"] == "int8"
+    assert manifest["codec"]["rescore_dtype"] == str(dtype).removeprefix("torch.")
     loaded = lik.Index.load(tmp_path / "ix", placement=placement)
-    assert loaded.rescore_dtype == torch.int8
-    for a, b in zip(index.segments, loaded.segments):
-        assert torch.equal(a.copy.tokens, b.copy.tokens) and torch.equal(a.copy.scale, b.copy.scale)
-    for r in (0, 7, None):
+    assert loaded.rescore_dtype == dtype
+    for a, b in zip(index.segments, loaded.segments, strict=True):
+        assert torch.equal(a.copy.tokens, b.copy.tokens)
+        assert (a.copy.scale is None) == (dtype != torch.int8) and (b.copy.scale is None) == (dtype != torch.int8)
+        assert a.copy.scale is None or torch.equal(a.copy.scale, b.copy.scale)
+    for r in (0, 7):
         expected = index.search(Q, 4, rescore=r)
         got = loaded.search(Q, 4, rescore=r)
         assert torch.equal(expected[1], got[1]) and torch.equal(expected[0], got[0])
@@ -180,9 +182,9 @@ def test_streamed_build_and_shards(tmp_path):
 
 def test_add_remove_compact_keep_the_copy(tmp_path):
     docs, more, Q = make_docs(), make_docs(seed=11, lengths=(3, 0, 6, 2)), queries()
-    index = build(docs, torch.int8).add(more)
+    index = build(docs, torch.float16).add(more)
     everything = docs + more
-    exact = lik.Index.build(everything, dtype=torch.int8)
+    exact = lik.Index.build(everything, dtype=torch.float16)
     assert torch.equal(index.search(Q, 5, rescore=len(everything))[1], exact.search(Q, 5)[1])
     gone = [1, 3, 6, 21]
     index.remove(gone)
