@@ -27,7 +27,10 @@ def _corpus(device):
     doc_of = torch.repeat_interleave(torch.arange(N_DOCS, device=device), lengths)
     topic = torch.randint(0, N_CLUSTERS, (N_DOCS, 4), device=device, generator=g)
     pick = topic[doc_of, torch.randint(0, 4, (doc_of.numel(),), device=device, generator=g)]
-    tokens = F.normalize(centres[pick] + 0.35 * torch.randn(doc_of.numel(), D, device=device, generator=g), dim=-1)
+    # Noise of norm 0.8 against unit centres, like text embeddings' topical clusters (and benchmarks/plaid_bench.py):
+    # noise of norm ~4 made the tokens nearly uniform, where no IVF probe or 2-bit code keeps the ranking.
+    noise = torch.randn(doc_of.numel(), D, device=device, generator=g) * (0.8 / D**0.5)
+    tokens = F.normalize(centres[pick] + noise, dim=-1)
     return tokens.half(), cu
 
 
@@ -64,7 +67,7 @@ def test_million_token_plaid_index_on_the_gpu():
     lengths = (cu[source + 1] - cu[source]).unsqueeze(1)
     rows = cu[source].unsqueeze(1) + (torch.rand(N_QUERIES, 32, device=device, generator=g) * lengths).long()
     Q = F.normalize(
-        tokens[rows].float() + 0.2 * torch.randn(N_QUERIES, 32, D, device=device, generator=g), dim=-1
+        tokens[rows].float() + (0.3 / D**0.5) * torch.randn(N_QUERIES, 32, D, device=device, generator=g), dim=-1
     ).half()
 
     # The float64 reference: MaxSim of the decoded tokens (the residual op's float64 reference path).
@@ -145,7 +148,8 @@ def test_rescoring_from_an_int8_copy_on_the_gpu(tmp_path):
     lengths = (cu[source + 1] - cu[source]).unsqueeze(1)
     rows = cu[source].unsqueeze(1) + (torch.rand(N_QUERIES, 32, device=device, generator=g) * lengths).long()
     # fp16 queries: the int8 copy and the exact int8 index quantize the same values.
-    Q = F.normalize(tokens[rows].float() + 0.3 * torch.randn(N_QUERIES, 32, D, device=device, generator=g), dim=-1)
+    noise = (0.3 / D**0.5) * torch.randn(N_QUERIES, 32, D, device=device, generator=g)
+    Q = F.normalize(tokens[rows].float() + noise, dim=-1)
     Q = Q.half()
     want_scores, want = exact.search(Q, 10)
     plain = index.search(Q, 10, rescore=0)[1]

@@ -28,9 +28,10 @@ __all__ = [
     "FALLBACK_CHUNK_TOKENS",
 ]
 
-# Row blocks of queries up to which the fused stream is chosen (unmeasured guess: 1 024 rows of 256 = 32 queries of
-# 32 tokens decode each tile 4 times; the fallback decodes it once and pays a write and an L2 read per token).
-MAX_FUSED_ROW_BLOCKS = 4
+# Row blocks of queries up to which the fused stream is chosen: one block (a query) decodes each tile once and beats
+# the fallback's write and L2 read per token 2x; four blocks (32 queries of 32 tokens) decode each tile 4 times and
+# lose to it (BENCHMARKS.md, compressed index); the crossover lies between.
+MAX_FUSED_ROW_BLOCKS = 2
 # Widest embedding the stream decodes on chip (a [64, d] fp32 tile a program; wider ones are unmeasured).
 MAX_FUSED_DIM = 128
 # The fallback's runs: 2**18 tokens of d 128 in fp16 are a 64 MiB scratch buffer.
