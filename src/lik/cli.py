@@ -99,6 +99,12 @@ def _add_index_parser(commands) -> None:
                        help="exact tokens (default) or PLAID residual codes (ColBERTv2: centroid + nbits a dimension)")
     build.add_argument("--nbits", type=int, default=None, help="residual bits a dimension for --codec plaid: 1, 2 or 4 "
                        "(default 2)")
+    build.add_argument("--num-centroids", type=int, default=None, help="centroids for --codec plaid (default: "
+                       "ColBERTv2's rule on the training tokens; any count, a power of two or not)")
+    build.add_argument("--train-tokens", type=int, default=None, help="leading tokens the --codec plaid codec is "
+                       "trained on (default 1048576)")
+    build.add_argument("--rescore-dtype", choices=("int8", "float16"), default=None, help="--codec plaid: also keep "
+                       "an exact copy of the tokens in this dtype for rescoring (search(..., rescore=))")
     build.add_argument("--overwrite", action="store_true",
                        help="replace the lik index at --out (anything else there is refused, never deleted)")
     info = actions.add_parser(
