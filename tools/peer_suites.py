@@ -9,7 +9,7 @@ beside a shim package named after the peer that re-exports lik's module and maps
 lik's (``src/lik/integrations/<peer>/_peer_suite.py`` holds the map, the files not run, the deliberate differences
 and the tests that fail with the peer too); the shim leads ``PYTHONPATH`` (the tests' subprocesses get lik too). The
 peers' pure-PyTorch references (``flash_maxsim.naive``, ``late_interaction_kernels.reference``) load from the sdist:
-lik is compared with the peers' own ground truth; nothing of the peers comes from site-packages.
+lik is compared with the peers' own ground truth (PyLate's scores: its auto backend, an installed flash-maxsim).
 
 The suites run at once, each against the whole ``--deadline-s``, sharing ``--workers`` pytest-xdist workers. The
 files with test functions run in one pytest run; beside it the script-style files (module-level code) run as
@@ -49,7 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _load_lists() -> tuple[dict, dict, list, list]:
     """Each suite's data from its compatibility package's ``_peer_suite.py`` (read as a file: no lik import):
-    ``SUITES``, ``NOT_RUN``, ``DIFFERENCES`` and ``FAILS_WITH_PEER`` (the last two as ``(suite, pattern, reason)``)."""
+    ``SUITES``, ``NOT_RUN``, ``DIFFERENCES`` ``(suite, pattern, reason)``, ``FAILS_WITH_PEER`` ``(suite, pattern,
+    signature, reason)`` (a failure counts as the peer's when its text holds ``signature``)."""
     suites, not_run, differences, fails_with_peer = {}, {}, [], []
     for suite in ("flash_maxsim", "late_interaction_kernels"):
         path = REPO / "src" / "lik" / "integrations" / suite / "_peer_suite.py"
@@ -58,12 +59,11 @@ def _load_lists() -> tuple[dict, dict, list, list]:
         spec.loader.exec_module(data)
         suites[suite], not_run[suite] = data.SUITE, data.NOT_RUN
         differences += [(suite, pattern, reason) for pattern, reason in data.DIFFERENCES]
-        fails_with_peer += [(suite, pattern, reason) for pattern, reason in data.FAILS_WITH_PEER]
+        fails_with_peer += [(suite, *entry) for entry in data.FAILS_WITH_PEER]
     return suites, not_run, differences, fails_with_peer
 
 
-# The peers' submodules each shim maps onto lik and their reference modules (loaded from the sdist); test files not
-# run; deliberate differences (listed in the compatibility modules' docstrings); tests failing with the peer too.
+# Each suite's shim map, its files not run, deliberate differences (in the modules' docstrings), peer failures.
 SUITES, NOT_RUN, DIFFERENCES, FAILS_WITH_PEER = _load_lists()
 
 _NEEDS_CUDA = re.compile(
@@ -287,8 +287,8 @@ def _classify(suite: str, outcome: Outcome, cuda: bool, failed_with_peer: set[st
         return f"needs {missing.group(1).split('.')[0]}"
     if outcome.test in failed_with_peer:
         return "fails with the peer too"
-    for name, pattern, reason in FAILS_WITH_PEER:
-        if name == suite and fnmatch.fnmatch(outcome.test, pattern) and "did not match" in outcome.detail:
+    for name, pattern, signature, reason in FAILS_WITH_PEER:
+        if name == suite and fnmatch.fnmatch(outcome.test, pattern) and signature in outcome.detail:
             return f"fails with the peer too: {reason}"
     return "UNEXPECTED"
 

@@ -70,6 +70,22 @@ def test_classification(tool):
         )
         == "UNEXPECTED"
     )
+    # A script failing with the peer too is known by its failure's signature; any other failure of it is not.
+    script = "tests/test_batched_train.py"
+    signature = "AttributeError: 'bool' object has no attribute 'requires_grad'"
+    assert tool._classify("flash_maxsim", Outcome(script, "failed", f"exit 1; {signature}"), True, set()).startswith(
+        "fails with the peer too: "
+    )
+    assert tool._classify("flash_maxsim", Outcome(script, "failed", "exit 0; score_err BAD"), True, set()) == (
+        "UNEXPECTED"
+    )
+    for node in (
+        "tests/test_pylate_compat.py::test_lik_disable_env_falls_back",
+        "tests/test_pylate_compat.py::test_patched_with_both_masks_matches_pylate",
+        "tests/test_pylate_compat.py::test_patched_kd_matches_pylate",
+    ):
+        assert status(node, "AssertionError: err=0.44").startswith("listed: ")
+    assert status("tests/test_pylate_compat.py::test_patched_with_documents_mask", "err=0.4") == "UNEXPECTED"
     assert tool._classify(suite, Outcome("tests/test_x.py::test_y", "passed"), True, set()) == "passed"
 
 

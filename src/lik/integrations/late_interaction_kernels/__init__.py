@@ -55,7 +55,9 @@ Deliberate differences (its behaviour is not reproduced):
 * ``patch_pylate`` / ``patch_colpali_engine`` throw lik's own switches: on every device and every host version
   (the peer steps aside as a deprecated no-op on PyLate >= 1.5.1 and colpali-engine >= 0.3.17, which ship a
   backend of their own, and falls back to the host's code on the CPU or with ``LIK_DISABLE=1``, which is not
-  read here); the host's function objects are switched in place, so no name is rebound
+  read here); PyLate's masks keep PyLate's meaning (mask-by-multiplication, any pattern) where PyLate's own
+  ``auto`` backend, which the peer leaves in charge, reads each mask as a prefix length (``mask.sum``) when
+  flash-maxsim is installed; the host's function objects are switched in place, so no name is rebound
   (``pylate.scores.colbert_scores`` stays the object it was) and the peer's internals (``_ORIGINAL``,
   ``patched_colbert_scores``, ``package_at_least``) do not exist;
 * ``fused_head.maxsim_from_hidden`` computes in the inputs' dtype (fp32 inputs get fp32 products under
