@@ -247,3 +247,71 @@ def test_exact_index_refuses_rescore():
 
 def test_module_defaults():
     assert rescore.DEFAULT_RESCORE == 32 and rescore.RESCORE_DTYPES == (torch.float16, torch.int8)
+
+
+def test_rows_of_documents_match_their_slices():
+    """_rows: each document's rows in order, empty documents and an empty selection included."""
+    cu = torch.tensor([0, 3, 3, 7, 8, 8, 12])
+    for docs in ([0, 1, 2, 3, 4, 5], [1, 4], [2], [], [0, 5], [1, 3, 5]):
+        docs = torch.tensor(docs, dtype=torch.int64)
+        expected = [torch.arange(int(cu[d]), int(cu[d + 1])) for d in docs.tolist()]
+        expected = torch.cat(expected) if expected else torch.zeros(0, dtype=torch.int64)
+        rows = rescore._rows(cu, docs)
+        assert rows.dtype == torch.int64 and torch.equal(rows, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float16])
+def test_gather_reads_the_documents_across_segments(dtype):
+    """_gather: the selected documents' rows and scales, packed in position order, from several segments (some with
+    no selected document), zero-length documents included."""
+    docs = make_docs(seed=11)
+    index = build(docs, dtype, shard_tokens=20)
+    segments, copies = index.segments, [s.copy for s in index.segments]
+    assert len(segments) > 2
+    first_of = torch.tensor([0] + [s.num_docs for s in segments]).cumsum(0)
+    rows = torch.cat([c.tokens for c in copies])
+    scales = None if dtype == torch.float16 else torch.cat([c.scale for c in copies])
+    cu = torch.cat(
+        [
+            c.cu_seqlens[:-1] + n
+            for c, n in zip(copies, [0, *torch.tensor([c.tokens.shape[0] for c in copies]).cumsum(0).tolist()])
+        ]
+    )
+    cu = torch.cat([cu, torch.tensor([rows.shape[0]])])
+    last = int(first_of[1])  # the selection skips a whole segment's documents
+    for chosen in ([1, 12], list(range(len(docs))), [d for d in range(len(docs)) if d >= last], [0], []):
+        chosen = torch.tensor(chosen, dtype=torch.int64)
+        tokens, scale, sub_cu = rescore._gather(segments, 0, chosen, "cpu")
+        parts = [torch.arange(int(cu[d]), int(cu[d + 1])) for d in chosen.tolist()]
+        index_rows = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        assert sub_cu.dtype == torch.int32 and torch.equal(
+            sub_cu[1:].long(), torch.tensor([p.numel() for p in parts], dtype=torch.int64).cumsum(0)
+        )
+        assert torch.equal(tokens, rows[index_rows])
+        assert (scale is None) == (scales is None) and (scale is None or torch.equal(scale, scales[index_rows]))
+
+
+def test_one_gather_and_one_call_per_bucket(monkeypatch):
+    """Documents several queries hold are gathered once, and each query bucket is scored against the union of
+    every query's documents (results as float64 MaxSim of the copy ranks them)."""
+    docs = make_docs(seed=12)
+    Q = [queries(seed=13, n=1, lq=4)[0], queries(seed=14, n=1, lq=2)[0], queries(seed=15, n=1, lq=4)[0]]
+    index = build(docs, torch.int8, shard_tokens=20)
+    corpus_rows = []
+    real = rescore.score_packed
+    monkeypatch.setattr(rescore, "score_packed", lambda *a: corpus_rows.append(a[1].shape[0]) or real(*a))
+    gathered = []
+    real_gather = rescore._gather
+    monkeypatch.setattr(rescore, "_gather", lambda *a: gathered.append(a[2].clone()) or real_gather(*a))
+    _, candidates = index.search(Q, 6, rescore=0)
+    scores, ids = index.search(Q, 3, rescore=6)
+    union = torch.unique(candidates[candidates >= 0])
+    assert len(gathered) == 1 and torch.equal(gathered[0], union)
+    lengths = torch.tensor([d.shape[0] for d in docs])
+    assert union.numel() < int((candidates >= 0).sum())  # some documents are held by several queries
+    assert corpus_rows and set(corpus_rows) == {int(lengths[union].sum())}  # every bucket against the union
+    for row, query in enumerate(Q):
+        ref = reference_scores(query[None], docs, torch.int8)[0]
+        found = candidates[row][candidates[row] >= 0]
+        best = ref[found].topk(3)
+        assert torch.equal(ids[row], found[best.indices])
