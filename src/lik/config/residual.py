@@ -26,6 +26,7 @@ __all__ = [
     "MAX_FUSED_ROW_BLOCKS",
     "MAX_FUSED_DIM",
     "FALLBACK_CHUNK_TOKENS",
+    "FUSED_NBITS",
 ]
 
 # Row blocks of queries up to which the fused stream is chosen: one block (a query) decodes each tile once and beats
@@ -34,6 +35,11 @@ __all__ = [
 MAX_FUSED_ROW_BLOCKS = 2
 # Widest embedding the stream decodes on chip (a [64, d] fp32 tile a program; wider ones are unmeasured).
 MAX_FUSED_DIM = 128
+# Bit widths the stream decodes: 1 and 2 bits pick a dimension's weight by selects in registers; 4 bits gather it
+# from the 16-entry table per dimension (a load per element, as the byte-table loader, 3.4x slower than the selects
+# at 2 bits), which made one query 5.5x slower at 4 bits (11.1 vs 2.0 ms, 5M tokens, H200) than at 2, where the
+# fallback's decode kernel (the same at both widths: 256 queries took 30.7 ms at each) took 4.6 ms at 2 bits.
+FUSED_NBITS = (1, 2)
 # The fallback's runs: 2**18 tokens of d 128 in fp16 are a 64 MiB scratch buffer.
 FALLBACK_CHUNK_TOKENS = 1 << 18
 
@@ -71,11 +77,18 @@ class ResidualStreamConfig:
 
 
 def residual_stream_config(
-    *, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, device: torch.device
+    *, q_len: int, n_queries: int, dim: int, dtype: torch.dtype, device: torch.device, nbits: int | None = None
 ) -> ResidualStreamConfig:
     """The path and tiles for ``n_queries`` queries of ``q_len`` tokens (``dtype`` fp16 / bf16 / fp32) against a
-    compressed corpus of width ``dim``. A forced config (``residual_stream``) is returned as it is. Embeddings wider
-    than :data:`MAX_FUSED_DIM` take the fallback (the stream decodes a token's whole row at once)."""
+    compressed corpus of width ``dim`` and ``nbits`` bits a dimension (``None``: chosen as for 2 bits). A forced
+    config (``residual_stream``) is returned as it is. Embeddings wider than :data:`MAX_FUSED_DIM` take the fallback
+    (the stream decodes a token's whole row at once), and so do bit widths outside :data:`FUSED_NBITS` on a GPU.
+
+    Example:
+        >>> one = dict(q_len=32, n_queries=1, dim=128, dtype=torch.float16, device=torch.device("cuda"))
+        >>> residual_stream_config(**one).chunk_tokens, residual_stream_config(**one, nbits=4).chunk_tokens
+        (0, 262144)
+    """
     forced = FORCED.get("residual_stream")
     if forced is not None:
         if dim > MAX_FUSED_DIM and not forced.chunk_tokens:
@@ -86,15 +99,16 @@ def residual_stream_config(
     # The packed stream's row blocks (stacked short queries, a long query split in groups); each decodes the tiles.
     packed = packed_stream_tiles(q_len=q_len, n_queries=n_queries, dim=dim, dtype=dtype, device=device)
     n_row_blocks = -(-n_queries * -(-q_len // packed.group_rows) // packed.groups)
-    return _tiles(packed.group_rows, packed.groups, n_row_blocks, dtype, _device.interpreting())
+    fused_bits = nbits is None or nbits in FUSED_NBITS
+    return _tiles(packed.group_rows, packed.groups, n_row_blocks, dtype, _device.interpreting(), fused_bits)
 
 
 @functools.lru_cache(maxsize=1024)
-def _tiles(group_rows, groups, n_row_blocks, dtype, interpreted) -> ResidualStreamConfig:
+def _tiles(group_rows, groups, n_row_blocks, dtype, interpreted, fused_bits=True) -> ResidualStreamConfig:
     rows = group_rows * groups
-    if interpreted:
+    if interpreted:  # (the interpreter tests the stream at every bit width)
         return ResidualStreamConfig(group_rows, groups, 16, 4, 1, 2)
-    if n_row_blocks > MAX_FUSED_ROW_BLOCKS:
+    if n_row_blocks > MAX_FUSED_ROW_BLOCKS or not fused_bits:
         return ResidualStreamConfig(group_rows, groups, chunk_tokens=FALLBACK_CHUNK_TOKENS)
     if dtype == torch.float32:
         # fp32 tiles: twice the shared memory of a 16-bit one (unmeasured).

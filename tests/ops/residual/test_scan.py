@@ -233,3 +233,27 @@ def test_many_documents_in_one_tile(paths):
         out = score_residual_packed(Q, None, codes, residuals, codec, cu)
     assert paths["stream"] == 1
     torch.testing.assert_close(out.double(), expected(Q, codes, residuals, codec, cu), atol=1e-4, rtol=1e-4)
+
+
+def test_four_bits_take_the_fallback_on_a_gpu(monkeypatch):
+    """4 bits gather each dimension's weight in the stream's loader: the fallback (decode once, packed scan) even
+    for one query; 1 and 2 bits (and an unknown width) keep the stream; a forced config and the interpreter win."""
+    from lik import _device
+    from lik.config.residual import FALLBACK_CHUNK_TOKENS, FUSED_NBITS
+
+    monkeypatch.setattr(_device, "arch", lambda device: (9, 0))
+    monkeypatch.setattr(_device, "shared_memory", lambda device: 232448)
+    pick = lambda n_q, nbits: residual_stream_config(  # noqa: E731
+        q_len=32, n_queries=n_q, dim=128, dtype=torch.float16, device=torch.device("cpu"), nbits=nbits
+    )
+    monkeypatch.setattr(_device, "interpreting", lambda: True)
+    assert pick(1, 4).chunk_tokens == 0  # the interpreter runs the stream at every width
+    monkeypatch.setattr(_device, "interpreting", lambda: False)
+    assert FUSED_NBITS == (1, 2)
+    for n_q in (1, 2, 256):
+        assert pick(n_q, 4) == ResidualStreamConfig(32, pick(n_q, 4).groups, chunk_tokens=FALLBACK_CHUNK_TOKENS)
+    for nbits in (1, 2, None):
+        assert pick(1, nbits).chunk_tokens == 0 and pick(1, nbits) == pick(1, 2)
+        assert pick(256, nbits).chunk_tokens > 0
+    with override(residual_stream=STREAM):
+        assert pick(1, 4) == STREAM
