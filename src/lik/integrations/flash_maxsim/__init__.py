@@ -45,7 +45,10 @@ Deliberate differences (flash-maxsim's behaviour is not reproduced):
 * performance knobs (``query_chunk_size``, ``splitk``, ``pad_lq``, ``grid_factor``, ``num_splits``) are accepted
   and have no effect: lik's launch heuristics choose the tiling;
 * gradients of :func:`flash_maxsim_batched_train` and :func:`flash_maxsim_train` come back in the input dtype
-  (flash-maxsim computes them from float16 copies);
+  (flash-maxsim computes them from float16 copies); at a near-tie (two tokens' similarities closer than the
+  rounding of their fp32 sums) the gradient goes to the token lik's fp32 sum ranks first (the lower index on an
+  exact tie), where a reference summing in another order may pick the other: a whole token's difference in that
+  row (flash-maxsim's tests/test_backward.py bounds its 51 200-maximum check at 0.1);
 * a float query against an int8 corpus (:func:`flash_maxsim_int8_symmetric`) is quantized per token to int8
   first, as everywhere in lik, so it scores as :func:`flash_maxsim_int8x8`; flash-maxsim multiplies the float16
   query with the int8 values;

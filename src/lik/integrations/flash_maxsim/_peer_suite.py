@@ -41,6 +41,11 @@ DIFFERENCES = [
         "flash_maxsim_int8_batched_train is not covered (lik's 8-bit scoring is inference only)",
     ),
     ("tests/test_invgrid_correctness.py", "flash-maxsim's invgrid backward proposal is not covered"),
+    (
+        "tests/test_backward.py",
+        "its ColPali-size check (51 200 maxima over 1 024 float16 tokens) bounds the gradients' distance to a float32 "
+        "einsum at 0.1: a near-tie won by the other token there costs a whole token (~0.27) in one row",
+    ),
 ]
 
 # (node id pattern, signature, reason): tests that fail against the peer itself whatever scores it computes, known
