@@ -257,3 +257,41 @@ def test_four_bits_take_the_fallback_on_a_gpu(monkeypatch):
         assert pick(256, nbits).chunk_tokens > 0
     with override(residual_stream=STREAM):
         assert pick(1, 4) == STREAM
+
+
+@pytest.mark.gpu
+def test_four_bit_scan_speed_print():
+    """Prints (asserts only agreement): one query of 32 tokens against ~5M compressed tokens at 2 and 4 bits, the
+    stream and the fallback forced, the heuristic's choice for each width, and the two paths' largest difference."""
+    import functools
+
+    from triton.testing import do_bench
+
+    cuda = torch.device("cuda")
+    g = torch.Generator(device=cuda).manual_seed(0)
+    for nbits in (2, 4):
+        centroids = F.normalize(torch.randn(4096, 128, device=cuda, generator=g), dim=-1).half()
+        codec = ResidualCodec(centroids, torch.zeros(2**nbits - 1), torch.linspace(-0.05, 0.05, 2**nbits), nbits)
+        lengths = torch.randint(50, 151, (50_000,), device=cuda, generator=g)
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        t = int(cu[-1])
+        codes = torch.randint(0, 4096, (t,), device=cuda, generator=g, dtype=torch.int32)
+        residuals = torch.randint(0, 256, (t, 16 * nbits), device=cuda, generator=g, dtype=torch.uint8)
+        Q = F.normalize(torch.randn(1, 32, 128, device=cuda), dim=-1).half()
+        args = (Q, None, codes, residuals, codec, cu)
+        call = functools.partial(score_residual_packed, *args)
+        one = dict(q_len=32, n_queries=1, dim=128, dtype=Q.dtype, device=cuda)
+        times, outs = {}, {}
+        for name, forced in (("stream", residual_stream_config(**one)), ("fallback", FALLBACK_FORCED)):
+            with override(residual_stream=forced):
+                times[name], outs[name] = do_bench(call), call()
+        heuristic = do_bench(call)
+        choice = "fallback" if residual_stream_config(**one, nbits=nbits).chunk_tokens else "stream"
+        torch.testing.assert_close(outs["stream"], outs["fallback"], atol=3e-2, rtol=3e-3)
+        print(
+            f"\nresidual scan nbits={nbits} Nq=1 T={t}: stream {times['stream']:.3f} ms, fallback "
+            f"{times['fallback']:.3f} ms, scan.py's launch {heuristic:.3f} ms; config(nbits={nbits}) picks {choice}"
+        )
+
+
+FALLBACK_FORCED = ResidualStreamConfig(chunk_tokens=1 << 18)
