@@ -126,7 +126,7 @@ def residual_scores(inputs: ResidualInputs, cu_host: torch.Tensor | None = None)
         return torch.zeros(n_q, n_docs, dtype=torch.float32, device=q.device)
     codes = codes if codes.is_contiguous() else codes.contiguous()
     residuals = residuals if residuals.stride(-1) == 1 else residuals.contiguous()
-    cfg = residual_stream_config(q_len=l_q, n_queries=n_q, dim=dim, dtype=q.dtype, device=q.device)
+    cfg = residual_stream_config(q_len=l_q, n_queries=n_q, dim=dim, dtype=q.dtype, device=q.device, nbits=codec.nbits)
     if cfg.chunk_tokens:
         cu_host = cu.to("cpu", torch.int64) if cu_host is None else cu_host
         return residual_fallback(q, q_mask, codes, residuals, codec, cu, cu_host, cfg.chunk_tokens)
