@@ -20,7 +20,14 @@ from ...core.token_stream import token_stream_kernel
 from ...config.maxsim import feature_chunks
 from .packing import PackedInputs
 
-__all__ = ["packed_forward", "packed_forward_problem", "packed_launch", "stream_config", "launch_token_stream"]
+__all__ = [
+    "packed_forward",
+    "packed_forward_problem",
+    "packed_launch",
+    "stream_config",
+    "launch_token_stream",
+    "stream_launch",
+]
 
 
 def packed_forward_problem(inputs: PackedInputs):
@@ -68,33 +75,49 @@ def packed_launch(problem: ForwardProblem, store_argmax: bool) -> tuple[torch.Te
 def launch_token_stream(problem: ForwardProblem, cfg: PackedStreamConfig) -> torch.Tensor:
     """Launch :func:`~lik.core.token_stream.token_stream_kernel` on a packed-corpus ``problem`` (not empty);
     returns the fp32 per-chunk sums ``[n_chunks, Nq, B]`` (announced to a recording: :func:`lik._replay.made`)."""
-    q, d, cu_d = problem.q, problem.d, problem.cu_d
-    dim, device = q.shape[-1], q.device
-    n_q, l_q, n_docs = problem.n_queries, problem.q_len, problem.n_docs
+    q, d = problem.q, problem.d
     loader = loader_of(d.dtype)
-    block_k, _ = loader_chunks(*feature_chunks(dim, 1 << 30), loader)
-    n_chunks = cdiv(l_q, cfg.group_rows)
-    n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
-    partial = made(torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=device))
-    # Programs per row block: the SMs' share, at most one per tile of rows (a program with no documents returns).
-    share = cfg.programs_per_sm * _device.sm_count(device) // n_row_blocks
-    programs = max(1, min(cdiv(d.shape[0], cfg.block_t), share))
-    q_mask = problem.q_mask
-    q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
+    block_k, _ = loader_chunks(*feature_chunks(q.shape[-1], 1 << 30), loader)
+    n_chunks = cdiv(problem.q_len, cfg.group_rows)
+    partial = made(torch.empty((n_chunks, problem.n_queries, problem.n_docs), dtype=torch.float32, device=q.device))
     scales = (partial, partial) if problem.d_scale is None else scale_pointers(problem.q_scale, problem.d_scale)
+    stream_launch(
+        q, d, problem.q_mask, problem.cu_d, partial, scales, cfg, block_k, problem.dot_precision, LOADER=loader
+    )
+    return partial
+
+
+def stream_launch(q, d, q_mask, cu, partial, scales, cfg, block_k: int, dot_precision, **loader) -> None:
+    """Launch :func:`~lik.core.token_stream.token_stream_kernel` over the rows of ``d`` into ``partial`` (fp32
+    ``[n_chunks, Nq, B]``, ``n_chunks = cdiv(Lq, cfg.group_rows)``): ``q [Nq, Lq, d]``, ``q_mask`` bool
+    ``[Nq, Lq]`` or None, ``cu`` int32 ``[B + 1]``, ``scales`` the two scale slots, ``cfg`` a packed or residual
+    stream config; ``loader`` the loader's constexprs (``LOADER``, and ``DECODE`` / ``NBITS`` for a decoder).
+    Shared by the packed scan and the compressed scan, which differ only in what fills the loader's slots.
+
+    Example::
+
+        >>> stream_launch(q, d, None, cu, partial, (partial, partial), cfg, 128, dot_precision(q.dtype), LOADER=0)
+    """
+    n_chunks, n_q, n_docs = partial.shape
+    n_rows = d.shape[0]
+    n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
+    # Programs per row block: the SMs' share, at most one per tile of rows (a program with no documents returns).
+    share = cfg.programs_per_sm * _device.sm_count(q.device) // n_row_blocks
+    programs = max(1, min(cdiv(n_rows, cfg.block_t), share))
+    q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
     launch(
         token_stream_kernel,
         (n_row_blocks * programs,),
         q,
         d,
         q_mask_arg,
-        cu_d,
+        cu,
         partial,
         *scales,
         n_q,
-        l_q,
+        q.shape[1],
         n_docs,
-        d.shape[0],
+        n_rows,
         n_chunks,
         n_row_blocks,
         programs,
@@ -105,20 +128,19 @@ def launch_token_stream(problem: ForwardProblem, cfg: PackedStreamConfig) -> tor
         *d.stride(),
         *q_mask_strides,
         *partial.stride(),
-        DIM=dim,
+        DIM=q.shape[-1],
         GROUP_ROWS=cfg.group_rows,
         GROUPS=cfg.groups,
         BLOCK_T=cfg.block_t,
         BLOCK_K=block_k,
         HAS_Q_MASK=q_mask is not None,
-        DOT_PRECISION=problem.dot_precision,
-        LOADER=loader,
+        DOT_PRECISION=dot_precision,
         SEGMENTS=cfg.segments,
+        **loader,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers or None,
     )
-    return partial
 
 
 def packed_forward(inputs: PackedInputs, store_argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

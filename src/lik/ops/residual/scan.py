@@ -12,11 +12,9 @@ import torch
 from lik import _device
 from lik._device import cdiv
 from lik._dispatch import uses_kernels
-from lik._launch import launch
 from lik.config.residual import ResidualStreamConfig, residual_stream_config
-from lik.core.division import divisor_constants
 from lik.core.forward_launch import dot_precision
-from lik.core.token_stream import token_stream_kernel
+from lik.ops.maxsim.packed_forward import stream_launch
 from lik.ops.maxsim.packed_function import PackedQuery, score_packed
 
 from .decode import decode_into, decode_rows, decode_rows_select, decode_table
@@ -32,53 +30,22 @@ def residual_stream(q, q_mask, codes, residuals, codec, cu, cfg: ResidualStreamC
     """Launch the token stream with the residual loader; ``q [Nq, Lq, d]`` fp16 / bf16 / fp32 (``d`` <= 128, any
     strides), ``cu`` int32 contiguous, nothing empty. Returns the fp32 per-chunk sums ``[n_chunks, Nq, B]``."""
     n_q, l_q, dim = q.shape
-    n_docs, n_rows = int(cu.shape[0]) - 1, int(codes.shape[0])
     block_k = max(16, _device.next_power_of_2(dim))
-    n_chunks = cdiv(l_q, cfg.group_rows)
-    n_row_blocks = cdiv(n_q * n_chunks, cfg.groups)
-    partial = torch.empty((n_chunks, n_q, n_docs), dtype=torch.float32, device=q.device)
-    # Programs per row block: the SMs' share, at most one per tile of rows (a program with no documents returns).
-    share = cfg.programs_per_sm * _device.sm_count(q.device) // n_row_blocks
-    programs = max(1, min(cdiv(n_rows, cfg.block_t), share))
-    q_mask_arg, q_mask_strides = (q, (0, 0)) if q_mask is None else (q_mask.view(torch.uint8), q_mask.stride())
-    launch(
-        token_stream_kernel,
-        (n_row_blocks * programs,),
+    partial = torch.empty((cdiv(l_q, cfg.group_rows), n_q, int(cu.shape[0]) - 1), dtype=torch.float32, device=q.device)
+    # the decode table and the codes take the 8-bit query and document scales' slots
+    stream_launch(
         q,
         residuals,
-        q_mask_arg,
+        q_mask,
         cu,
         partial,
-        decode_table(codec, q.is_cuda),  # (the 8-bit query scales' slot)
-        codes,  # (the 8-bit document scales' slot)
-        n_q,
-        l_q,
-        n_docs,
-        n_rows,
-        n_chunks,
-        n_row_blocks,
-        programs,
-        int(n_docs).bit_length(),
-        *divisor_constants(n_row_blocks),
-        *divisor_constants(n_chunks),
-        *q.stride(),
-        *residuals.stride(),
-        *q_mask_strides,
-        *partial.stride(),
-        DIM=dim,
-        GROUP_ROWS=cfg.group_rows,
-        GROUPS=cfg.groups,
-        BLOCK_T=cfg.block_t,
-        BLOCK_K=block_k,
-        HAS_Q_MASK=q_mask is not None,
-        DOT_PRECISION=dot_precision(q.dtype),
+        (decode_table(codec, q.is_cuda), codes),
+        cfg,
+        block_k,
+        dot_precision(q.dtype),
         LOADER=0,
-        SEGMENTS=cfg.segments,
         DECODE=decode_rows if cfg.byte_table else decode_rows_select,
         NBITS=codec.nbits,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        maxnreg=cfg.max_registers or None,
     )
     return partial
 
