@@ -15,12 +15,15 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import lik
 
 from lik.index import format as index_format
+from lik.index import plaid_search
 from lik.index import storage
+from lik.ops.residual import check_residual_inputs, maxsim_residual_reference
 
 LENGTHS = (5, 0, 3, 7, 1, 4, 0, 2, 6, 3)
 
@@ -42,6 +45,27 @@ def padded(docs: list[torch.Tensor], fill: float = float("nan")) -> tuple[torch.
         D[i, : doc.shape[0]] = doc
         mask[i, : doc.shape[0]] = True
     return D, mask
+
+
+# ------------------------------------------------------------------ the plaid codec's corpora
+PLAID_LENGTHS = (5, 0, 3, 7, 1, 4, 9, 2, 6, 3, 8, 1, 0, 5, 4, 7, 2, 6, 3, 5)  # 81 tokens
+
+
+def unit_docs(seed: int = 0, lengths=PLAID_LENGTHS, dim: int = 16) -> list[torch.Tensor]:
+    """Random unit-norm documents (fp32 ``[n, dim]`` each) for the plaid codec, which trains on them."""
+    g = torch.Generator().manual_seed(seed)
+    return [F.normalize(torch.randn(n, dim, generator=g), dim=-1) for n in lengths]
+
+
+def score_with_reference(monkeypatch) -> None:
+    """The plaid search's residual scorer replaced by its PyTorch reference (the kernel is slow through the
+    interpreter)."""
+
+    def reference(Q, q_mask, codes, residuals, codec, cu_seqlens):
+        inputs = check_residual_inputs(Q, codes, residuals, codec, cu_seqlens, q_mask)
+        return inputs.finish(maxsim_residual_reference(inputs))
+
+    monkeypatch.setattr(plaid_search, "score_residual_packed", reference)
 
 
 # ------------------------------------------------------------------ saved indexes on disk
@@ -89,10 +113,24 @@ def write_version_1(path, docs: list[torch.Tensor], shard_docs: int = 3) -> None
         name = f"shard-{number:05d}.safetensors"
         save_file({"tokens": torch.cat(part).float().contiguous(), "cu_seqlens": lengths.cumsum(0)}, str(path / name))
         data = (path / name).read_bytes()
-        shards.append({"file": name, "num_docs": len(part), "num_tokens": int(lengths.sum()), "bytes": len(data),
-                       "sha256": hashlib.sha256(data).hexdigest()})
-    manifest = {"format": "lik-index", "version": 1, "d": docs[0].shape[1], "dtype": "float32",
-                "num_docs": len(docs), "num_tokens": sum(s["num_tokens"] for s in shards), "shards": shards}
+        shards.append(
+            {
+                "file": name,
+                "num_docs": len(part),
+                "num_tokens": int(lengths.sum()),
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
+    manifest = {
+        "format": "lik-index",
+        "version": 1,
+        "d": docs[0].shape[1],
+        "dtype": "float32",
+        "num_docs": len(docs),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "shards": shards,
+    }
     (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
@@ -159,13 +197,22 @@ def assert_clean(parent, name="ix", allow_version_1_leftovers=False):
         inside = {n for n in inside if not (n.startswith("shard-") and n.endswith(".safetensors"))}
     assert not inside, f"left behind in the index: {sorted(inside)}"
     assert sorted(os.listdir(parent / name / generation)) == sorted(
-        [".lik-generation", *(p.name for p in shard_paths(parent / name))])
+        [".lik-generation", *(p.name for p in shard_paths(parent / name))]
+    )
 
 
 # ------------------------------------------------------------------ interrupted and racing writes
 # Each call of these is one step of a write: a kill before any of them is a crash between two steps.
-STEPS = [(os, "mkdir"), (os, "rename"), (os, "replace"), (os, "unlink"), (os, "rmdir"), (os, "fsync"),
-         (storage, "rename_no_replace"), (index_format, "save_file")]
+STEPS = [
+    (os, "mkdir"),
+    (os, "rename"),
+    (os, "replace"),
+    (os, "unlink"),
+    (os, "rmdir"),
+    (os, "fsync"),
+    (storage, "rename_no_replace"),
+    (index_format, "save_file"),
+]
 
 
 @contextlib.contextmanager

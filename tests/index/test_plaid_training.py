@@ -7,35 +7,23 @@ import argparse
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import lik
-from lik.index import plaid_codec, plaid_search
-from lik.ops.residual import check_residual_inputs, maxsim_residual_reference
+from lik.index import plaid_codec
+
+from .helpers import score_with_reference, unit_docs
 
 D = 16
-LENGTHS = (5, 0, 3, 7, 1, 4, 9, 2, 6, 3, 8, 1, 0, 5, 4, 7, 2, 6, 3, 5)  # 81 tokens
 
 
 @pytest.fixture(autouse=True)
 def reference_scorer(monkeypatch):
-    """The residual scorer's PyTorch reference in place of its kernel (slow through the interpreter)."""
-
-    def reference(Q, q_mask, codes, residuals, codec, cu_seqlens):
-        inputs = check_residual_inputs(Q, codes, residuals, codec, cu_seqlens, q_mask)
-        return inputs.finish(maxsim_residual_reference(inputs))
-
-    monkeypatch.setattr(plaid_search, "score_residual_packed", reference)
-
-
-def make_docs(seed: int = 0, lengths=LENGTHS) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [F.normalize(torch.randn(n, D, generator=g), dim=-1) for n in lengths]
+    score_with_reference(monkeypatch)
 
 
 @pytest.mark.parametrize("num_centroids", [1, 7, 12, 81])
 def test_num_centroids_overrides_the_rule(num_centroids):
-    docs = make_docs()
+    docs = unit_docs()
     index = lik.Index.build(docs, codec="plaid", nbits=2, num_centroids=num_centroids)
     assert index.codec.num_centroids == num_centroids  # 7, 12: not powers of two
     # The codes address exactly those centroids and search still works (decoded tokens, exhaustive).
@@ -47,7 +35,7 @@ def test_num_centroids_overrides_the_rule(num_centroids):
 
 def test_default_centroids_unchanged():
     """Without num_centroids: the quarter-of-the-tokens rule for a tiny corpus (81 tokens -> 20)."""
-    assert lik.Index.build(make_docs(), codec="plaid").codec.num_centroids == 81 // 4
+    assert lik.Index.build(unit_docs(), codec="plaid").codec.num_centroids == 81 // 4
 
 
 def test_train_tokens_decides_what_trains(monkeypatch):
@@ -60,7 +48,7 @@ def test_train_tokens_decides_what_trains(monkeypatch):
         return real(sample, cu, nbits, **kwargs)
 
     monkeypatch.setattr(plaid_codec, "train_codec", spy)
-    docs = make_docs(lengths=(4,) * 50)  # 200 tokens, one document at a time
+    docs = unit_docs(lengths=(4,) * 50)  # 200 tokens, one document at a time
     # Batches are at most shard_tokens tokens, so shard_tokens=8 makes batches of two documents.
     index = lik.Index.build(docs, codec="plaid", train_tokens=40, shard_tokens=8, num_centroids=5)
     assert seen == [40] and len(index) == 50
@@ -87,7 +75,7 @@ def test_train_tokens_decides_what_trains(monkeypatch):
 def test_errors_name_the_argument(kwargs, error, match):
     kwargs = {"codec": "plaid", **kwargs}
     with pytest.raises(error, match=match) as raised:
-        lik.Index.build(make_docs(), **kwargs)
+        lik.Index.build(unit_docs(), **kwargs)
     assert "\n" not in str(raised.value)
 
 

@@ -11,30 +11,17 @@ import torch
 import torch.nn.functional as F
 
 import lik
-from lik.index import plaid_search, rescore
-from lik.ops.residual import check_residual_inputs, maxsim_residual_reference
+from lik.index import rescore
 
-from .helpers import read_json, shard_paths
+from .helpers import read_json, score_with_reference, shard_paths, unit_docs
 
 D = 16
-LENGTHS = (5, 0, 3, 7, 1, 4, 9, 2, 6, 3, 8, 1, 0, 5, 4, 7, 2, 6, 3, 5)
 EXACT_DTYPE = {torch.int8: torch.int8, torch.float16: torch.float16}
 
 
 @pytest.fixture(autouse=True)
 def reference_scorer(monkeypatch):
-    """The residual scorer's PyTorch reference in place of its kernel (slow through the interpreter)."""
-
-    def reference(Q, q_mask, codes, residuals, codec, cu_seqlens):
-        inputs = check_residual_inputs(Q, codes, residuals, codec, cu_seqlens, q_mask)
-        return inputs.finish(maxsim_residual_reference(inputs))
-
-    monkeypatch.setattr(plaid_search, "score_residual_packed", reference)
-
-
-def make_docs(seed: int = 0, lengths=LENGTHS) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [F.normalize(torch.randn(n, D, generator=g), dim=-1) for n in lengths]
+    score_with_reference(monkeypatch)
 
 
 def queries(seed: int = 1, n: int = 3, lq: int = 5) -> torch.Tensor:
@@ -72,7 +59,7 @@ def build(docs, dtype, **kwargs):
 def test_rescoring_everything_is_exact_search(dtype):
     """rescore = every document: the result is the exact top-k of the copy (the exact index of its dtype, and
     float64 MaxSim of its values)."""
-    docs, Q = make_docs(), queries()
+    docs, Q = unit_docs(), queries()
     index = build(docs, dtype, shard_tokens=20)
     assert len(index.segments) > 1 and all(s.copy.tokens.dtype == dtype for s in index.segments)
     scores, ids = index.search(Q, 6, rescore=len(docs))
@@ -88,7 +75,7 @@ def test_rescoring_everything_is_exact_search(dtype):
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float16])
 def test_rescores_only_the_compressed_top(dtype):
     """rescore = r: the top k of the exact scores of the compressed search's best r documents (per query)."""
-    docs, Q = make_docs(seed=3), queries(seed=4, n=4)
+    docs, Q = unit_docs(seed=3), queries(seed=4, n=4)
     index = build(docs, dtype)
     k, r = 3, 5
     _, candidates = index.search(Q, r, rescore=0)
@@ -104,9 +91,9 @@ def test_rescores_only_the_compressed_top(dtype):
 
 
 def test_default_rescore():
-    docs, Q = make_docs(), queries()
+    docs, Q = unit_docs(), queries()
     with_copy = build(docs, torch.float16)
-    many = make_docs(seed=5, lengths=(2,) * 40)
+    many = unit_docs(seed=5, lengths=(2,) * 40)
     big = build(many, torch.float16)
     # max(k, 32) documents by default with a copy; none without.
     assert torch.equal(big.search(Q, 3)[1], big.search(Q, 3, rescore=32)[1])
@@ -116,7 +103,7 @@ def test_default_rescore():
 
 
 def test_candidate_generation_then_rescoring():
-    docs, Q = make_docs(seed=6), queries(seed=7)
+    docs, Q = unit_docs(seed=6), queries(seed=7)
     index = build(docs, torch.float16)
     _, candidates = index.search(Q, 4, n_probe=1, candidates=4, rescore=0)
     scores, ids = index.search(Q, 2, n_probe=1, candidates=4, rescore=4)
@@ -130,7 +117,7 @@ def test_candidate_generation_then_rescoring():
 
 def test_ragged_queries_with_an_empty_one():
     """A zero-length query scores 0 against every document (ties to the lower id), as an exact index scores it."""
-    docs = make_docs()
+    docs = unit_docs()
     Q = [queries(seed=8, n=1, lq=3)[0], torch.zeros(0, D), queries(seed=9, n=1, lq=6)[0]]
     index = build(docs, torch.int8)
     scores, ids = index.search(Q, 5, rescore=len(docs))
@@ -140,7 +127,7 @@ def test_ragged_queries_with_an_empty_one():
 
 
 def test_k_zero_and_all():
-    docs, Q = make_docs(), queries()
+    docs, Q = unit_docs(), queries()
     index = build(docs, torch.float16)
     assert index.search(Q, 0)[1].shape == (3, 0)
     _, ids = index.search(Q, len(docs))
@@ -149,7 +136,7 @@ def test_k_zero_and_all():
 
 @pytest.mark.parametrize(("placement", "dtype"), [("host", torch.float16), ("disk", torch.int8)])
 def test_save_load_keeps_the_copy(tmp_path, placement, dtype):
-    docs, Q = make_docs(), queries()
+    docs, Q = unit_docs(), queries()
     index = build(docs, dtype, shard_tokens=30)
     index.save(tmp_path / "ix")
     manifest = read_json(tmp_path / "ix" / "manifest.json")
@@ -168,7 +155,7 @@ def test_save_load_keeps_the_copy(tmp_path, placement, dtype):
 
 def test_streamed_build_and_shards(tmp_path):
     """Build with out= (copies written as the shards fill), then a rank's half of the documents."""
-    docs = make_docs()
+    docs = unit_docs()
     build(docs, torch.float16, out=tmp_path / "ix", shard_tokens=25)
     whole = lik.Index.load(tmp_path / "ix")
     half = lik.Index.load(tmp_path / "ix", shard=1, num_shards=2)
@@ -181,7 +168,7 @@ def test_streamed_build_and_shards(tmp_path):
 
 
 def test_add_remove_compact_keep_the_copy(tmp_path):
-    docs, more, Q = make_docs(), make_docs(seed=11, lengths=(3, 0, 6, 2)), queries()
+    docs, more, Q = unit_docs(), unit_docs(seed=11, lengths=(3, 0, 6, 2)), queries()
     index = build(docs, torch.float16).add(more)
     everything = docs + more
     exact = lik.Index.build(everything, dtype=torch.float16)
@@ -204,7 +191,7 @@ def test_add_remove_compact_keep_the_copy(tmp_path):
 
 
 def test_damaged_copy_is_refused(tmp_path):
-    build(make_docs(), torch.int8).save(tmp_path / "ix")
+    build(unit_docs(), torch.int8).save(tmp_path / "ix")
     manifest_path = tmp_path / "ix" / "manifest.json"
     manifest = read_json(manifest_path)
     manifest["codec"]["rescore_dtype"] = "float16"  # the shards hold int8
@@ -235,14 +222,14 @@ def test_errors(build_kwargs, search_kwargs, error, match):
     if kwargs["codec"] == "exact":
         kwargs.pop("dtype")
     with pytest.raises(error, match=match) as raised:
-        index = lik.Index.build(make_docs(), **kwargs)
+        index = lik.Index.build(unit_docs(), **kwargs)
         index.search(queries(), 3, **search_kwargs)
     assert "\n" not in str(raised.value)
 
 
 def test_exact_index_refuses_rescore():
     with pytest.raises(ValueError, match="rescore needs an exact copy"):
-        lik.Index.build(make_docs()).search(queries(), 2, rescore=4)
+        lik.Index.build(unit_docs()).search(queries(), 2, rescore=4)
 
 
 def test_module_defaults():
@@ -264,7 +251,7 @@ def test_rows_of_documents_match_their_slices():
 def test_gather_reads_the_documents_across_segments(dtype):
     """_gather: the selected documents' rows and scales, packed in position order, from several segments (some with
     no selected document), zero-length documents included."""
-    docs = make_docs(seed=11)
+    docs = unit_docs(seed=11)
     index = build(docs, dtype, shard_tokens=20)
     segments, copies = index.segments, [s.copy for s in index.segments]
     assert len(segments) > 2
@@ -294,7 +281,7 @@ def test_gather_reads_the_documents_across_segments(dtype):
 def test_one_gather_and_one_call_per_bucket(monkeypatch):
     """Documents several queries hold are gathered once, and each query bucket is scored against the union of
     every query's documents (results as float64 MaxSim of the copy ranks them)."""
-    docs = make_docs(seed=12)
+    docs = unit_docs(seed=12)
     Q = [queries(seed=13, n=1, lq=4)[0], queries(seed=14, n=1, lq=2)[0], queries(seed=15, n=1, lq=4)[0]]
     index = build(docs, torch.int8, shard_tokens=20)
     corpus_rows = []
