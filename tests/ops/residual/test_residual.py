@@ -8,32 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from lik.compression import ResidualCodec, train_codec
-from lik.compression.packing import pack_residual_bits
 from lik.ops.maxsim.reference_varlen import maxsim_packed_reference
 from lik.ops.residual import decode_tokens, maxsim_residual
 
-
-def make_codec(dim, nbits, k=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    centroids = F.normalize(torch.randn(k, dim, generator=g), dim=-1)
-    weights = torch.sort(torch.randn(2**nbits, generator=g) * 0.1).values
-    cutoffs = torch.sort(torch.randn(2**nbits - 1, generator=g) * 0.1).values
-    return ResidualCodec(centroids, cutoffs, weights, nbits)
-
-
-def make_corpus(codec, lengths, seed=1, codes_dtype=torch.int32):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lengths)
-    codes = torch.randint(0, codec.num_centroids, (t,), generator=g).to(codes_dtype)
-    buckets = torch.randint(0, 2**codec.nbits, (t, codec.dim), generator=g)
-    residuals = pack_residual_bits(buckets, codec.nbits)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return codes, residuals, cu
-
-
-def expected(Q, codes, residuals, codec, cu, q_mask=None):
-    d = decode_tokens(codec, codes, residuals, torch.float64)
-    return maxsim_packed_reference(Q.detach().double(), d, cu, q_mask)
+from .helpers import expected, make_codec, make_corpus
 
 
 @pytest.mark.parametrize("nbits", [1, 2, 4])

@@ -15,37 +15,16 @@ from lik.compression import ResidualCodec
 from lik.compression.packing import pack_residual_bits
 from lik.config import override
 from lik.config.residual import ResidualStreamConfig, residual_stream_config
-from lik.ops.maxsim.reference_varlen import maxsim_packed_reference
 from lik.ops.residual import decode_into, decode_tokens, maxsim_residual, scan, score_residual_packed
 from lik.ops.residual.decode import group_weights
+
+from .helpers import expected, make_codec, make_corpus
 
 # 16-token tiles (the interpreter's); programs_per_sm 8 splits the tokens among several programs (one SM off CUDA)
 STREAM = ResidualStreamConfig(32, 1, 16, 4, 1, 8)
 FALLBACK = ResidualStreamConfig(chunk_tokens=20)
 # empty first, one token, across tiles, ending on a tile boundary, empty last
 LENGTHS = [0, 1, 37, 0, 5, 21, 0]
-
-
-def make_codec(dim, nbits, k=5, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    centroids = F.normalize(torch.randn(k, dim, generator=g), dim=-1).to(dtype)
-    weights = torch.sort(torch.randn(2**nbits, generator=g) * 0.1).values
-    cutoffs = torch.sort(torch.randn(2**nbits - 1, generator=g) * 0.1).values
-    return ResidualCodec(centroids, cutoffs, weights, nbits)
-
-
-def make_corpus(codec, lengths, seed=1, codes_dtype=torch.int32):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lengths)
-    codes = torch.randint(0, codec.num_centroids, (t,), generator=g).to(codes_dtype)
-    residuals = pack_residual_bits(torch.randint(0, 2**codec.nbits, (t, codec.dim), generator=g), codec.nbits)
-    cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
-    return codes, residuals, cu
-
-
-def expected(Q, codes, residuals, codec, cu, q_mask=None):
-    d = decode_tokens(codec, codes, residuals, torch.float64)
-    return maxsim_packed_reference(Q.detach().double(), d, cu, q_mask)
 
 
 @pytest.fixture

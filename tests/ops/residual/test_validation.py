@@ -7,7 +7,7 @@ import torch
 
 from lik.ops.residual import maxsim_residual
 
-from .test_residual import make_codec, make_corpus
+from .helpers import make_codec, make_corpus
 
 
 @pytest.fixture
