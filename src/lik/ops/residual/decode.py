@@ -112,6 +112,15 @@ def _slot_weight(byte, weights_ptr, w0, w1, w2, w3, SLOT: tl.constexpr, NBITS: t
 
 
 @triton.jit
+def _joined(byte, weights_ptr, w0, w1, w2, w3, A: tl.constexpr, B: tl.constexpr, NBITS: tl.constexpr):
+    """``tl.join`` of the weights at groups ``A`` and ``B`` of each byte (the new last axis: ``A``'s, then ``B``'s)."""
+    return tl.join(
+        _slot_weight(byte, weights_ptr, w0, w1, w2, w3, A, NBITS),
+        _slot_weight(byte, weights_ptr, w0, w1, w2, w3, B, NBITS),
+    )
+
+
+@triton.jit
 def _decode(
     res_ptr,
     codes_ptr,
@@ -167,41 +176,20 @@ def _select_weights(byte, weights_ptr, NBITS: tl.constexpr):
     # Interleave the group tiles: join's new axis is the fastest, so the first join pairs groups PER_BYTE / 2
     # apart and the last pairs neighbours; the flattened order is then the byte's dimensions in order.
     if NBITS == 4:
-        w = tl.join(
-            _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 0, NBITS),
-            _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 1, NBITS),
-        )
+        w = _joined(byte, weights_ptr, w0, w1, w2, w3, 0, 1, NBITS)
     elif NBITS == 2:
         w = tl.join(
-            tl.join(
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 0, NBITS),
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 2, NBITS),
-            ),
-            tl.join(
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 1, NBITS),
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 3, NBITS),
-            ),
+            _joined(byte, weights_ptr, w0, w1, w2, w3, 0, 2, NBITS),
+            _joined(byte, weights_ptr, w0, w1, w2, w3, 1, 3, NBITS),
         )
     else:
         even = tl.join(
-            tl.join(
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 0, NBITS),
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 4, NBITS),
-            ),
-            tl.join(
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 2, NBITS),
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 6, NBITS),
-            ),
+            _joined(byte, weights_ptr, w0, w1, w2, w3, 0, 4, NBITS),
+            _joined(byte, weights_ptr, w0, w1, w2, w3, 2, 6, NBITS),
         )
         odd = tl.join(
-            tl.join(
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 1, NBITS),
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 5, NBITS),
-            ),
-            tl.join(
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 3, NBITS),
-                _slot_weight(byte, weights_ptr, w0, w1, w2, w3, 7, NBITS),
-            ),
+            _joined(byte, weights_ptr, w0, w1, w2, w3, 1, 5, NBITS),
+            _joined(byte, weights_ptr, w0, w1, w2, w3, 3, 7, NBITS),
         )
         w = tl.join(even, odd)
     return tl.reshape(w, (w.shape[0], w.shape[1], 8 // NBITS))
