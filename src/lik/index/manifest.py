@@ -208,16 +208,23 @@ def _count(raw: dict, key: str, where: str, path, low: int = 0) -> int:
     return value
 
 
+def _file_and_sha(raw: dict, field, path) -> tuple[str, str]:
+    """A shard's or the codec's ``file`` (a plain name in the index directory) and ``sha256`` (64 lowercase hex
+    digits); ``field(key)`` is the field's name in the one-line errors."""
+    if "file" not in raw:
+        raise ValueError(f"{path}: field {field('file')} is missing")
+    file = check_plain_name(raw["file"], f"{path}: field {field('file')}")
+    sha = raw.get("sha256")
+    if not isinstance(sha, str) or _SHA256.fullmatch(sha) is None:
+        raise ValueError(f"{path}: field {field('sha256')} must be 64 lowercase hex digits, got {sha!r:.80}")
+    return file, sha
+
+
 def _shard_info(raw, number: int, path) -> ShardInfo:
     where = f"shards[{number}]."
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: field 'shards[{number}]' must be an object, got {type(raw).__name__}")
-    if "file" not in raw:
-        raise ValueError(f"{path}: field {where}'file' is missing")
-    file = check_plain_name(raw["file"], f"{path}: field {where}'file'")
-    sha = raw.get("sha256")
-    if not isinstance(sha, str) or _SHA256.fullmatch(sha) is None:
-        raise ValueError(f"{path}: field {where}'sha256' must be 64 lowercase hex digits, got {sha!r:.80}")
+    file, sha = _file_and_sha(raw, lambda key: f"{where}{key!r}", path)
     return ShardInfo(file, _count(raw, "num_docs", where, path), _count(raw, "num_tokens", where, path),
                      _count(raw, "bytes", where, path), sha)
 
@@ -230,12 +237,7 @@ def _codec_info(raw: dict, path) -> CodecInfo:
         raise ValueError(f"{path}: field 'codec.name' must be 'plaid', got {codec.get('name')!r:.40}")
     if codec.get("nbits") not in (1, 2, 4) or type(codec.get("nbits")) is not int:
         raise ValueError(f"{path}: field 'codec.nbits' must be 1, 2 or 4, got {codec.get('nbits')!r:.40}")
-    if "file" not in codec:
-        raise ValueError(f"{path}: field 'codec.file' is missing")
-    file = check_plain_name(codec["file"], f"{path}: field 'codec.file'")
-    sha = codec.get("sha256")
-    if not isinstance(sha, str) or _SHA256.fullmatch(sha) is None:
-        raise ValueError(f"{path}: field 'codec.sha256' must be 64 lowercase hex digits, got {sha!r:.80}")
+    file, sha = _file_and_sha(codec, lambda key: f"'codec.{key}'", path)
     rescore = codec.get("rescore_dtype")
     if rescore is not None and rescore not in ("float16", "int8"):
         raise ValueError(f"{path}: field 'codec.rescore_dtype' must be 'float16' or 'int8', got {rescore!r:.40}")
