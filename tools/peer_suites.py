@@ -11,23 +11,21 @@ and the tests that fail with the peer too); the shim leads ``PYTHONPATH`` (the t
 peers' pure-PyTorch references (``flash_maxsim.naive``, ``late_interaction_kernels.reference``) load from the sdist:
 lik is compared with the peers' own ground truth (PyLate's scores: its auto backend, an installed flash-maxsim).
 
-The suites run at once, each against the whole ``--deadline-s``, sharing ``--workers`` pytest-xdist workers. The
-files with test functions run in one pytest run; beside it the script-style files (module-level code) run as
-scripts, ``--script-jobs`` at once, a pass being exit status 0 and no FAIL / BAD verdict printed (without CUDA they
-are not run); each script may allocate ``--script-memory-fraction`` of the GPU's memory, since the peers' benchmark
-scripts raise the batch until memory runs out (their out-of-memory rows print no verdict). At a limit a run gets
-SIGINT: what pytest finished counts, a script's verdicts so far count, the rest is "not run". Each failure is a
-listed difference (reason printed), a test failing against the peer itself, UNEXPECTED, or counted apart (needs
-CUDA on a machine without it, needs a package not installed). A file whose every test is a listed difference is
-not run unless ``--run-listed``. ``--baseline`` also runs each suite against the peer (its sdist package) and marks
-the failures it shares. Exit status 1 when anything is UNEXPECTED; ``--out`` receives ``summary.md`` and
-``peer_suites_logs.tar.gz`` (JUnit XML and every log).
+The suites run at once within ``--deadline-s``, sharing ``--workers`` pytest-xdist workers: test functions in one
+pytest run, script-style files beside it as scripts (``--script-jobs`` at once, each with
+``--script-memory-fraction`` of GPU memory, as the peers' benchmark scripts raise the batch until memory runs out; a
+pass is exit status 0 and no FAIL / BAD verdict; not run without CUDA). At a limit a run gets SIGINT: what finished
+counts, the rest is "not run". Each failure is a listed difference, a failure the peer shares, UNEXPECTED, or counted
+apart (needs CUDA or a missing package). A file whose every test is listed is not run unless ``--run-listed``;
+``--baseline`` also runs each suite against the peer, marking shared failures. Exit 1 when anything is UNEXPECTED;
+``--out`` gets ``summary.md`` and ``peer_suites_logs.tar.gz``.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import functools
 import importlib.util
 import os
 import re
@@ -207,9 +205,10 @@ class Clock:
 def _run(cmd: list[str], cwd: Path, env: dict, timeout_s: int, grace_s: int = 15) -> tuple[int | None, str]:
     """``(exit status, output)``; at the time limit the command and its children (pytest-xdist's workers) get
     SIGINT (pytest then writes its report of what ran), after ``grace_s`` more SIGKILL, and the status is None."""
-    process = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    # A background job of a non-interactive shell inherits SIGINT ignored: its pytest would never stop and report.
+    sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, preexec_fn=sigint, **pipes)
     try:
         output, _ = process.communicate(timeout=timeout_s)
         return process.returncode, output
