@@ -120,8 +120,8 @@ def topk_on_exact_data(device, dtype, top_k, scorer, shape):
     """Top-k against the float64 reference on entries in {-3..3} / 8, where every similarity is a multiple of 1/64
     below 2^11 / 64: exact in half-precision products and in any fp32 (or fp16, or tensor-core) order of the sum,
     so ties are exact and every chosen token must be the reference's (lower token first). ``scorer``: ``"maxsim"``
-    (on a GPU, half inputs are scored in fp32: ``apply_soft``) or ``"half_kernels"`` (the kernels on the inputs as
-    given). ``shape``: ``(Nq, Lq, B, Ld, d)``."""
+    (the public call) or ``"half_kernels"`` (the autograd node on the inputs as given). ``shape``: ``(Nq, Lq, B,
+    Ld, d)``."""
     n_q, l_q, n_docs, l_d, dim = shape
     rng = torch.Generator().manual_seed(3)
     Q = torch.randint(-3, 4, (n_q, l_q, dim), generator=rng).div(8)

