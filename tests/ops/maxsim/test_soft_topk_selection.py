@@ -119,14 +119,16 @@ def test_check_selection_fails_on_a_wrong_choice():
             check_selection(bad, Q, D, q_mask, d_mask, 3)
 
 
+_WIDE = [(16, 32, 16, 180, 128), (2, 300, 3, 1030, 128), (2, 9, 3, 40, 1000)]
+# Every dtype at top_k 4, fp16 at 16 (the slots past 8 and the feature chunks of d = 1000 take the same code).
+DEVICE_CASES = [(dt, 4, shape) for dt in (torch.float16, torch.bfloat16, torch.float32) for shape in _WIDE]
+DEVICE_CASES += [(torch.float16, 16, shape) for shape in (*_WIDE, (3, 7, 5, 33, 256))]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("top_k", [4, 16])
-@pytest.mark.parametrize(
-    "shape", [(16, 32, 16, 180, 128), (2, 300, 3, 1030, 128), (3, 7, 5, 33, 256), (2, 9, 3, 40, 1000)]
-)
+@pytest.mark.parametrize("dtype,top_k,shape", DEVICE_CASES)
 def test_topk_on_device_against_its_own_choice(dtype, top_k, shape):
-    """Tensor-core half products (and fp32 IEEE ones): the shapes of the smooth float64 GPU test."""
+    """Tensor-core half products (and fp32 IEEE ones) at the shapes of the smooth float64 GPU test."""
     topk_against_own_choice("cuda", dtype, top_k, shape)
 
 
