@@ -5,7 +5,8 @@
 Assigns ``--tokens`` unit fp16 tokens (d = 128, made on the device in pieces of ``--piece`` tokens) to
 ``--centroids`` unit centroids, with and without the L2 bias, and prints TFLOP/s (``2 * N * K * d`` per call);
 checks a 1 M-token slice against the PyTorch reference (chunked fp16 GEMM + argmax: agreement and the reference's
-own time). Writes ``nearest_probe.json``; stops starting new measurements past ``--time-budget-s``.
+own time), times k-means on ``--kmeans-tokens`` tokens (fp16 and fp32 products) and the codec's compression of
+4 Mi tokens as it is. Writes ``nearest_probe.json``; starts no new measurement past ``--time-budget-s``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # a checkout without installing lik
 
+from lik.compression import ResidualCodec, kmeans  # noqa: E402
 from lik.compression.nearest import nearest_centroid, nearest_centroid_reference  # noqa: E402
 
 
@@ -30,6 +32,7 @@ def main(argv=None) -> int:
     parser.add_argument("--centroids", type=int, default=1 << 16)
     parser.add_argument("--piece", type=int, default=1 << 24, help="tokens per kernel call")
     parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--kmeans-tokens", type=int, default=1 << 22, help="k-means training sample (GPU only)")
     parser.add_argument("--time-budget-s", type=float, default=60.0)
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
@@ -82,6 +85,31 @@ def main(argv=None) -> int:
             f"reference (chunked fp16 GEMM + argmax), 1 Mi tokens: {ref_s * 1e3:.0f} ms; codes agree {agree:.5f}, "
             f"max score diff {err:.2e}"
         )
+    train = piece[: args.kmeans_tokens].float()
+    for dtype in (torch.float16, torch.float32):
+        if time.perf_counter() - started > args.time_budget_s or device.type != "cuda":
+            break
+        sync()
+        t0 = time.perf_counter()
+        kmeans(train, args.centroids, niters=4, seed=0, matmul_dtype=dtype)
+        sync()
+        seconds = time.perf_counter() - t0
+        result[f"kmeans_{dtype}"] = seconds
+        print(f"kmeans {train.shape[0]} tokens -> {args.centroids}, 4 iterations, {dtype} products: {seconds:.2f} s")
+        save()
+    if time.perf_counter() - started < args.time_budget_s and device.type == "cuda":
+        # The codec's compression as it is (its own assignment), on 4 Mi tokens: the build's per-token cost.
+        codec = ResidualCodec(c.float(), torch.tensor([-0.02, 0.0, 0.02]), torch.tensor([-0.03, -0.01, 0.01, 0.03]), 2)
+        x = piece[: 1 << 22]
+        codec.compress(x[:4096])
+        sync()
+        t0 = time.perf_counter()
+        codec.compress(x)
+        sync()
+        seconds = time.perf_counter() - t0
+        result["codec_compress_4mi_s"] = seconds
+        print(f"ResidualCodec.compress 4 Mi tokens ({args.centroids} centroids): {seconds:.2f} s")
+        save()
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     save()
