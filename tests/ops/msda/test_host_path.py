@@ -1,5 +1,6 @@
 """The host path of deformable attention, counted on the CPU so it cannot grow unnoticed: the PyTorch operators one
-call issues besides its kernel launch (a forward: its output's allocation, nothing else), no device synchronisation
+call issues besides its kernel launch (a forward: its output's allocation, nothing else; a replayed backward: its
+three buffers, and one cast for a half-precision value), no device synchronisation
 (``aten._local_scalar_dense``, a ``.item()`` / ``.tolist()`` / ``bool()`` of a CUDA tensor) once the level table has
 been checked, and a repeated :func:`lik.ms_deform_attn` whose key passed the checks skipping them (no check, no
 route: the recorded launch at once) while bad arguments are still refused.
@@ -14,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lik import _launch, _replay
+from lik.ops.msda import backward as msda_backward_module
 from lik.ops.msda import forward as msda_forward_module
 from lik.ops.msda import function as msda_function_module
 from lik.ops.msda import ms_deform_attn, ms_deform_attn_v2
@@ -23,6 +25,8 @@ from .helpers import rand_problem
 
 HW = [(5, 6), (3, 3)]
 ALLOCATION = "aten.empty.memory_format"
+SYNC = "aten._local_scalar_dense.default"
+DEVICE = "stand-in device"  # a key's first entry: the device current when it was made
 
 
 class _Operators(TorchDispatchMode):
@@ -73,7 +77,7 @@ def replays(stubbed, monkeypatch):
             self.run = lambda *a: runs.append((kernel, a[9:]))
 
     def replay_key(value, shapes, starts, loc, attn, *more):
-        return tuple(_replay.layout_key(t) for t in (value, shapes, starts, loc, attn)) + more
+        return (DEVICE, *(_replay.layout_key(t) for t in (value, shapes, starts, loc, attn)), *more)
 
     monkeypatch.setattr(_launch, "replay_of", lambda kernel, grid, *args, **kwargs: StandIn(kernel, grid))
     monkeypatch.setattr(_launch, "_get_stream", lambda device: 0)
@@ -127,9 +131,9 @@ def test_a_checked_key_replays_without_checking_again(rng, replays, monkeypatch,
         assert type(out.grad_fn).__name__ == "_ReplayedFunctionBackward"
 
 
-def _label(address: int, sources, out) -> int | str:
+def _label(address: int, sources, out=None) -> int | str:
     """Which of a call's tensors ``address`` is: its output, or the index of the input."""
-    if address == out.data_ptr():
+    if out is not None and address == out.data_ptr():
         return "out"
     return [t.data_ptr() for t in sources].index(address)
 
@@ -224,6 +228,83 @@ def test_a_v2_point_table_forward_replays_its_launch(rng, replays, monkeypatch, 
             assert _label(a, (*second, table), out) == _label(b.data_ptr(), (*first, table), want[6])
         else:
             assert a == b
+
+
+@pytest.fixture
+def backward_replays(replays, monkeypatch):
+    """:func:`replays` for the atomic backward too: its launch stubbed, its keys made on the CPU, replays allowed,
+    and the stand-in device current. Yields the launches, the stand-in's runs and the calls of the backward's own
+    keying of the five tensors (:func:`lik.ops.msda.forward.replay_key`)."""
+    launches, runs = replays
+    keyed = []
+    forward_key = msda_forward_module.replay_key
+    monkeypatch.setattr(msda_backward_module, "launch", msda_forward_module.launch)
+    monkeypatch.setattr(msda_backward_module, "replay_key", lambda *a: keyed.append(a) or forward_key(*a))
+    monkeypatch.setattr(msda_backward_module, "allowed", lambda: True)
+    monkeypatch.setattr(msda_backward_module, "current_device", lambda: DEVICE)
+    monkeypatch.setattr(msda_backward_module, "_REPLAYS", {})
+    return launches, runs, keyed
+
+
+def _training_call(rng, dtype, wanted=(True, True, True)):
+    value, shapes, starts, loc, attn = _problem(rng, False)
+    value, loc, attn = (t.to(dtype).requires_grad_(w) for t, w in zip((value, loc, attn), wanted))
+    out = ms_deform_attn(value, shapes, starts, loc, attn)
+    grad = torch.randn(out.shape, generator=rng).to(dtype)
+    return (value, shapes, starts, loc, attn, grad), out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_replayed_backward_makes_its_buffers_and_nothing_else(rng, backward_replays, dtype):
+    """The backward of a replayed forward: the zeroed value-gradient buffer and the two point gradients (a half
+    value adds its one cast from the fp32 buffer), no synchronisation, and no keying of the saved tensors (the
+    forward's key is reused); the stand-in gets what the full path's launch got, with this call's addresses."""
+    launches, runs, keyed = backward_replays
+    first, out = _training_call(rng, dtype)
+    leaves = [first[i] for i in (0, 3, 4)]
+    full = torch.autograd.grad(out, leaves, first[5])  # full path: keyed, recorded, filed
+    assert len(launches) == 2 and len(keyed) == 1 and len(msda_backward_module._REPLAYS) == 1
+    again, out = _training_call(rng, dtype)
+    assert type(out.grad_fn).__name__ == "_ReplayedFunctionBackward" and len(runs) == 1
+    names, grads = _operators(lambda: torch.autograd.grad(out, [again[i] for i in (0, 3, 4)], again[5]))
+    cast = ["aten._to_copy.default"] if dtype != torch.float32 else []
+    assert names == ["aten.zeros.default", ALLOCATION, ALLOCATION, *cast] and SYNC not in names
+    assert len(keyed) == 1 and len(launches) == 2 and len(runs) == 2
+    assert [(g.shape, g.dtype) for g in grads] == [(g.shape, g.dtype) for g in full]
+    (kernel, got), (full_kernel, _, want) = runs[1], launches[1]
+    assert kernel is full_kernel and len(got) == len(want)
+    if dtype == torch.float32:  # the returned value gradient is the buffer the kernel wrote
+        for a, b in zip(got, want):
+            if isinstance(b, torch.Tensor):
+                assert _label(a, (*again, *grads)) == _label(b.data_ptr(), (*first, *full))
+            else:
+                assert a == b
+
+
+def test_a_replayed_backward_keys_again_off_its_forwards_device_and_returns_only_wanted_gradients(
+        rng, backward_replays, monkeypatch):
+    launches, runs, keyed = backward_replays
+    first, out = _training_call(rng, torch.float32, wanted=(False, True, True))
+    torch.autograd.grad(out, [first[3], first[4]], first[5])
+    again, out = _training_call(rng, torch.float32, wanted=(False, True, True))
+    monkeypatch.setattr(msda_backward_module, "current_device", lambda: "another device")
+    grad_loc, grad_attn = torch.autograd.grad(out, [again[3], again[4]], again[5])
+    assert len(keyed) == 2 and len(runs) == 2 and len(launches) == 2  # keyed in full, then replayed
+    assert grad_loc.shape == again[3].shape and grad_attn.shape == again[4].shape
+
+
+def test_a_replayed_forwards_deterministic_backward_is_the_full_one(rng, backward_replays):
+    launches, runs, keyed = backward_replays
+    for _ in range(2):
+        problem, out = _training_call(rng, torch.float32)
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.autograd.grad(out, [problem[i] for i in (0, 3, 4)], problem[5])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert type(out.grad_fn).__name__ == "_ReplayedFunctionBackward"
+    assert msda_backward_module._REPLAYS == {} and not keyed
+    assert [k.fn.__name__ for k, _, _ in launches[1:]] == ["msda_bwd_kernel", "msda_bwd_value_kernel"]
 
 
 # ------------------------------------------------------------------------------------------------- GPU only

@@ -17,13 +17,15 @@ A corner cell is indexed on a (H + 1) x (W + 1) grid per level, since a top-left
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from ..._device import cdiv
+from ..._device import cdiv, current_device
 from ..._launch import launch
-from ..._replay import NEVER, file, layout_key, made, note, plan_of, recording
+from ..._replay import NEVER, allowed, file, layout_key, made, note, plan_of, recording
 from ...config.msda import msda_backward_config, value_grad_accumulation
 from .forward import (RUNTIME_INTS, check_pixel_count, check_point_tile, contiguous_strides, dense, kernel_value,
                       nearest_pixel, replay_key)
@@ -47,14 +49,24 @@ def msda_bwd_kernel(
     WRITE_BUCKETS: tl.constexpr,
     POINT_TABLE: tl.constexpr = False,
     DISCRETE: tl.constexpr = False,
+    SPLIT_LEVELS: tl.constexpr = False,
 ):
     # Every tensor is contiguous (the launcher makes it so); value and the fp32 value gradient share one layout.
-    # POINT_TABLE and DISCRETE as in the forward.
+    # POINT_TABLE and DISCRETE as in the forward. SPLIT_LEVELS: one level per program (grid axis 0 is row blocks
+    # times levels, level fastest); a level's points are nobody else's, so nothing but the parallelism changes.
     (stride_vn, stride_vs, stride_vm, stride_ln, stride_lq, stride_lm, stride_ll, stride_an, stride_aq, stride_am,
      stride_al, stride_on, stride_oq) = contiguous_strides(n_pixels, n_queries, n_heads,
                                                            1 if POINT_TABLE else n_levels, n_points, DIM,
                                                            HEAD_MAJOR)
-    row_ok, batch, query, head = query_rows(tl.program_id(0), n_rows, n_queries, n_heads, BLOCK_R)
+    if SPLIT_LEVELS:
+        block = tl.program_id(0) // n_levels
+        first_level = tl.program_id(0) % n_levels
+        end_level = first_level + 1
+    else:
+        block = tl.program_id(0)
+        first_level = 0
+        end_level = n_levels
+    row_ok, batch, query, head = query_rows(block, n_rows, n_queries, n_heads, BLOCK_R)
     chunk = tl.program_id(1)
     chan = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     if DIM % BLOCK_D == 0:
@@ -75,7 +87,7 @@ def msda_bwd_kernel(
 
     # As in the forward: one loop over levels, all points of a level in one [rows, BLOCK_P] tile.
     point = tl.arange(0, BLOCK_P)
-    for level in range(n_levels):
+    for level in range(first_level, end_level):
         height, width, start = level_shape(level, shapes_ptr, starts_ptr, 2, 1, 1)
         first, count = level_points(level, points_ptr, n_points, POINT_TABLE)
         live = row_ok[:, None] & (point < count)[None, :]
@@ -242,6 +254,13 @@ def msda_bwd_value_kernel(
 # point gradients in their dtype).
 _REPLAYS: dict[tuple, object] = {}
 
+# Launch variants of the atomic backward, for timing on a GPU (not public; the default is ""): "split" gives each
+# program one level (4x the programs of a decoder's 9 600 rows, whose 1-warp programs otherwise walk their levels
+# one after the other with every gather's latency exposed), "r2" halves the rows of a tile, "split-r2" does both.
+# Chosen by LIK_MSDA_BWD_VARIANT at import or by setting _VARIANT; part of the replay key.
+VARIANTS = ("", "split", "r2", "split-r2")
+_VARIANT = os.environ.get("LIK_MSDA_BWD_VARIANT", "")
+
 
 def _replay_atomic(plan, sources: tuple, value: torch.Tensor):
     """The atomic backward replayed from ``plan`` with ``sources = (value, shapes, starts, loc, attn, grad_out)``."""
@@ -263,10 +282,17 @@ def _atomic_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _in_value_dtype(gvalue: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """The fp32 value gradient in ``value``'s dtype (a copy only when they differ)."""
+    """The fp32 value gradient in ``value``'s dtype (one cast, only when they differ)."""
     if gvalue.dtype == value.dtype:
         return gvalue
-    return torch.empty(gvalue.shape, dtype=value.dtype, device=gvalue.device).copy_(gvalue)
+    return gvalue.to(value.dtype)
+
+
+def _backward_key(forward_key: tuple, grad_out: torch.Tensor, value_dtype: torch.dtype) -> tuple:
+    """The atomic backward's replay key: the forward's (:func:`lik.ops.msda.forward.replay_key` of the same five
+    tensors) with the output gradient's layout and the value gradient's buffer dtype (the opt-in accumulation
+    changes the recorded launch)."""
+    return (*forward_key, layout_key(grad_out), _atomic_dtype(value_dtype), _VARIANT)
 
 
 def msda_backward(
@@ -278,13 +304,21 @@ def msda_backward(
     attn: torch.Tensor,
     *,
     deterministic: bool,
+    forward_key: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(grad_value, grad_sampling_locations, grad_attention_weights)``, each in its input's dtype (any
     strides: non-contiguous inputs are copied once). An atomic backward whose shapes were launched before replays
-    that launch."""
-    # The value gradient's buffer dtype is part of the key: the opt-in accumulation changes the recorded launch.
-    key = None if deterministic else replay_key(value, shapes, starts, loc, attn, layout_key(grad_out),
-                                                _atomic_dtype(value.dtype))
+    that launch.
+
+    ``forward_key``: the replay key under which these five tensors' forward replayed (the autograd Function saved
+    them, so their layouts are still the key's); it spares the backward from keying them again (~40% of a replayed
+    backward's host time). It is used only while it names the current device."""
+    if deterministic:
+        return _backward(grad_out, value, shapes, starts, loc, attn, deterministic)
+    if forward_key is not None and allowed() and forward_key[0] == current_device():
+        key = _backward_key(forward_key, grad_out, value.dtype)
+    else:
+        key = replay_key(value, shapes, starts, loc, attn, layout_key(grad_out), _atomic_dtype(value.dtype), _VARIANT)
     plan = None if key is None else _REPLAYS.get(key)
     sources = (value, shapes, starts, loc, attn, grad_out)
     if plan is not None and plan is not NEVER:
@@ -347,15 +381,21 @@ def launch_backward(grad_out, value, shapes, starts, loc, attn, deterministic: b
         made(gloc), made(gattn)
         cells, n_cells, no_bucket, buckets = starts, 0, 0, gvalue
 
-    grid = (-(-n_rows // cfg.block_rows), n_chunks)
+    block_rows, split = cfg.block_rows, False
+    if _VARIANT and not deterministic:
+        split = _VARIANT.startswith("split")
+        block_rows = max(1, block_rows // 2) if _VARIANT.endswith("r2") else block_rows
+    grid = (-(-n_rows // block_rows) * (n_levels if split else 1), n_chunks)
     tensors = (value, shapes, starts, starts if points is None else points, cells, loc, attn, grad_out, gvalue, gloc,
                gattn, buckets)
     ints = (n_rows, n_pixels, n_queries, heads, n_levels, n_points, n_cells, no_bucket, n_samples)
-    options = dict(DIM=dim, BLOCK_R=cfg.block_rows, BLOCK_P=cfg.block_points, BLOCK_D=cfg.block_d,
+    options = dict(DIM=dim, BLOCK_R=block_rows, BLOCK_P=cfg.block_points, BLOCK_D=cfg.block_d,
                    HEAD_MAJOR=head_major, ATOMIC_VALUE=not deterministic, WRITE_BUCKETS=deterministic,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if points is not None or discrete:
         options.update(POINT_TABLE=points is not None, DISCRETE=discrete)
+    if split:
+        options.update(SPLIT_LEVELS=True)
     launch(msda_bwd_kernel, grid, *tensors, *ints, **options)
     if n_chunks > 1:
         gloc = gloc.sum(0).to(loc.dtype)

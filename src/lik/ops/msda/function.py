@@ -127,16 +127,29 @@ class _CheckedInputsFunction(MSDeformAttnFunction):
 
 class _ReplayedFunction(MSDeformAttnFunction):
     """The same Function for a call :func:`ms_deform_attn` found among its checked keys: the forward replays the
-    recorded launch it is given (``plan``, after the inputs), the backward is the Function's."""
+    recorded launch it is given (``plan``, after the inputs, with its replay ``key``); the atomic backward keys its
+    replay from ``key`` instead of keying the five saved tensors again."""
 
     @staticmethod
     def forward(ctx, value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
-                plan):
-        ctx.kernels = True
+                plan, key):
+        ctx.key = key
         ctx.save_for_backward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
                               attention_weights)
         return forward_module.replay(plan, value, value_spatial_shapes, value_level_start_index,
                                      sampling_locations, attention_weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if torch.compiler.is_compiling() or torch.are_deterministic_algorithms_enabled():
+            ctx.kernels = True
+            return (*MSDeformAttnFunction.backward(ctx, grad_output), None)
+        value, shapes, starts, loc, attn = ctx.saved_tensors
+        grad_value, grad_loc, grad_attn = msda_backward(grad_output, value, shapes, starts, loc, attn,
+                                                        deterministic=False, forward_key=ctx.key)
+        wanted = ctx.needs_input_grad
+        return (grad_value if wanted[0] else None, None, None, grad_loc if wanted[3] else None,
+                grad_attn if wanted[4] else None, None, None)
 
 
 # Calls of ms_deform_attn that passed check_inputs and whose forward was recorded, by the forward's replay key, with
@@ -224,7 +237,7 @@ def ms_deform_attn(
         check_level_table(value_spatial_shapes, value_level_start_index, value.shape[1])
         if needs_grad:
             return _ReplayedFunction.apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                                           attention_weights, plan)
+                                           attention_weights, plan, key)
         return forward_module.replay(plan, value, value_spatial_shapes, value_level_start_index,
                                      sampling_locations, attention_weights)
     out = _route(_uses_kernels(value, sampling_locations, attention_weights), needs_grad,
