@@ -15,7 +15,8 @@ through one span per side, so every scorer shares these three kernels:
   recomputes each tile's weights ``exp2(s * log2(e) / tau - lse2)``; top-k's are ``1 / count`` on the row's
   chosen tokens, so it gathers those ``top_k`` rows of ``D`` (no product with the other tiles).
 * :func:`soft_bwd_dd_kernel`: a program per (document, token block, feature block) adds ``(grad * W)^T @ Q``
-  over its queries: no atomics, so bitwise repeatable.
+  over its queries: no atomics, so bitwise repeatable. Top-k's ``dD`` outside ``backward="deterministic"`` is
+  sparse instead: the dQ kernel scatters each chosen token's ``grad / count * Q[row]`` with fp32 atomics.
 
 Tie rule of top-k: among equal similarities the lower token index is chosen first (the reference's stable sort).
 A NaN similarity of a valid token ranks above every number and makes its row NaN.
@@ -101,22 +102,23 @@ def _columns(d_mask_base, cols, doc_length, stride_dml, HAS_D_MASK: tl.constexpr
 
 
 @triton.jit
-def _insert_top_k(x, cols, vals, toks, slots, SLOTS: tl.constexpr):
-    """Merge a tile ``x [rows, BLOCK_N]`` (ranked; excluded columns -inf) into each row's running top-k
-    ``(vals, toks) [rows, SLOTS]`` (slots past ``top_k`` hold +inf and are never replaced). The tile's best
-    (highest value, then lowest token) replaces the row's worst (lowest value, then highest token) while it is
-    strictly higher; tiles come in token order, so an equal value never displaces an earlier token."""
-    v = tl.max(x, axis=1)
+def _insert_top_k(x, t0, vals, toks, slots, SLOTS: tl.constexpr):
+    """Merge a tile ``x [rows, BLOCK_N]`` of tokens ``t0 + 0..BLOCK_N-1`` (ranked; excluded columns -inf) into
+    each row's running top-k ``(vals, toks) [rows, SLOTS]`` (slots past ``top_k`` hold +inf and are never
+    replaced). The tile's best (highest value, then lowest token: one arg-max reduction) replaces the row's worst
+    (lowest value, then highest token) while it is strictly higher; tiles come in token order, so an equal value
+    never displaces an earlier token. A tile no row's worst is below costs the one reduction."""
+    local = tl.arange(0, x.shape[1])
+    v, c = tl.max(x, axis=1, return_indices=True, return_indices_tie_break_left=True)
     worst = tl.min(vals, axis=1)
     go = v > worst
-    while tl.sum(go.to(tl.int32), axis=0) > 0:
-        c = tl.min(tl.where(x == v[:, None], cols[None, :], 2147483647), axis=1)
+    while tl.max(go.to(tl.int32), axis=0) > 0:
         worst_key = tl.max(tl.where(vals == worst[:, None], (toks + 1) * SLOTS + slots[None, :], -1), axis=1)
         put = go[:, None] & (slots[None, :] == (worst_key % SLOTS)[:, None])
         vals = tl.where(put, v[:, None], vals)
-        toks = tl.where(put, c[:, None], toks)
-        x = tl.where(go[:, None] & (cols[None, :] == c[:, None]), float("-inf"), x)
-        v = tl.max(x, axis=1)
+        toks = tl.where(put, (t0 + c)[:, None], toks)
+        x = tl.where(go[:, None] & (local[None, :] == c[:, None]), float("-inf"), x)
+        v, c = tl.max(x, axis=1, return_indices=True, return_indices_tie_break_left=True)
         worst = tl.min(vals, axis=1)
         go = v > worst
     return vals, toks
@@ -187,7 +189,7 @@ def soft_fwd_kernel(
             else:
                 nan = sim != sim
                 has_nan |= tl.max(nan.to(tl.int32), axis=1) != 0
-                vals, toks = _insert_top_k(tl.where(nan, float("inf"), sim), cols, vals, toks, slots, SLOTS)
+                vals, toks = _insert_top_k(tl.where(nan, float("inf"), sim), t0, vals, toks, slots, SLOTS)
         scored = row_ok & (n_counted > 0)
         if REDUCTION == REDUCE_SMOOTH:
             lse2 = m + tl.log2(tl.where(acc > 0, acc, 1.0))  # (a row with no token: masked out below)
@@ -243,7 +245,7 @@ def _row_stats(stats_ptr, stats_base, rows, row_ok, slots, REDUCTION: tl.constex
 
 @triton.jit(do_not_specialize=SOFT_RUNTIME_INTS)
 def soft_bwd_dq_kernel(
-    grad_ptr, q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_q_ptr, cu_d_ptr, stats_ptr, dq_ptr,
+    grad_ptr, q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_q_ptr, cu_d_ptr, stats_ptr, dq_ptr, dd_ptr,
     n_queries, n_docs, q_len, doc_len, n_q_rows, n_d_rows, q_blocks, n_feature_blocks, scale2,
     n_splits, split_docs, split_stride,
     stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk,
@@ -251,13 +253,17 @@ def soft_bwd_dq_kernel(
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     REDUCTION: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, PER_QUERY: tl.constexpr, LAYOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STORE_DQ: tl.constexpr = True, DD_ATOMIC: tl.constexpr = False,
 ):
     """``dQ`` (fp32 ``[n_splits, *q.shape]``, contiguous) of one query's row block and feature block: the sum over
     its documents of ``grad[n, b] * W @ D``, with ``W`` recomputed per tile (smooth) or as a gather of each row's
     ``TOP_K`` chosen rows of ``D`` (top-k: ``W`` is sparse). Rows that scored 0 get 0 (the launcher
     zeroes ``dq_ptr``). Each program takes ``split_docs`` documents and writes its fp32 partial at ``split *
-    split_stride`` (the launcher adds the ``n_splits`` partials in a fixed order: deterministic)."""
+    split_stride`` (the launcher adds the ``n_splits`` partials in a fixed order: deterministic).
+
+    ``DD_ATOMIC`` (top-k only): also the sparse ``dD``, scattered with fp32 atomics into ``dd_ptr`` (pre-zeroed,
+    contiguous, ``d``'s shape): each (query row, document, slot) adds ``grad * Q[row] / count`` to its chosen
+    token's row, once over the grid (``STORE_DQ`` False: dD alone)."""
     pid = tl.program_id(0).to(tl.int64)
     f_block = pid % n_feature_blocks
     pid = pid // n_feature_blocks
@@ -305,15 +311,26 @@ def soft_bwd_dq_kernel(
             # Top-k: W is 1 / count on each row's chosen tokens, so dQ gathers those TOP_K rows of D per query row
             # instead of a product with every tile (a masked token chosen in mask_mode "zero" is a constant 0).
             w_row = row_stat * grad
+            if LAYOUT == PADDED:
+                dd_base = (doc_set * n_docs + b) * doc_len
+            else:
+                dd_base = d_start
             for j in range(TOP_K):  # (a loop, not unrolled: TOP_K gathers in flight spill registers)
                 token = tl.sum(tl.where(slots[None, :] == j, toks, 0), axis=1)
                 chosen = token >= 0
                 if HAS_D_MASK:
                     chosen &= tl.load(d_mask_base + token.to(tl.int64) * stride_dml, mask=chosen, other=0) != 0
-                picked = _rows(d_base, token, chosen, ff, stride_dl, stride_dk, DIM)
-                out += tl.where(chosen, w_row, 0.0)[:, None] * picked.to(tl.float32)
-    tl.store(dq_ptr + split * split_stride + dq_rows[:, None] * DIM + ff[None, :], out.to(dq_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (ff[None, :] < DIM))
+                w_chosen = tl.where(chosen, w_row, 0.0)[:, None]
+                if STORE_DQ:
+                    picked = _rows(d_base, token, chosen, ff, stride_dl, stride_dk, DIM)
+                    out += w_chosen * picked.to(tl.float32)
+                if DD_ATOMIC:
+                    tl.atomic_add(dd_ptr + (dd_base + token.to(tl.int64))[:, None] * DIM + ff[None, :],
+                                  w_chosen * q_tile.to(tl.float32), mask=chosen[:, None] & (ff[None, :] < DIM),
+                                  sem="relaxed")
+    if STORE_DQ:
+        tl.store(dq_ptr + split * split_stride + dq_rows[:, None] * DIM + ff[None, :],
+                 out.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (ff[None, :] < DIM))
 
 
 @triton.jit(do_not_specialize=SOFT_RUNTIME_INTS)

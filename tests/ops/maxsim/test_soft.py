@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import lik
+from lik import _launch
 from lik.config import override
 from lik.config.maxsim import MaxSimSoftConfig
 from lik.ops.maxsim.options import check_options
@@ -191,6 +192,52 @@ def test_backward_is_repeatable_bit_for_bit():
     again = _grads(lik.maxsim, Q, D, q_mask, d_mask, reduction="smooth", tau=0.3)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mask_mode", ["exclude", "zero"])
+def test_topk_dd_deterministic_products_and_atomic_scatter_agree(mask_mode, monkeypatch):
+    """Top-k's two dD forms: the products of ``backward="deterministic"`` (bitwise repeatable) and the fp32 atomic
+    scatter of ``"fast"``, both against float64, with per-query documents and garbage in masked positions."""
+    rng = torch.Generator().manual_seed(7)
+    Q, D, q_mask, d_mask = rand_problem(rng, 2, 5, 3, 19, 12, per_query=True)
+    D[~d_mask] = float("inf")
+    grad = torch.randn(2, 3, generator=rng)
+    kw = dict(mask_mode=mask_mode, reduction="topk", top_k=3)
+    want = _grads(maxsim_reference, Q, D, q_mask, d_mask, grad, torch.float64, **kw)
+    runs, kernels = {}, {}
+    for b in ("deterministic", "fast"):
+        names = []
+        monkeypatch.setattr(_launch, "WATCH", lambda kernel, *_, names=names: names.append(kernel.fn.__name__))
+        runs[b] = _grads(lik.maxsim, Q, D, q_mask, d_mask, grad, torch.float32, backward=b, **kw)
+        kernels[b] = set(names)
+    monkeypatch.setattr(_launch, "WATCH", None)
+    assert "soft_bwd_dd_kernel" in kernels["deterministic"] and "soft_bwd_dd_kernel" not in kernels["fast"]
+    for got in runs.values():
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, atol=2e-5, rtol=1e-4)
+    again = _grads(lik.maxsim, Q, D, q_mask, d_mask, grad, torch.float32, backward="deterministic", **kw)
+    assert all(torch.equal(a, b) for a, b in zip(runs["deterministic"], again))
+
+
+def test_topk_packed_dd_under_deterministic_algorithms():
+    """The packed scorers follow ``torch.use_deterministic_algorithms``: the products form of top-k's dD."""
+    rng = torch.Generator().manual_seed(8)
+    d, cu_d, max_d = lik.pack([torch.randn(n, 6, generator=rng) for n in (7, 0, 17)])
+    Q = torch.randn(2, 4, 6, generator=rng)
+    weights = torch.randn(2, 3, generator=rng)
+    was = torch.are_deterministic_algorithms_enabled()
+    grads = []
+    try:
+        for deterministic, dtype in ((True, torch.float32), (False, torch.float32), (False, torch.float64)):
+            torch.use_deterministic_algorithms(deterministic)
+            Qg, dg = Q.to(dtype).requires_grad_(), d.to(dtype).requires_grad_()
+            s = lik.maxsim_packed(Qg, dg, cu_d, reduction="topk", top_k=5)
+            grads.append((s, *torch.autograd.grad(s, (Qg, dg), weights.to(dtype))))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for got in grads[:2]:
+        for g, w in zip(got, grads[2]):
+            torch.testing.assert_close(g.double(), w, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("reduction,kw", SOFT[::2], ids=IDS[::2])

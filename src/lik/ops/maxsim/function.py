@@ -352,7 +352,7 @@ def _with_options(Q, D, q_mask, d_mask, mask_mode, backward, q_scale, d_scale, o
     n_q, l_q = inputs.q.shape[0], inputs.q.shape[1]
     scale = inverse_counts(inputs.q_mask, n_q, l_q, inputs.q.device) if options.normalized else None
     if options.reduction != "max":
-        return inputs.finish(apply_soft(inputs.q, inputs.d, padded_layout(inputs), options, scale))
+        return inputs.finish(apply_soft(inputs.q, inputs.d, padded_layout(inputs), options, scale, deterministic))
     caller_scale = None if scale is None else (scale[0] if inputs.squeeze_query else scale)
     if needs_grad and not torch.compiler.is_compiling():
         key = None

@@ -5,7 +5,8 @@ layout: padded (:func:`lik.maxsim`), a packed corpus (:func:`lik.maxsim_packed`)
 
 One autograd node per call (:class:`SoftMaxSimFunction`): the forward saves ``q``, ``d`` (or, with
 ``save_d_as=torch.int8``, ``d`` as int8 and its fp32 per-token scales) and the per-row stats; the backward runs
-the dQ and dD kernels (both deterministic: no atomics); length normalisation is a multiply of the scores and of
+the dQ and dD kernels (deterministic: no atomics; top-k's dD outside ``backward="deterministic"`` is a
+sparse fp32-atomic scatter from the dQ launch); length normalisation is a multiply of the scores and of
 the incoming gradient inside the node.
 """
 
@@ -149,27 +150,36 @@ def soft_forward(q: torch.Tensor, d: torch.Tensor, lay: SoftLayout, options: Sco
 
 
 def soft_backward(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, lay: SoftLayout, options: ScoreOptions,
-                  stats: torch.Tensor, need_dq: bool, need_dd: bool):
-    """``(dq, dd)`` in ``q`` / ``d``'s shapes and dtypes (None where not needed) of ``sum(grad * scores)``."""
+                  stats: torch.Tensor, need_dq: bool, need_dd: bool, deterministic: bool = True):
+    """``(dq, dd)`` in ``q`` / ``d``'s shapes and dtypes (None where not needed) of ``sum(grad * scores)``.
+    Top-k's ``dd`` without ``deterministic``: fp32 atomics from the dQ launch (no dD launch; the sum's order
+    varies), else the dD kernel's products (bitwise repeatable)."""
     grad = grad.float().contiguous()
     _, (s_n, s_b), (t_n, t_b) = _score_shape(lay)
     dq = dd = None
     cfg, num_k, ptrs, scale2, kw = _common(q, d, lay, options)
     counts = (lay.n_queries, lay.n_docs, lay.q_len, lay.doc_len, q.shape[0], d.shape[0])
     strides = (*_query_strides(q, lay), *_doc_strides(d, lay), *_mask_strides(lay), s_n, s_b, t_n, t_b)
-    if need_dq:
+    scatter = need_dd and options.reduction == "topk" and not deterministic
+    if scatter:
+        dd32 = torch.zeros(d.shape, dtype=torch.float32, device=d.device)
+    if need_dq or scatter:
         q_blocks = cdiv(lay.q_len, cfg.block_m)
         programs = lay.n_queries * q_blocks * num_k
         splits = _dq_splits(cfg, programs, lay, q.device)
         split_docs = cdiv(lay.n_docs, splits)
         # Several document ranges per row block: fp32 partials, added in order afterwards (deterministic). fp32 for
         # one range too: the output's type is part of the kernel's signature, and the batch must not choose it.
-        out = torch.zeros((splits, *q.shape), dtype=torch.float32, device=q.device)
+        out = torch.zeros((splits, *q.shape) if need_dq else (1,), dtype=torch.float32, device=q.device)
         if programs:
-            launch(soft_bwd_dq_kernel, (programs * splits,), grad, q, d, *ptrs, stats, out, *counts, q_blocks, num_k,
-                   scale2, splits, split_docs, q.numel(), *strides, HAS_Q_MASK=lay.q_mask is not None, **kw)
-        dq = (out.sum(dim=0) if splits > 1 else out[0]).to(q.dtype)
-    if need_dd:
+            launch(soft_bwd_dq_kernel, (programs * splits,), grad, q, d, *ptrs, stats, out,
+                   dd32 if scatter else out, *counts, q_blocks, num_k, scale2, splits, split_docs, q.numel(),
+                   *strides, HAS_Q_MASK=lay.q_mask is not None, STORE_DQ=need_dq, DD_ATOMIC=scatter, **kw)
+        if need_dq:
+            dq = (out.sum(dim=0) if splits > 1 else out[0]).to(q.dtype)
+    if scatter:
+        dd = dd32 if d.dtype == torch.float32 else dd32.to(d.dtype)
+    elif need_dd:
         dd = torch.zeros(d.shape, dtype=d.dtype, device=d.device)
         d_blocks = cdiv(lay.max_doc_len, cfg.block_n)
         programs = lay.n_sets * lay.n_docs * d_blocks * num_k
@@ -201,11 +211,14 @@ def inverse_counts(q_mask: torch.Tensor | None, n_queries: int, q_len: int, devi
 
 
 @torch.compiler.disable
-def apply_soft(q, d, lay: SoftLayout, options: ScoreOptions, scale):
+def apply_soft(q, d, lay: SoftLayout, options: ScoreOptions, scale, deterministic: bool | None = None):
     """:class:`SoftMaxSimFunction` over ``q`` and ``d``; under ``torch.compile`` a graph break (the soft kernels
     have no custom operators yet), run eagerly with its autograd node. Half inputs stay half (tensor-core
-    products): top-k then chooses, among tokens within fp32 summation error of each other, as its own sums say."""
-    return SoftMaxSimFunction.apply(q, d, lay, options, scale)
+    products): top-k then chooses, among tokens within fp32 summation error of each other, as its own sums say.
+    ``deterministic`` (top-k's dD without atomics): None follows ``torch.are_deterministic_algorithms_enabled()``."""
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    return SoftMaxSimFunction.apply(q, d, lay, options, scale, deterministic)
 
 
 class SoftMaxSimFunction(torch.autograd.Function):
@@ -213,7 +226,7 @@ class SoftMaxSimFunction(torch.autograd.Function):
     query's token count, or None), in one autograd node."""
 
     @staticmethod
-    def forward(ctx, q, d, lay, options, scale):
+    def forward(ctx, q, d, lay, options, scale, deterministic=True):
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         scores, stats = soft_forward(q, d, lay, options, needs_grad)
         if scale is not None:
@@ -224,7 +237,7 @@ class SoftMaxSimFunction(torch.autograd.Function):
                 ctx.save_for_backward(q, d_q, d_scale, stats, scale)
             else:
                 ctx.save_for_backward(q, d, stats, scale)
-            ctx.lay, ctx.options, ctx.d_dtype = lay, options, d.dtype
+            ctx.lay, ctx.options, ctx.d_dtype, ctx.deterministic = lay, options, d.dtype, deterministic
         return scores
 
     @staticmethod
@@ -237,5 +250,5 @@ class SoftMaxSimFunction(torch.autograd.Function):
         if scale is not None:
             grad = grad * (scale if ctx.lay.layout != PAIRS else scale[:, 0])
         dq, dd = soft_backward(grad, q, d, ctx.lay, ctx.options, stats, ctx.needs_input_grad[0],
-                               ctx.needs_input_grad[1])
-        return dq, dd, None, None, None
+                               ctx.needs_input_grad[1], ctx.deterministic)
+        return dq, dd, None, None, None, None
