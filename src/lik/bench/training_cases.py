@@ -5,10 +5,11 @@ against ``D [B, Ld, d]`` with a fixed upstream gradient, at the training shapes 
 Lq 32, Ld 180; ColPali B 32: 1 024 x 1 024; d 128, fp16, L2-normalised):
 
 * ``reductions``: ``lik.maxsim`` with ``reduction="max"`` (``lik``), ``"smooth"`` (tau 0.1: ``lik-smooth``) and
-  ``"topk"`` (top_k 4: ``lik-topk``), the bar being ``lik-smooth`` and ``lik-topk`` within 1.3x of ``lik``; eager
-  PyTorch of the same reductions (``eager-smooth``, ``eager-topk``: the ``[B, B, Lq, Ld]`` similarities, then
-  ``tau * logsumexp`` / ``topk``), and late-interaction-kernels 0.4.5's ``maxsim`` (its max; the release has no
-  smooth MaxSim: its colpali-engine switch falls back to colpali-engine's PyTorch for ``use_smooth_max``).
+  ``"topk"`` (top_k 4: ``lik-topk``; ``lik-topk-deterministic``: its dD as products, not atomics), the bar being
+  ``lik-smooth`` and ``lik-topk`` within 1.3x of ``lik``; eager PyTorch of the same reductions (``eager-smooth``,
+  ``eager-topk``: the ``[B, B, Lq, Ld]`` similarities, then ``tau * logsumexp`` / ``topk``), and
+  late-interaction-kernels 0.4.5's ``maxsim`` (its max; the release has no smooth MaxSim: its colpali-engine
+  switch falls back to colpali-engine's PyTorch for ``use_smooth_max``).
 * ``stored``: ``lik.maxsim`` keeping ``D`` as given (``lik``) or as int8 rows and fp32 scales
   (``save_d_as=torch.int8``: ``lik-int8``), against flash-maxsim's ``flash_maxsim_batched_train`` and
   ``flash_maxsim_int8_batched_train``. ``D`` is made inside the call from a leaf (a clone: the encoder's output),
@@ -144,6 +145,8 @@ def reduction_cases() -> list[Case]:
             "lik": CaseMethod(_step(_lik())),
             "lik-smooth": CaseMethod(_step(_lik(reduction="smooth", tau=TAU))),
             "lik-topk": CaseMethod(_step(_lik(reduction="topk", top_k=TOP_K))),
+            # (top-k's dD as products, not fp32 atomics: which is faster depends on the shape and on collisions)
+            "lik-topk-deterministic": CaseMethod(_step(_lik(reduction="topk", top_k=TOP_K, backward="deterministic"))),
             "late-interaction-kernels": CaseMethod(_step(_late_interaction), module="late_interaction_kernels",
                                                    needs_cuda=True),
             "late-interaction-kernels-smooth": CaseMethod(_no_smooth, module="late_interaction_kernels",
