@@ -6,8 +6,9 @@ MaxSim against the residual codes decoded on chip.
 * Candidates: per chunk, :mod:`lik.compression.candidates` probes the ``n_probe`` centroids nearest each query
   token in an inverted file (IVF: centroid -> documents holding a token of it) and prunes by centroid
   interaction down to ``candidates`` documents per query (per chunk: a GPU-resident index is one chunk, a
-  streamed one has a chunk per ``chunk_tokens``); the union of the batch's candidates is gathered into a
-  packed sub-corpus, scored once, and each query keeps the scores of its own candidates.
+  streamed one has a chunk per ``chunk_tokens``); for each group of about ``SCORED_PAIRS / candidates``
+  queries the union of their candidates is gathered into a packed sub-corpus, scored once, and each query keeps
+  the scores of its own candidates (a whole batch of 256 at once would score 256 times the pairs it needs).
 
 The IVF is not stored: it is rebuilt from the codes, per chunk, by the first candidate search of an index state
 and kept until ``add`` / ``remove`` / ``compact`` makes a new state (on the device for a GPU-resident index, in
@@ -35,6 +36,7 @@ __all__ = [
     "EXHAUSTIVE_TOKENS",
     "DEFAULT_N_PROBE",
     "DEFAULT_CANDIDATES",
+    "SCORED_PAIRS",
     "score_residual",
     "residual_scorer",
     "search_mode",
@@ -46,6 +48,9 @@ __all__ = [
 EXHAUSTIVE_TOKENS = 1 << 25
 DEFAULT_N_PROBE = 8  # fast-plaid's default
 DEFAULT_CANDIDATES = 4096  # fast-plaid's default count of fully scored documents
+# Candidate (query, document) pairs a scoring group covers: 8 queries of 4 096 candidates score the union of their
+# candidates (at most 32 Ki documents) in one call; all 256 of a batch at once would score 256 times their pairs.
+SCORED_PAIRS = 1 << 15
 
 
 def score_residual(Q, q_mask, codes, residuals, codec, cu_seqlens) -> torch.Tensor:
@@ -152,6 +157,7 @@ def search_candidates(
                 chunk.cu_seqlens,
                 n_probe=n_probe,
                 n_candidates=n_candidates,
+                check_values=False,  # the index's own chunks: codes were range-checked when they were made
             )
             found = found.to(device, torch.int64)
             valid = found >= 0
@@ -160,13 +166,20 @@ def search_candidates(
             # Each row in increasing position, so that merge_top_k's rank breaks ties to the lower id.
             found = torch.where(valid, found, big).sort(dim=1).values
             valid = found != big
-            docs = torch.unique(found[valid])
-            if docs.numel() == 0:
-                continue
-            residuals, codes, sub_cu = _gather(chunk, docs)
-            scored = score_residual(bucket.q, bucket.mask, codes, residuals, codec, sub_cu)
-            own = scored.gather(1, torch.searchsorted(docs, torch.where(valid, found, docs[0])))
-            own = torch.where(valid, own, float("-inf"))
+            own = torch.full(found.shape, float("-inf"), device=device)
+            # A group of queries scores the union of its candidates, each query every document of it: groups of
+            # about SCORED_PAIRS // candidates queries keep that union's waste (its size times the group's) bounded.
+            group = max(1, SCORED_PAIRS // max(n_candidates, 1))
+            for g0 in range(0, found.shape[0], group):
+                f, v = found[g0 : g0 + group], valid[g0 : g0 + group]
+                docs = torch.unique(f[v])
+                if docs.numel() == 0:
+                    continue
+                residuals, codes, sub_cu = _gather(chunk, docs)
+                mask = None if bucket.mask is None else bucket.mask[g0 : g0 + group]
+                scored = score_residual(bucket.q[g0 : g0 + group], mask, codes, residuals, codec, sub_cu)
+                mine = scored.gather(1, torch.searchsorted(docs, torch.where(v, f, docs[0])))
+                own[g0 : g0 + group] = torch.where(v, mine, float("-inf"))
             ids = torch.where(valid, found + chunk.first_id, -1)
             best[slot] = merge_top_k(*best[slot], own, ids, k)
     for bucket, (scores, ids) in zip(queries, best):
