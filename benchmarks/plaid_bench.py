@@ -69,6 +69,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-budget-s", type=float, default=140.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    scale = parser.add_argument_group("--scale only (benchmarks/plaid_scale.py)")
+    scale.add_argument("--num-centroids", type=int, default=None, help="default 2**16 from 2**26 tokens up")
+    scale.add_argument("--train-tokens", type=int, default=None, help="default 2**23 from 2**26 tokens up")
+    scale.add_argument("--recall-queries", type=int, default=32, help="queries the scan and exact MaxSim score")
+    scale.add_argument("--build-budget-s", type=float, default=None, help="default 0.6 of --time-budget-s")
+    scale.add_argument("--no-exact", dest="exact", action="store_false", help="skip exact MaxSim")
+    scale.add_argument("--sweep", default="4:1024,8:2048,16:4096,16:8192", help="n_probe:candidates,...")
     args = parser.parse_args(argv)
     if args.smoke:  # the smoke sizes are defaults: an explicit value still wins
         parser.set_defaults(centres=16, queries=8, min_len=6, max_len=14, chunk_tokens=1024, candidates=64, n_probe=4)
@@ -352,6 +359,12 @@ def commit_of() -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.scale:  # benchmarks/plaid_scale.py, given this module's corpus, exact scores and recall
+        spec = importlib.util.spec_from_file_location("plaid_scale", Path(__file__).resolve().parent / "plaid_scale.py")
+        scale = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(scale)
+        helpers = dict(Corpus=Corpus, DIM=DIM, exact_scores=exact_scores, recall_at_k=recall_at_k, commit_of=commit_of)
+        return scale.run(args, argparse.Namespace(**helpers))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     corpus = Corpus(args, device)
