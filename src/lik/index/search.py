@@ -14,7 +14,7 @@ import torch
 
 from ..ops.maxsim.packed_function import packed_query, score_packed
 from ..retrieval.exact import BYTES_PER_CANDIDATE, DEFAULT_BUDGET_BYTES, merge_top_k
-from ..retrieval.keys import MAX_ID, candidate_keys, decode_keys, top_keys
+from ..retrieval.keys import MAX_ID, decode_keys, merge_keys
 from ..retrieval.queries import QueryBucket, assemble, buckets, ragged_queries
 from .format import EIGHT_BIT
 from .placement import Chunk, ChunkPlan, ChunkSource
@@ -146,9 +146,7 @@ def search_buckets(
                     continue
                 local = (host_local[lo:hi] - a).to(device, non_blocking=True)
             if keyed:
-                keys = candidate_keys(scores if local is None else scores[:, local], first_id, local)
-                keys = keys if best is None else torch.cat([best, keys], dim=1)
-                best = top_keys(keys, min(k, keys.shape[1]))
+                best = merge_keys(scores if local is None else scores[:, local], first_id, local, best, k)
                 continue
             ids = torch.arange(first_id, first_id + scores.shape[1], device=device)
             if local is not None:

@@ -16,7 +16,7 @@ import torch
 from ..core.precision import accumulation_dtype
 from ..ops.maxsim.function import score_canonical
 from ..ops.maxsim.validation import MaxSimInputs
-from .keys import MAX_ID, candidate_keys, decode_keys, top_keys
+from .keys import MAX_ID, decode_keys, merge_keys
 from .queries import assemble, buckets, ragged_queries
 
 __all__ = ["search", "merge_top_k", "rank", "DEFAULT_BUDGET_BYTES", "BYTES_PER_CANDIDATE"]
@@ -61,7 +61,7 @@ def rank(scores: torch.Tensor, k: int) -> torch.Tensor:
     float32 scores: one ``topk`` over distinct int64 keys (:mod:`lik.retrieval.keys`), no sort of the whole row.
     float64 scores (the reference path) take two stable sorts, by score with NaN as ``-inf``, then by "is NaN"."""
     if scores.dtype == torch.float32 and scores.shape[-1] < MAX_ID:
-        return MAX_ID - (top_keys(candidate_keys(scores, 0), k) & MAX_ID)
+        return MAX_ID - (merge_keys(scores, 0, None, None, k) & MAX_ID)
     is_nan = scores.isnan()
     by_score = torch.where(is_nan, float("-inf"), scores).sort(dim=-1, descending=True, stable=True).indices
     nan_last = is_nan.gather(-1, by_score).to(torch.uint8).sort(dim=-1, stable=True).indices
@@ -181,9 +181,7 @@ def search(
         parts = [(bucket, score_canonical(_documents(bundle, start, stop))) for bucket, bundle in bundles]
         chunk_scores = parts[0][1] if ragged is None else assemble(parts, n_queries, stop - start, score_dtype, device)
         if keyed:
-            keys = candidate_keys(chunk_scores, start)
-            keys = keys if best is None else torch.cat([best, keys], dim=1)
-            best = top_keys(keys, min(k, keys.shape[1]))
+            best = merge_keys(chunk_scores, start, None, best, k)
             continue
         chunk_indices = torch.arange(start, stop, device=device).expand(n_queries, -1)
         if best_scores is None:
