@@ -1,6 +1,7 @@
 """lik's deformable attention against the original Deformable-DETR CUDA op and the PyTorch grid_sample path, one
 process, one GPU: decoder (N 4 at 800x1333, 300 and 900 queries) and encoder (N 2 at 1536x2048) scales, fp32 and
-bf16 (the original op has no bf16), realistic sampling (``lik.bench.msda_cases.make_problem``).
+bf16 by default (``--dtypes`` adds fp16; the original op has no half precision), realistic sampling by default
+(``--sampling realistic,uniform`` adds uniform locations; ``lik.bench.msda_cases.make_problem``).
 
 Per method and problem: forward with gradients wanted (a training forward: through the autograd Function), forward
 without (inference), backward alone (``autograd.grad`` on a retained graph): ``do_bench`` medians (L2 flushed),
@@ -181,6 +182,8 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="encoder forward under forced tiles (rows, warps)")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     parser.add_argument("--rounds", type=int, default=5, help="alternating do_bench rounds per cell (median)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="of float32, bfloat16, float16")
+    parser.add_argument("--sampling", default="realistic", help="of realistic, uniform")
     args = parser.parse_args()
     original = load_original_op(args.original_src) if args.original_src else None
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -188,50 +191,58 @@ def main():
     print(json.dumps(meta), flush=True)
     scales = {"decoder": DECODER, "decoder900": DECODER_900, "encoder": ENCODER}
     rows, extra = [], {}
-    for scale_name in args.scales.split(","):
+    cells = [(scale_name, sampling, getattr(torch, dtype)) for scale_name in args.scales.split(",")
+             for sampling in args.sampling.split(",") for dtype in args.dtypes.split(",")]
+    for scale_name, sampling, dtype in cells:
         scale = scales[scale_name]
-        for dtype in (torch.float32, torch.bfloat16):
-            p = make_problem(scale, "realistic", dtype)
-            row = dict(scale=scale_name, dtype=str(dtype)[6:], lq=p["loc"].shape[1], s=p["value"].shape[1])
-            if original is not None and dtype == torch.float32:
-                row["lik_vs_cuda_op"] = agreement(p, original)
-            methods = make_methods(p, original)
-            # The stock path is 5-50x slower than both kernels: one round of it is enough.
-            timed = time_methods({k: v for k, v in methods.items() if k != "pytorch"}, p, args.rounds)
-            timed.update(time_methods({"pytorch": methods["pytorch"]}, p, 1))
-            for name in methods:
-                row[name] = timed[name]
-                r = row[name]
-                print(f"{scale_name:10} {row['dtype']:8} {name:8} fwd {r['fwd_ms']:.4f} infer {r['infer_ms']:.4f} "
-                      f"bwd {r['bwd_ms']:.4f} ms | host fwd {r['fwd_host_us']:.0f} bwd {r['bwd_host_us']:.0f} us | "
-                      f"peak {r['peak_MB']:.0f} MB", flush=True)
-            if args.profile and scale_name.startswith("decoder") and dtype == torch.float32:
-                kernels = {name: kernels_per_call(fn, p) for name, fn in make_methods(p, original).items()
-                           if name != "pytorch"}
-                extra["kernels" if scale_name == "decoder" else f"kernels_{scale_name}"] = kernels
-                print(scale_name, json.dumps({m: {ph: (k[ph]["count"], round(k[ph]["device_us"], 1)) for ph in k}
-                                              for m, k in kernels.items()}))
-                if scale_name == "decoder":
-                    extra["cprofile_lik"] = host_profile(p)
-                    print(extra["cprofile_lik"][:4000])
-            rows.append(row)
-            del p
-            torch.cuda.empty_cache()
+        p = make_problem(scale, sampling, dtype)
+        row = dict(scale=scale_name, sampling=sampling, dtype=str(dtype)[6:], lq=p["loc"].shape[1],
+                   s=p["value"].shape[1])
+        if original is not None and dtype == torch.float32:
+            row["lik_vs_cuda_op"] = agreement(p, original)
+        methods = make_methods(p, original)
+        # The stock path is 5-50x slower than both kernels: one round of it is enough.
+        timed = time_methods({k: v for k, v in methods.items() if k != "pytorch"}, p, args.rounds)
+        timed.update(time_methods({"pytorch": methods["pytorch"]}, p, 1))
+        for name in methods:
+            row[name] = timed[name]
+            r = row[name]
+            print(f"{scale_name:10} {sampling:9} {row['dtype']:8} {name:8} fwd {r['fwd_ms']:.4f} "
+                  f"infer {r['infer_ms']:.4f} bwd {r['bwd_ms']:.4f} ms | "
+                  f"host fwd {r['fwd_host_us']:.0f} bwd {r['bwd_host_us']:.0f} us | "
+                  f"peak {r['peak_MB']:.0f} MB", flush=True)
+        if args.profile and scale_name.startswith("decoder") and dtype == torch.float32 and sampling == "realistic":
+            kernels = {name: kernels_per_call(fn, p) for name, fn in make_methods(p, original).items()
+                       if name != "pytorch"}
+            extra["kernels" if scale_name == "decoder" else f"kernels_{scale_name}"] = kernels
+            print(scale_name, json.dumps({m: {ph: (k[ph]["count"], round(k[ph]["device_us"], 1)) for ph in k}
+                                          for m, k in kernels.items()}))
+            if scale_name == "decoder":
+                extra["cprofile_lik"] = host_profile(p)
+                print(extra["cprofile_lik"][:4000])
+        rows.append(row)
+        del p
+        torch.cuda.empty_cache()
 
     if args.sweep:
         extra["tiles"] = tile_sweep()
     with open(os.path.join(args.out, f"msda_vs_cuda{args.tag}.json"), "w") as fh:
         json.dump(dict(meta=meta, rows=rows, paper_h100_bf16=PAPER_H100_BF16, **extra), fh, indent=1)
     print(f"\n{meta['device']} torch {meta['torch']} triton {meta['triton']} commit {meta['commit']}")
-    print(f"{'scale':10} {'dtype':8} | {'lik fwd':>8} {'op fwd':>8} {'x':>5} | {'lik bwd':>8} {'op bwd':>8} {'x':>5} | "
+    print(f"{'scale':10} {'sampling':9} {'dtype':8} | {'lik fwd':>8} {'op32 fwd':>8} {'x':>5} | "
+          f"{'lik bwd':>8} {'op32 bwd':>8} {'x':>5} | "
           f"{'pt fwd':>7} {'pt bwd':>7} | lik infer | max err vs op")
+    # Half-precision rows against the op's fp32 at the same scale and sampling (it has no half precision), else
+    # encoder bf16 against the paper's H100 Triton numbers.
+    op_fp32 = {(r["scale"], r["sampling"]): r["cuda-op"] for r in rows if "cuda-op" in r}
     for r in rows:
-        lk, op, pt = r["lik"], r.get("cuda-op"), r["pytorch"]
-        if op is None:  # bf16: against the paper's H100 Triton numbers
-            op = dict(fwd_ms=PAPER_H100_BF16["fwd_ms"], bwd_ms=PAPER_H100_BF16["bwd_ms"]) if r["scale"] == "encoder" \
+        lk, op, pt = r["lik"], r.get("cuda-op") or op_fp32.get((r["scale"], r["sampling"])), r["pytorch"]
+        if op is None:
+            paper = r["scale"] == "encoder" and r["dtype"] == "bfloat16" and r["sampling"] == "realistic"
+            op = dict(fwd_ms=PAPER_H100_BF16["fwd_ms"], bwd_ms=PAPER_H100_BF16["bwd_ms"]) if paper \
                 else dict(fwd_ms=float("nan"), bwd_ms=float("nan"))
         err = max(r["lik_vs_cuda_op"].values()) if "lik_vs_cuda_op" in r else float("nan")
-        print(f"{r['scale']:10} {r['dtype']:8} | {lk['fwd_ms']:8.4f} {op['fwd_ms']:8.4f} "
+        print(f"{r['scale']:10} {r['sampling']:9} {r['dtype']:8} | {lk['fwd_ms']:8.4f} {op['fwd_ms']:8.4f} "
               f"{op['fwd_ms'] / lk['fwd_ms']:5.2f} | "
               f"{lk['bwd_ms']:8.4f} {op['bwd_ms']:8.4f} {op['bwd_ms'] / lk['bwd_ms']:5.2f} | {pt['fwd_ms']:7.3f} "
               f"{pt['bwd_ms']:7.3f} | {lk['infer_ms']:.4f} | {err:.1e}")
