@@ -256,9 +256,10 @@ _REPLAYS: dict[tuple, object] = {}
 
 # Launch variants of the atomic backward, for timing on a GPU (not public; the default is ""): "split" gives each
 # program one level (4x the programs of a decoder's 9 600 rows, whose 1-warp programs otherwise walk their levels
-# one after the other with every gather's latency exposed), "r2" halves the rows of a tile, "split-r2" does both.
+# one after the other with every gather's latency exposed), "r2" halves the rows of a tile, "s2" / "s3" let Triton
+# pipeline the level loop over 2 / 3 stages (the next level's loads issued before this one's atomics).
 # Chosen by LIK_MSDA_BWD_VARIANT at import or by setting _VARIANT; part of the replay key.
-VARIANTS = ("", "split", "r2", "split-r2")
+VARIANTS = ("", "split", "r2", "s2", "s3")
 _VARIANT = os.environ.get("LIK_MSDA_BWD_VARIANT", "")
 
 
@@ -381,17 +382,18 @@ def launch_backward(grad_out, value, shapes, starts, loc, attn, deterministic: b
         made(gloc), made(gattn)
         cells, n_cells, no_bucket, buckets = starts, 0, 0, gvalue
 
-    block_rows, split = cfg.block_rows, False
+    block_rows, split, stages = cfg.block_rows, False, cfg.num_stages
     if _VARIANT and not deterministic:
-        split = _VARIANT.startswith("split")
-        block_rows = max(1, block_rows // 2) if _VARIANT.endswith("r2") else block_rows
+        split = _VARIANT == "split"
+        block_rows = max(1, block_rows // 2) if _VARIANT == "r2" else block_rows
+        stages = int(_VARIANT[1]) if _VARIANT in ("s2", "s3") else stages
     grid = (-(-n_rows // block_rows) * (n_levels if split else 1), n_chunks)
     tensors = (value, shapes, starts, starts if points is None else points, cells, loc, attn, grad_out, gvalue, gloc,
                gattn, buckets)
     ints = (n_rows, n_pixels, n_queries, heads, n_levels, n_points, n_cells, no_bucket, n_samples)
     options = dict(DIM=dim, BLOCK_R=block_rows, BLOCK_P=cfg.block_points, BLOCK_D=cfg.block_d,
                    HEAD_MAJOR=head_major, ATOMIC_VALUE=not deterministic, WRITE_BUCKETS=deterministic,
-                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                   num_warps=cfg.num_warps, num_stages=stages)
     if points is not None or discrete:
         options.update(POINT_TABLE=points is not None, DISCRETE=discrete)
     if split:
