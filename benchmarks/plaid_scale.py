@@ -23,6 +23,7 @@ take four. The codec trains on ``--train-tokens`` (default 2**23, about 128 toke
 
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 import time
@@ -53,16 +54,33 @@ def _timed(fn, device, calls: int) -> tuple[float, object]:
     return statistics.median(runs), result
 
 
-def fused_assignment() -> str:
-    """Which assignment ``ResidualCodec.compress`` runs on CUDA. A codec module without the fused kernel would
-    write a ``[K, 8192]`` fp32 block per 8192 tokens (262 TB at 1e9 tokens and 2**16 centroids): for this run
-    its ``compress_into_codes`` is replaced by :func:`lik.compression.nearest.nearest_centroid` (inner product,
-    fp16 operands, fp32 accumulation: ColBERT's GPU assignment), and the report says so."""
+def fused_assignment(device, tokens: int = 1 << 16, centroids: int = 1 << 12) -> str:
+    """Which assignment the build runs on CUDA, after a check of the fused kernel against its reference (64 Ki
+    tokens, 4 Ki centroids). A failing kernel is switched off (k-means and compression then run their chunked
+    products: slow at scale, which the build budget bounds). A codec module without the fused kernel would write
+    a ``[K, 8192]`` fp32 block per 8192 tokens (262 TB at 1e9 tokens and 2**16 centroids): for this run its
+    ``compress_into_codes`` is replaced by :func:`lik.compression.nearest.nearest_centroid` (inner product, fp16
+    operands, fp32 accumulation: ColBERT's GPU assignment), and the report says so."""
     from lik.compression import codec as codec_module
-    from lik.compression.nearest import nearest_centroid
 
+    kmeans_module = importlib.import_module("lik.compression.kmeans")  # (the package's kmeans is the function)
+    from lik.compression.nearest import nearest_centroid, nearest_centroid_reference
+
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.nn.functional.normalize(torch.randn(tokens, 128, generator=g, device=device), dim=-1).half()
+    c = torch.nn.functional.normalize(torch.randn(centroids, 128, generator=g, device=device), dim=-1).half()
+    try:
+        codes, scores = nearest_centroid(x, c, bias=None)
+        ref_codes, ref_scores = nearest_centroid_reference(x, c, bias=None)
+        agree = float((codes == ref_codes).float().mean())
+        err = float((scores - ref_scores).abs().max())
+        if agree < 0.99 or err > 1e-2:
+            raise ValueError(f"fused kernel disagrees with its reference: codes agree {agree:.4f}, max diff {err}")
+    except Exception as error:  # noqa: BLE001 (the run goes on with the unfused products)
+        kmeans_module.FUSED = False
+        return f"unfused (the fused kernel failed its check: {type(error).__name__}: {error})"[:400]
     if "nearest_centroid" in vars(codec_module):
-        return "lik (fused)"
+        return f"lik (fused; check: codes agree {agree:.5f})"
     original = codec_module.ResidualCodec.compress_into_codes
 
     def compress_into_codes(self, embs):
@@ -72,7 +90,7 @@ def fused_assignment() -> str:
         return nearest_centroid(embs, self.centroids, bias=None, product_dtype=torch.float16)[0]
 
     codec_module.ResidualCodec.compress_into_codes = compress_into_codes
-    return "fused nearest_centroid installed by the bench (codec.py assigns with an unfused GEMM)"
+    return f"fused nearest_centroid installed by the bench (codec.py's own is unfused); codes agree {agree:.5f}"
 
 
 def recall_vs_scan(cand_ids, cand_scores, scan_ids, scan_scores, k: int = K) -> float:
@@ -139,7 +157,7 @@ def run(args, pb) -> int:
         # fp32 products (k-means on the training sample) on TF32 tensor cores; queries and tokens are fp16.
         torch.set_float32_matmul_precision("high")
         torch.cuda.reset_peak_memory_stats()
-        report["meta"]["assign"] = fused_assignment()
+        report["meta"]["assign"] = fused_assignment(device)
     save()
 
     # ------------------------------------------------------------------ build (one pass, queries copied out)

@@ -4,6 +4,7 @@ recall against the scan with repeats, ties and padding."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import pathlib
@@ -70,3 +71,27 @@ def test_truncated_build(bench, tmp_path, monkeypatch):
     assert build["truncated"] and build["chunks"] == 1  # stopped after the first chunk (the codec trains on it)
     assert "exact" not in report["stages"] and "sweep" not in report["stages"]
     assert any("truncated" in note for note in report["notes"])
+
+
+def test_fused_assignment_check(monkeypatch):
+    from lik.compression import codec as codec_module
+
+    kmeans_module = importlib.import_module("lik.compression.kmeans")  # (the package's kmeans is the function)
+    from lik.compression import nearest
+
+    scale = _load("plaid_scale")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kmeans_module, "FUSED", True)
+    original = codec_module.ResidualCodec.compress_into_codes
+    monkeypatch.setattr(codec_module.ResidualCodec, "compress_into_codes", original)  # restored after the test
+    said = scale.fused_assignment(torch.device("cpu"), tokens=300, centroids=40)
+    assert kmeans_module.FUSED and "codes agree 1.00000" in said
+    assert ("installed by the bench" in said) == (codec_module.ResidualCodec.compress_into_codes is not original)
+
+    def broken(x, c, **kw):
+        codes, scores = nearest.nearest_centroid_reference(x, c, **kw)
+        return (codes + 1) % c.shape[0], scores
+
+    monkeypatch.setattr(nearest, "nearest_centroid", broken)
+    said = scale.fused_assignment(torch.device("cpu"), tokens=300, centroids=40)
+    assert not kmeans_module.FUSED and said.startswith("unfused (the fused kernel failed its check: ValueError")

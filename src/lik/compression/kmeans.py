@@ -22,6 +22,8 @@ from .nearest import nearest_centroid
 
 __all__ = ["kmeans", "assign_to_centroids"]
 
+# CUDA assigns with the fused kernel; False runs the chunked product there too (a comparison, or a fallback).
+FUSED = True
 # Rows of x per assignment chunk: the [rows, k] fp32 score block stays under about 256 MB.
 _CHUNK_BYTES = 1 << 28
 
@@ -46,7 +48,8 @@ def assign_to_centroids(
         ``(codes int64 [N], squared_distance fp32 [N])``. Ties go to the lower centroid index.
 
     On CUDA the assignment is :func:`lik.compression.nearest.nearest_centroid` (fused, operands in
-    ``matmul_dtype``, fp32 accumulation); elsewhere a chunked product and argmax.
+    ``matmul_dtype``, fp32 accumulation; unless the module's ``FUSED`` is False); elsewhere a chunked product and
+    argmax.
 
     Example::
 
@@ -55,7 +58,7 @@ def assign_to_centroids(
     """
     if matmul_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"matmul_dtype must be a floating dtype, got {matmul_dtype}")
-    if x.is_cuda:
+    if x.is_cuda and FUSED:
         return _assign_fused(x, centroids, matmul_dtype)
     c = centroids.float()
     half_norms = 0.5 * (c * c).sum(-1)
