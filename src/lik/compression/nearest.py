@@ -124,8 +124,8 @@ def nearest_centroid_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`nearest_centroid` in PyTorch ops (chunked GEMM + argmax): the CPU path and the tests' reference.
 
-    Same arguments and results. The operands are rounded to ``product_dtype``; the product runs in that dtype on
-    a GPU for fp16 / bf16 (fp32 accumulation) and in the accumulation dtype everywhere else.
+    Same arguments and results. The operands are rounded to ``product_dtype`` and multiplied in the accumulation
+    dtype (fp32, fp64 for fp64): the kernel's arithmetic up to the order of the sums.
     """
     product, acc = _check(x, centroids, bias, product_dtype)
     n, k = x.shape[0], centroids.shape[0]
@@ -133,12 +133,11 @@ def nearest_centroid_reference(
     best = torch.full((n,), float("-inf"), dtype=acc, device=x.device)
     if n == 0 or k == 0:
         return codes, best
-    mm = product if x.is_cuda and product in (torch.float16, torch.bfloat16) else acc
-    c = centroids.to(product).to(mm)
+    c = centroids.to(product).to(acc)
     b = _half_norm_bias(centroids, acc) if bias == "l2" else None
     step = max(1, _REFERENCE_BYTES // (8 * k))
     for s in range(0, n, step):
-        scores = (x[s : s + step].to(product).to(mm) @ c.T).to(acc)
+        scores = x[s : s + step].to(product).to(acc) @ c.T
         if b is not None:
             scores += b
         scores = scores.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
