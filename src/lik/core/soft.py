@@ -8,8 +8,8 @@ per row, so the backward is a product of a weight tile with the other side (as F
 gather. The layouts are the same three (:data:`~lik.core.segments.PADDED`, ``PACKED``, ``PAIRS``), addressed
 through one span per side, so every scorer shares these three kernels:
 
-* :func:`soft_fwd_kernel`: a program per (query, document) pair walks the query's row blocks and streams the
-  document's tiles through each; per row it saves what the backward needs: the base-2 log-sum-exp (smooth) or the
+* :func:`soft_fwd_kernel`: a program per (query, document, query row block) streams the document's tiles
+  through the row block; per row it saves what the backward needs: the base-2 log-sum-exp (smooth) or the
   ``top_k`` chosen tokens (top-k, -1 in empty slots). Nothing of size rows x tokens leaves the chip.
 * :func:`soft_bwd_dq_kernel`: a program per (query, row block, feature block) adds ``grad * W @ D``: smooth
   recomputes each tile's weights ``exp2(s * log2(e) / tau - lse2)``; top-k's are ``1 / count`` on the row's
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .reductions import REDUCE_SMOOTH, nan_max
-from .segments import PADDED, PAIRS, segment
+from .segments import PACKED, PADDED, PAIRS, segment
 
 __all__ = ["soft_fwd_kernel", "soft_bwd_dq_kernel", "soft_bwd_dd_kernel", "SOFT_RUNTIME_INTS", "NO_TOKEN"]
 
@@ -39,8 +39,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 SOFT_RUNTIME_INTS = [
     "n_queries", "n_docs", "q_len", "doc_len", "n_q_rows", "n_d_rows", "q_blocks", "d_blocks", "n_feature_blocks",
     "stride_qn", "stride_ql", "stride_dn", "stride_db", "stride_dl", "stride_qmn", "stride_qml", "stride_dmn",
-    "stride_dmb", "stride_dml", "stride_gn", "stride_gb", "stride_tn", "stride_tb", "n_splits", "split_docs",
-    "split_stride",
+    "stride_dmb", "stride_dml", "stride_gn", "stride_gb", "stride_gq", "stride_tn", "stride_tb", "n_splits",
+    "split_docs", "split_stride",
 ]
 
 
@@ -127,19 +127,25 @@ def _insert_top_k(x, t0, vals, toks, slots, SLOTS: tl.constexpr):
 @triton.jit(do_not_specialize=SOFT_RUNTIME_INTS)
 def soft_fwd_kernel(
     q_ptr, d_ptr, q_mask_ptr, d_mask_ptr, cu_q_ptr, cu_d_ptr, scores_ptr, stats_ptr,
-    n_queries, n_docs, q_len, doc_len, n_q_rows, n_d_rows, scale2, out_scale,
+    n_queries, n_docs, q_len, doc_len, n_q_rows, n_d_rows, q_blocks, scale2, out_scale,
     stride_qn, stride_ql, stride_qk, stride_dn, stride_db, stride_dl, stride_dk,
-    stride_qmn, stride_qml, stride_dmn, stride_dmb, stride_dml, stride_gn, stride_gb, stride_tn, stride_tb,
+    stride_qmn, stride_qml, stride_dmn, stride_dmb, stride_dml, stride_gn, stride_gb, stride_gq, stride_tn,
+    stride_tb,
     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     REDUCTION: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr, PER_QUERY: tl.constexpr, LAYOUT: tl.constexpr,
     STORE_STATS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Scores ``[Nq, B]`` (``scores_ptr`` with strides ``stride_gn, stride_gb``; pairs ``[N]``) of the soft
-    reduction; ``scale2 = log2(e) / tau`` (smooth), ``out_scale = tau * ln(2)``. Stats per (query token,
-    document), row ``n * stride_tn + b * stride_tb + first query row + s``: fp32 base-2 log-sum-exp of
-    ``s * log2(e) / tau`` (+inf where the row scores 0), or int32 ``[.., TOP_K]`` chosen tokens (-1: none)."""
+    reduction, one program per (pair, query row block): each row block's sum at ``+ block * stride_gq`` (0 with
+    one block; else the launcher adds the ``q_blocks`` partials). ``scale2 = log2(e) / tau`` (smooth),
+    ``out_scale = tau * ln(2)``. Stats per (query token, document), row ``n * stride_tn + b * stride_tb + first
+    query row + s``: fp32 base-2 log-sum-exp of ``s * log2(e) / tau`` (+inf where the row scores 0), or int32
+    ``[.., TOP_K]`` chosen tokens (-1: none). A row block per program, not a loop over them: the tile loop is then
+    the only loop (software-pipelined), and a ColPali page's 16 row blocks spread over 16 programs."""
     pid = tl.program_id(0).to(tl.int64)
+    block = pid % q_blocks
+    pid = pid // q_blocks
     if LAYOUT == PAIRS:
         n = pid
         b = pid
@@ -156,57 +162,56 @@ def soft_fwd_kernel(
     d_mask_base = d_mask_ptr + doc_set * stride_dmn + b * stride_dmb
     stats_base = n * stride_tn + b * stride_tb + q_start
     slots = tl.arange(0, SLOTS)
-    total = tl.zeros((), tl.float32)
-    for s0 in range(0, q_length, BLOCK_M):
-        rows = s0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_length
-        if HAS_Q_MASK:
-            row_ok &= tl.load(q_mask_ptr + n * stride_qmn + rows.to(tl.int64) * stride_qml, mask=row_ok, other=0) != 0
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        acc = tl.zeros((BLOCK_M,), tl.float32)
-        vals = tl.where(slots[None, :] < TOP_K, float("-inf"), float("inf")) + tl.zeros((BLOCK_M, SLOTS), tl.float32)
-        toks = tl.full((BLOCK_M, SLOTS), -1, tl.int32)
-        has_nan = tl.zeros((BLOCK_M,), tl.int1)
-        n_counted = tl.zeros((), tl.int32)
-        kk = tl.arange(0, BLOCK_K)
-        q_tile = _rows(q_base, rows, row_ok, kk, stride_ql, stride_qk, DIM)  # (read once per row block: d fits)
-        for t0 in range(0, d_length, BLOCK_N):
-            cols = t0 + tl.arange(0, BLOCK_N)
-            loaded, counted = _columns(d_mask_base, cols, d_length, stride_dml, HAS_D_MASK, EXCLUDE)
-            d_tile = q_tile
-            if NUM_K == 1:
-                d_tile = _rows(d_base, cols, loaded, kk, stride_dl, stride_dk, DIM)
-            sim = _similarity(q_tile, d_tile, q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded,
-                              stride_dl, stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
-            sim = tl.where(counted[None, :], sim, float("-inf"))
-            n_counted += tl.sum(counted.to(tl.int32), axis=0)
-            if REDUCTION == REDUCE_SMOOTH:
-                x = sim * scale2
-                m_new = nan_max(m, tl.reduce(x, 1, nan_max))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (all excluded so far: nothing to rescale)
-                acc = acc * tl.exp2(m - m_safe) + tl.sum(tl.exp2(x - m_safe[:, None]), axis=1)
-                m = m_new
-            else:
-                nan = sim != sim
-                has_nan |= tl.max(nan.to(tl.int32), axis=1) != 0
-                vals, toks = _insert_top_k(tl.where(nan, float("inf"), sim), t0, vals, toks, slots, SLOTS)
-        scored = row_ok & (n_counted > 0)
+    s0 = block * BLOCK_M
+    rows = s0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_length
+    if HAS_Q_MASK:
+        row_ok &= tl.load(q_mask_ptr + n * stride_qmn + rows.to(tl.int64) * stride_qml, mask=row_ok, other=0) != 0
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    acc = tl.zeros((BLOCK_M,), tl.float32)
+    vals = tl.where(slots[None, :] < TOP_K, float("-inf"), float("inf")) + tl.zeros((BLOCK_M, SLOTS), tl.float32)
+    toks = tl.full((BLOCK_M, SLOTS), -1, tl.int32)
+    has_nan = tl.zeros((BLOCK_M,), tl.int1)
+    n_counted = tl.zeros((), tl.int32)
+    kk = tl.arange(0, BLOCK_K)
+    q_tile = _rows(q_base, rows, row_ok, kk, stride_ql, stride_qk, DIM)  # (read once per row block: d fits)
+    for t0 in range(0, tl.where(s0 < q_length, d_length, 0), BLOCK_N):  # (pairs: past a short query, none)
+        cols = t0 + tl.arange(0, BLOCK_N)
+        loaded, counted = _columns(d_mask_base, cols, d_length, stride_dml, HAS_D_MASK, EXCLUDE)
+        d_tile = q_tile
+        if NUM_K == 1:
+            d_tile = _rows(d_base, cols, loaded, kk, stride_dl, stride_dk, DIM)
+        sim = _similarity(q_tile, d_tile, q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded,
+                          stride_dl, stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
+        sim = tl.where(counted[None, :], sim, float("-inf"))
+        n_counted += tl.sum(counted.to(tl.int32), axis=0)
         if REDUCTION == REDUCE_SMOOTH:
-            lse2 = m + tl.log2(tl.where(acc > 0, acc, 1.0))  # (a row with no token: masked out below)
-            value = lse2 * out_scale
-            if STORE_STATS:
-                tl.store(stats_ptr + stats_base + rows, tl.where(scored, lse2, float("inf")), mask=rows < q_length)
+            x = sim * scale2
+            m_new = nan_max(m, tl.reduce(x, 1, nan_max))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (all excluded so far: nothing to rescale)
+            acc = acc * tl.exp2(m - m_safe) + tl.sum(tl.exp2(x - m_safe[:, None]), axis=1)
+            m = m_new
         else:
-            filled = (slots[None, :] < TOP_K) & (toks >= 0)
-            count = tl.sum(filled.to(tl.int32), axis=1)
-            value = tl.sum(tl.where(filled, vals, 0.0), axis=1) / tl.maximum(count, 1).to(tl.float32)
-            value = tl.where(has_nan, float("nan"), value)
-            if STORE_STATS:
-                chosen = tl.where(scored[:, None], toks, -1)
-                tl.store(stats_ptr + (stats_base + rows)[:, None] * TOP_K + slots[None, :], chosen,
-                         mask=(rows < q_length)[:, None] & (slots[None, :] < TOP_K))
-        total += tl.sum(tl.where(scored, value, 0.0), axis=0)
-    tl.store(scores_ptr + n * stride_gn + b * stride_gb, total)
+            nan = sim != sim
+            has_nan |= tl.max(nan.to(tl.int32), axis=1) != 0
+            vals, toks = _insert_top_k(tl.where(nan, float("inf"), sim), t0, vals, toks, slots, SLOTS)
+    scored = row_ok & (n_counted > 0)
+    if REDUCTION == REDUCE_SMOOTH:
+        lse2 = m + tl.log2(tl.where(acc > 0, acc, 1.0))  # (a row with no token: masked out below)
+        value = lse2 * out_scale
+        if STORE_STATS:
+            tl.store(stats_ptr + stats_base + rows, tl.where(scored, lse2, float("inf")), mask=rows < q_length)
+    else:
+        filled = (slots[None, :] < TOP_K) & (toks >= 0)
+        count = tl.sum(filled.to(tl.int32), axis=1)
+        value = tl.sum(tl.where(filled, vals, 0.0), axis=1) / tl.maximum(count, 1).to(tl.float32)
+        value = tl.where(has_nan, float("nan"), value)
+        if STORE_STATS:
+            chosen = tl.where(scored[:, None], toks, -1)
+            tl.store(stats_ptr + (stats_base + rows)[:, None] * TOP_K + slots[None, :], chosen,
+                     mask=(rows < q_length)[:, None] & (slots[None, :] < TOP_K))
+    total = tl.sum(tl.where(scored, value, 0.0), axis=0)
+    tl.store(scores_ptr + n * stride_gn + b * stride_gb + block * stride_gq, total)
 
 
 @triton.jit
@@ -241,6 +246,22 @@ def _row_stats(stats_ptr, stats_base, rows, row_ok, slots, REDUCTION: tl.constex
         count = tl.sum((toks >= 0).to(tl.int32), axis=1)
         row_stat = 1.0 / tl.maximum(count, 1).to(tl.float32)
     return row_stat, toks
+
+
+@triton.jit
+def _dq_tile(out, q_tile, q_base, rows, row_ok, d_base, d_mask_base, t0, d_length, ff, row_stat, toks, grad, scale2,
+             stride_ql, stride_qk, stride_dl, stride_dk, stride_dml, DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, REDUCTION: tl.constexpr,
+             TOP_K: tl.constexpr, SLOTS: tl.constexpr, HAS_D_MASK: tl.constexpr, EXCLUDE: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
+    """``out + grad * W @ D`` over one document tile (tokens ``t0 + 0..BLOCK_N-1``), ``W`` recomputed (smooth)."""
+    cols = t0 + tl.arange(0, BLOCK_N)
+    loaded, counted = _columns(d_mask_base, cols, d_length, stride_dml, HAS_D_MASK, EXCLUDE)
+    d_tile = _rows(d_base, cols, loaded, ff, stride_dl, stride_dk, DIM)  # (with one chunk: all of d)
+    sim = _similarity(q_tile, d_tile, q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded,
+                      stride_dl, stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
+    w = _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION, TOP_K, SLOTS)
+    return tl.dot(w.to(d_tile.dtype), d_tile, out, input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=SOFT_RUNTIME_INTS)
@@ -291,6 +312,25 @@ def soft_bwd_dq_kernel(
         first = n
         last = n + 1
         dq_rows = q_start + rows
+    if REDUCTION == REDUCE_SMOOTH and LAYOUT != PACKED:
+        # One flat loop over (document, tile): every document of the range has the first one's length (padded Ld;
+        # pairs: one document), and the pipeliner prefetches across documents (ColBERT's 180 tokens are 3 tiles).
+        _, first_length = _doc_span(cu_d_ptr, first, doc_len, n_d_rows, LAYOUT)
+        d_blocks = tl.cdiv(first_length, BLOCK_N)
+        for step in range(0, (last - first) * d_blocks):
+            b = first + step // d_blocks
+            t0 = ((step - (b - first) * d_blocks) * BLOCK_N).to(tl.int32)
+            grad = tl.load(grad_ptr + n * stride_gn + b * stride_gb)
+            d_start, d_length = _doc_span(cu_d_ptr, b, doc_len, n_d_rows, LAYOUT)
+            d_base = d_ptr + doc_set * stride_dn + b * stride_db + d_start * stride_dl
+            d_mask_base = d_mask_ptr + doc_set * stride_dmn + b * stride_dmb
+            row_stat = tl.load(stats_ptr + n * stride_tn + b * stride_tb + q_start + rows, mask=row_ok,
+                               other=float("inf"))
+            out = _dq_tile(out, q_tile, q_base, rows, row_ok, d_base, d_mask_base, t0, d_length, ff, row_stat,
+                           slots[None, :] + tl.zeros((BLOCK_M, SLOTS), tl.int32), grad, scale2, stride_ql,
+                           stride_qk, stride_dl, stride_dk, stride_dml, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K,
+                           REDUCTION, TOP_K, SLOTS, HAS_D_MASK, EXCLUDE, DOT_PRECISION)
+        first = last  # (nothing left for the loop below)
     for b in range(first, last):
         grad = tl.load(grad_ptr + n * stride_gn + b * stride_gb)
         d_start, d_length = _doc_span(cu_d_ptr, b, doc_len, n_d_rows, LAYOUT)
@@ -300,13 +340,10 @@ def soft_bwd_dq_kernel(
                                     REDUCTION, TOP_K)
         if REDUCTION == REDUCE_SMOOTH:
             for t0 in range(0, d_length, BLOCK_N):
-                cols = t0 + tl.arange(0, BLOCK_N)
-                loaded, counted = _columns(d_mask_base, cols, d_length, stride_dml, HAS_D_MASK, EXCLUDE)
-                d_tile = _rows(d_base, cols, loaded, ff, stride_dl, stride_dk, DIM)  # (with one chunk: all of d)
-                sim = _similarity(q_tile, d_tile, q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded,
-                                  stride_dl, stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
-                w = _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION, TOP_K, SLOTS)
-                out = tl.dot(w.to(d_tile.dtype), d_tile, out, input_precision=DOT_PRECISION)
+                out = _dq_tile(out, q_tile, q_base, rows, row_ok, d_base, d_mask_base, t0, d_length, ff, row_stat,
+                               toks, grad, scale2, stride_ql, stride_qk, stride_dl, stride_dk, stride_dml, DIM,
+                               BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, REDUCTION, TOP_K, SLOTS, HAS_D_MASK, EXCLUDE,
+                               DOT_PRECISION)
         else:
             # Top-k: W is 1 / count on each row's chosen tokens, so dQ gathers those TOP_K rows of D per query row
             # instead of a product with every tile (a masked token chosen in mask_mode "zero" is a constant 0).
@@ -372,25 +409,31 @@ def soft_bwd_dd_kernel(
     else:
         first = b * 0
         last = b * 0 + n_queries
-    for n in range(first, last):
+    # One flat loop over (query, row block), not a loop per query: the pipeliner prefetches the next query's tile
+    # (ColBERT's 32-token queries are one block each). Every query of the range has the first one's length (the
+    # padded Lq; pairs: one query).
+    _, first_length = _query_span(cu_q_ptr, first, q_len, n_q_rows, LAYOUT)
+    q_blocks = tl.cdiv(first_length, BLOCK_M)
+    for step in range(0, (last - first) * q_blocks):
+        n = first + step // q_blocks
+        s0 = (step - (n - first) * q_blocks) * BLOCK_M
         grad = tl.load(grad_ptr + n * stride_gn + b * stride_gb)
         q_start, q_length = _query_span(cu_q_ptr, n, q_len, n_q_rows, LAYOUT)
         q_base = q_ptr + n * stride_qn + q_start * stride_ql
-        for s0 in range(0, q_length, BLOCK_M):
-            rows = s0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < q_length
-            if HAS_Q_MASK:
-                row_ok &= tl.load(q_mask_ptr + n * stride_qmn + rows.to(tl.int64) * stride_qml, mask=row_ok,
-                                  other=0) != 0
-            row_stat, toks = _row_stats(stats_ptr, n * stride_tn + b * stride_tb + q_start, rows, row_ok, slots,
-                                        REDUCTION, TOP_K)
-            q_tile = _rows(q_base, rows, row_ok, ff, stride_ql, stride_qk, DIM)  # (with one chunk: all of d)
-            sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            if REDUCTION == REDUCE_SMOOTH:
-                sim = _similarity(q_tile, d_tile, q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded,
-                                  stride_dl, stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
-            w = _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION, TOP_K, SLOTS)
-            out = tl.dot(tl.trans(w.to(q_tile.dtype)), q_tile, out, input_precision=DOT_PRECISION)
+        rows = s0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_length
+        if HAS_Q_MASK:
+            row_ok &= tl.load(q_mask_ptr + n * stride_qmn + rows.to(tl.int64) * stride_qml, mask=row_ok,
+                              other=0) != 0
+        row_stat, toks = _row_stats(stats_ptr, n * stride_tn + b * stride_tb + q_start, rows, row_ok, slots,
+                                    REDUCTION, TOP_K)
+        q_tile = _rows(q_base, rows, row_ok, ff, stride_ql, stride_qk, DIM)  # (with one chunk: all of d)
+        sim = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if REDUCTION == REDUCE_SMOOTH:
+            sim = _similarity(q_tile, d_tile, q_base, rows, row_ok, stride_ql, stride_qk, d_base, cols, loaded,
+                              stride_dl, stride_dk, DIM, BLOCK_M, BLOCK_N, BLOCK_K, NUM_K, DOT_PRECISION)
+        w = _weights(sim, row_stat, toks, cols, counted, grad, scale2, REDUCTION, TOP_K, SLOTS)
+        out = tl.dot(tl.trans(w.to(q_tile.dtype)), q_tile, out, input_precision=DOT_PRECISION)
     # (a token of mask_mode "zero"'s masked ones takes part in the reduction but is a constant 0: no gradient)
     if LAYOUT == PADDED:
         dd_rows = (doc_set * n_docs + b) * doc_len + cols

@@ -305,3 +305,23 @@ def test_dq_in_document_ranges(reduction, kw):
     Q, D, q_mask, d_mask = rand_problem(rng, 2, 3, 5, 7, 8)
     with override(maxsim_soft=MaxSimSoftConfig(block_m=16, block_n=16, block_k=16, dq_splits=2)):
         _check(Q, D, q_mask, d_mask, reduction=reduction, **kw)
+
+
+@pytest.mark.parametrize("reduction,kw", SOFT[::2], ids=IDS[::2])
+def test_long_queries_in_row_blocks(reduction, kw):
+    """Queries of several row blocks (16 rows each here): one forward program per block, partial sums added; the
+    backward's flat (query, row block) and (document, tile) loops; packed pairs of unequal long queries."""
+    rng = torch.Generator().manual_seed(9)
+    Q, D, q_mask, d_mask = rand_problem(rng, 2, 37, 3, 35, 8)
+    q_mask[1, 16:] = False  # a query whose last blocks are all masked
+    with override(maxsim_soft=MaxSimSoftConfig(block_m=16, block_n=16, block_k=16, dq_splits=2)):
+        _check(Q, D, q_mask, d_mask, grad=torch.randn(2, 3, generator=rng), reduction=reduction, **kw)
+        q, cu_q, max_q = lik.pack([torch.randn(n, 8, generator=rng) for n in (40, 3, 17)])
+        d, cu_d, max_d = lik.pack([torch.randn(n, 8, generator=rng) for n in (20, 33, 0)])
+        runs = []
+        for dtype in (torch.float32, torch.float64):
+            qg, dg = q.to(dtype).requires_grad_(), d.to(dtype).requires_grad_()
+            s = lik.maxsim_varlen(qg, dg, cu_q, cu_d, max_q, max_d, reduction=reduction, **kw)
+            runs.append((s, *torch.autograd.grad(s, (qg, dg), torch.tensor([1.0, -2.0, 0.5], dtype=dtype))))
+    for g, w in zip(*runs):
+        torch.testing.assert_close(g.double(), w, atol=2e-5, rtol=1e-4)

@@ -141,12 +141,17 @@ def soft_forward(q: torch.Tensor, d: torch.Tensor, lay: SoftLayout, options: Sco
     if programs == 0:
         return scores, stats
     cfg, _, ptrs, scale2, kw = _common(q, d, lay, options)
-    launch(soft_fwd_kernel, (programs,), q, d, *ptrs, scores, stats,
-           lay.n_queries, lay.n_docs, lay.q_len, lay.doc_len, q.shape[0], d.shape[0], scale2,
+    q_blocks = max(1, cdiv(lay.q_len, cfg.block_m))  # (an empty query: one block that writes 0)
+    out, s_q = scores, 0
+    if q_blocks > 1:  # one partial per row block, added here in a fixed order
+        out = torch.empty((*shape, q_blocks), dtype=torch.float32, device=q.device)
+        s_n, s_b, s_q = s_n * q_blocks, s_b * q_blocks, 1
+    launch(soft_fwd_kernel, (programs * q_blocks,), q, d, *ptrs, out, stats,
+           lay.n_queries, lay.n_docs, lay.q_len, lay.doc_len, q.shape[0], d.shape[0], q_blocks, scale2,
            options.tau * math.log(2.0), *_query_strides(q, lay), *_doc_strides(d, lay), *_mask_strides(lay),
-           s_n, s_b, t_n, t_b, HAS_Q_MASK=lay.q_mask is not None, STORE_STATS=store_stats, num_stages=cfg.num_stages,
-           **kw)
-    return scores, stats
+           s_n, s_b, s_q, t_n, t_b, HAS_Q_MASK=lay.q_mask is not None, STORE_STATS=store_stats,
+           num_stages=cfg.num_stages, **kw)
+    return (out.sum(dim=-1) if q_blocks > 1 else scores), stats
 
 
 def soft_backward(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, lay: SoftLayout, options: ScoreOptions,
