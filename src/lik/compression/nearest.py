@@ -25,6 +25,8 @@ __all__ = ["nearest_centroid", "nearest_centroid_reference"]
 
 _HALF_BLOCK = 128  # tokens per program and centroids per step with fp16 / bf16 operands (64 KB of operands)
 _WIDE_BLOCK = 64  # the same for fp32 / fp64 operands, whose tiles take four times the shared memory
+# Centroid tiles in flight (the loop's software pipeline: cp.async copies ahead of the product); 1 turns it off.
+STAGES = 3
 # The reference's [rows, K] score block stays under about 256 MB.
 _REFERENCE_BYTES = 1 << 28
 _PRODUCT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,6 +50,7 @@ def _nearest_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # The centroids come in the product dtype and the scores in the accumulation dtype (fp32, or fp64).
     PRODUCT = c_ptr.dtype.element_ty
@@ -62,7 +65,7 @@ def _nearest_kernel(
         x_tile = tl.load(
             x_ptr + rows[:, None] * stride_x + dims[None, :], mask=row_ok[:, None] & (dims < D)[None, :], other=0
         ).to(PRODUCT)
-    for n0 in range(0, K, BLOCK_N):
+    for n0 in tl.range(0, K, BLOCK_N, num_stages=STAGES):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < K
         c_rows = c_ptr + cols[:, None].to(tl.int64) * stride_c
@@ -213,7 +216,7 @@ def nearest_centroid(
         BLOCK_M=block,
         BLOCK_N=block,
         BLOCK_D=block_d,
+        STAGES=STAGES if half else 2,
         num_warps=8 if half else 4,
-        num_stages=3 if half else 2,
     )
     return codes, scores
