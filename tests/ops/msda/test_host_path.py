@@ -19,6 +19,8 @@ from lik.ops.msda import backward as msda_backward_module
 from lik.ops.msda import forward as msda_forward_module
 from lik.ops.msda import function as msda_function_module
 from lik.ops.msda import ms_deform_attn, ms_deform_attn_v2
+from lik.ops.msda import validation
+from lik.ops.msda.backward import msda_backward
 from lik.ops.msda.validation import check_inputs_v2
 
 from .helpers import rand_problem
@@ -305,6 +307,31 @@ def test_a_replayed_forwards_deterministic_backward_is_the_full_one(rng, backwar
     assert type(out.grad_fn).__name__ == "_ReplayedFunctionBackward"
     assert msda_backward_module._REPLAYS == {} and not keyed
     assert [k.fn.__name__ for k, _, _ in launches[1:]] == ["msda_bwd_kernel", "msda_bwd_value_kernel"]
+
+
+def test_a_deterministic_backward_reads_no_checked_level_table(rng, stubbed, monkeypatch):
+    """Its corner-cell count comes from the forward's cached table check; a table never checked (or changed in
+    place since) is read (one synchronisation, for a CUDA table) and counted."""
+    monkeypatch.setattr(msda_backward_module, "launch", msda_forward_module.launch)
+    monkeypatch.setattr(validation, "_FITTING_TABLES", {})
+    value, shapes, starts, loc, attn = _problem(rng, True)
+    out = ms_deform_attn(value, shapes, starts, loc, attn)
+    grad = torch.randn(out.shape, generator=rng)
+    torch.use_deterministic_algorithms(True)
+    try:
+        names, _ = _operators(lambda: torch.autograd.grad(out, [value, loc, attn], grad))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert SYNC not in names and _cells(stubbed) == sum((h + 1) * (w + 1) for h, w in HW)
+    other = torch.tensor([[5, 6], [2, 3]])  # fits value too; never checked
+    names, _ = _operators(lambda: msda_backward(grad, value.detach(), other, starts, loc.detach(), attn.detach(),
+                                                deterministic=True))
+    assert SYNC in names and _cells(stubbed) == 6 * 7 + 3 * 4
+
+
+def _cells(launches) -> int:
+    """``n_cells`` of the last sample-side backward launch (its ints end with n_cells, no_bucket, stride_gc)."""
+    return [args for kernel, _, args in launches if kernel is msda_backward_module.msda_bwd_kernel][-1][-3]
 
 
 # ------------------------------------------------------------------------------------------------- GPU only

@@ -31,6 +31,7 @@ from .forward import (RUNTIME_INTS, check_pixel_count, check_point_tile, contigu
                       nearest_pixel, replay_key)
 from .sampling import (bilinear, corner_masks, corner_weights, corners_inside, level_points, level_shape, level_spills,
                        load_samples, query_rows)
+from .validation import checked_cell_count
 
 __all__ = ["msda_bwd_kernel", "msda_bwd_value_kernel", "msda_backward", "launch_backward"]
 
@@ -357,6 +358,8 @@ def launch_backward(grad_out, value, shapes, starts, loc, attn, deterministic: b
     n_samples = n_rows * per_row
     if n_samples == 0 or dim == 0:
         return tuple(torch.zeros(t.shape, dtype=t.dtype, device=device) for t in (value, loc, attn))
+    # Known without a read when the forward's check cached the table (before dense: the cache knows the caller's).
+    known_cells = checked_cell_count(shapes, starts, n_pixels) if deterministic else None
     value, head_major = kernel_value(value, cfg.transpose)
     shapes, starts, loc, attn, grad_out = dense(shapes), dense(starts), dense(loc), dense(attn), dense(grad_out)
     # One channel chunk writes the point gradients in their final dtype, straight into the returned tensors;
@@ -370,11 +373,11 @@ def launch_backward(grad_out, value, shapes, starts, loc, attn, deterministic: b
     if deterministic:
         gvalue = torch.empty((n, n_pixels, heads, dim), dtype=value.dtype, device=device)
         # Corner cells of every level on a (H + 1) x (W + 1) grid (none for an empty level, which no sample
-        # reaches); one host sync for their total.
+        # reaches); their total is the checked table's, else one host sync.
         heights, widths = shapes[:, 0].to(torch.int64), shapes[:, 1].to(torch.int64)
         sizes = torch.where((heights > 0) & (widths > 0), (heights + 1) * (widths + 1), 0)
         cells = torch.cumsum(sizes, 0) - sizes
-        n_cells = int(sizes.sum())
+        n_cells = int(sizes.sum()) if known_cells is None else known_cells
         no_bucket = n * heads * n_cells
         buckets = torch.empty(n_samples, dtype=torch.int64, device=device)
     else:

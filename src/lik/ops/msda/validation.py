@@ -12,7 +12,8 @@ import weakref
 
 import torch
 
-__all__ = ["check_inputs", "check_inputs_v2", "check_level_table", "level_table", "KERNEL_DTYPES", "METHODS"]
+__all__ = ["check_inputs", "check_inputs_v2", "check_level_table", "checked_cell_count", "level_table", "KERNEL_DTYPES",
+           "METHODS"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -185,16 +186,35 @@ def check_level_table(value_spatial_shapes: torch.Tensor, value_level_start_inde
         >>> check_level_table(shapes, starts, value.shape[1])   # a look-up
         >>> starts[1] += 1; check_level_table(shapes, starts, value.shape[1])   # changed in place: read again
     """
-    seen = _FITTING_TABLES.get(id(value_spatial_shapes))
-    if (seen is not None and seen[0]() is value_spatial_shapes and seen[1]() is value_level_start_index
-            and seen[2] == n_pixels and (seen[3] is None or seen[3] == (value_spatial_shapes._version,
-                                                                       value_level_start_index._version))):
+    if _cached(value_spatial_shapes, value_level_start_index, n_pixels) is not None:
         return
     if value_spatial_shapes.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    level_table(value_spatial_shapes, value_level_start_index, n_pixels)
+    levels = level_table(value_spatial_shapes, value_level_start_index, n_pixels)
     versions = _versions(value_spatial_shapes, value_level_start_index)
+    # The deterministic backward's corner cells, (H + 1) x (W + 1) per non-empty level, known here without a read.
+    cells = sum((h + 1) * (w + 1) for h, w, _ in levels if h > 0 and w > 0)
     if len(_FITTING_TABLES) >= FITTING_TABLES_LIMIT:
         _FITTING_TABLES.clear()
     _FITTING_TABLES[id(value_spatial_shapes)] = (weakref.ref(value_spatial_shapes),
-                                                 weakref.ref(value_level_start_index), n_pixels, versions)
+                                                 weakref.ref(value_level_start_index), n_pixels, versions, cells)
+
+
+def _cached(shapes: torch.Tensor, starts: torch.Tensor, n_pixels: int) -> tuple | None:
+    """The cache entry of a table that passed with this ``S`` and is unchanged since, else None."""
+    seen = _FITTING_TABLES.get(id(shapes))
+    if (seen is not None and seen[0]() is shapes and seen[1]() is starts and seen[2] == n_pixels
+            and (seen[3] is None or seen[3] == (shapes._version, starts._version))):
+        return seen
+    return None
+
+
+def checked_cell_count(shapes: torch.Tensor, starts: torch.Tensor, n_pixels: int) -> int | None:
+    """``sum((H + 1) * (W + 1))`` over the non-empty levels of a table :func:`check_level_table` has cached and that
+    is unchanged since (no read of the table), else None: the corner-cell count of the deterministic backward.
+
+    Example:
+        >>> check_level_table(shapes, starts, value.shape[1]); checked_cell_count(shapes, starts, value.shape[1])
+    """
+    seen = _cached(shapes, starts, n_pixels)
+    return None if seen is None else seen[4]
