@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._device import cdiv, current_device
+from ..._device import cdiv, current_device, sm_count
 from ..._launch import launch
 from ..._replay import NEVER, allowed, file, layout_key, made, note, plan_of, recording
 from ...config.msda import msda_backward_config, value_grad_accumulation
@@ -258,9 +258,10 @@ _REPLAYS: dict[tuple, object] = {}
 # Launch variants of the atomic backward, for timing on a GPU (not public; the default is ""): "split" gives each
 # program one level (4x the programs of a decoder's 9 600 rows, whose 1-warp programs otherwise walk their levels
 # one after the other with every gather's latency exposed), "r2" halves the rows of a tile, "s2" / "s3" let Triton
-# pipeline the level loop over 2 / 3 stages (the next level's loads issued before this one's atomics).
+# pipeline the level loop over 2 / 3 stages (the next level's loads issued before this one's atomics); "auto" splits
+# only grids of fewer than 64 row blocks per SM (decoders; an encoder's 260 000 blocks keep their loop).
 # Chosen by LIK_MSDA_BWD_VARIANT at import or by setting _VARIANT; part of the replay key.
-VARIANTS = ("", "split", "r2", "s2", "s3")
+VARIANTS = ("", "split", "r2", "s2", "s3", "auto")
 _VARIANT = os.environ.get("LIK_MSDA_BWD_VARIANT", "")
 
 
@@ -387,7 +388,8 @@ def launch_backward(grad_out, value, shapes, starts, loc, attn, deterministic: b
 
     block_rows, split, stages = cfg.block_rows, False, cfg.num_stages
     if _VARIANT and not deterministic:
-        split = _VARIANT == "split"
+        blocks = -(-n_rows // block_rows) * n_chunks
+        split = _VARIANT == "split" or (_VARIANT == "auto" and blocks < 64 * sm_count(device))
         block_rows = max(1, block_rows // 2) if _VARIANT == "r2" else block_rows
         stages = int(_VARIANT[1]) if _VARIANT in ("s2", "s3") else stages
     grid = (-(-n_rows // block_rows) * (n_levels if split else 1), n_chunks)
