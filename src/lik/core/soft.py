@@ -36,11 +36,12 @@ NO_TOKEN = tl.constexpr(-1)  # an empty top-k slot (and every slot of a row that
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
+# Not the row strides of Q and D: Triton's divisible-by-16 mark on them (d a multiple of 16: every batch and length)
+# is what lets a tile load be 16-byte vectors and asynchronous copies; without it each element is its own load.
 SOFT_RUNTIME_INTS = [
     "n_queries", "n_docs", "q_len", "doc_len", "n_q_rows", "n_d_rows", "q_blocks", "d_blocks", "n_feature_blocks",
-    "stride_qn", "stride_ql", "stride_dn", "stride_db", "stride_dl", "stride_qmn", "stride_qml", "stride_dmn",
-    "stride_dmb", "stride_dml", "stride_gn", "stride_gb", "stride_gq", "stride_tn", "stride_tb", "n_splits",
-    "split_docs", "split_stride",
+    "stride_qmn", "stride_qml", "stride_dmn", "stride_dmb", "stride_dml", "stride_gn", "stride_gb", "stride_gq",
+    "stride_tn", "stride_tb", "n_splits", "split_docs", "split_stride",
 ]
 
 
