@@ -279,8 +279,8 @@ def soft_bwd_dq_kernel(
 ):
     """``dQ`` (fp32 ``[n_splits, *q.shape]``, contiguous) of one query's row block and feature block: the sum over
     its documents of ``grad[n, b] * W @ D``, with ``W`` recomputed per tile (smooth) or as a gather of each row's
-    ``TOP_K`` chosen rows of ``D`` (top-k: ``W`` is sparse). Rows that scored 0 get 0 (the launcher
-    zeroes ``dq_ptr``). Each program takes ``split_docs`` documents and writes its fp32 partial at ``split *
+    ``TOP_K`` chosen rows of ``D`` (top-k: ``W`` is sparse). Every row of the query is written, 0 where it
+    scored 0. Each program takes ``split_docs`` documents and writes its fp32 partial at ``split *
     split_stride`` (the launcher adds the ``n_splits`` partials in a fixed order: deterministic).
 
     ``DD_ATOMIC`` (top-k only): also the sparse ``dD``, scattered with fp32 atomics into ``dd_ptr`` (pre-zeroed,
@@ -366,9 +366,10 @@ def soft_bwd_dq_kernel(
                     tl.atomic_add(dd_ptr + (dd_base + token.to(tl.int64))[:, None] * DIM + ff[None, :],
                                   w_chosen * q_tile.to(tl.float32), mask=chosen[:, None] & (ff[None, :] < DIM),
                                   sem="relaxed")
-    if STORE_DQ:
+    if STORE_DQ:  # (every row of the query, 0 where masked: the launcher need not zero the buffer)
         tl.store(dq_ptr + split * split_stride + dq_rows[:, None] * DIM + ff[None, :],
-                 out.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (ff[None, :] < DIM))
+                 tl.where(row_ok[:, None], out, 0.0).to(dq_ptr.dtype.element_ty),
+                 mask=(rows < q_length)[:, None] & (ff[None, :] < DIM))
 
 
 @triton.jit(do_not_specialize=SOFT_RUNTIME_INTS)

@@ -175,7 +175,9 @@ def soft_backward(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, lay: Sof
         split_docs = cdiv(lay.n_docs, splits)
         # Several document ranges per row block: fp32 partials, added in order afterwards (deterministic). fp32 for
         # one range too: the output's type is part of the kernel's signature, and the batch must not choose it.
-        out = torch.zeros((splits, *q.shape) if need_dq else (1,), dtype=torch.float32, device=q.device)
+        # (the kernel writes every row of every query; packed pairs' rows outside all pairs, if any, are not)
+        alloc = torch.zeros if lay.layout == PAIRS else torch.empty
+        out = alloc((splits, *q.shape) if need_dq else (1,), dtype=torch.float32, device=q.device)
         if programs:
             launch(soft_bwd_dq_kernel, (programs * splits,), grad, q, d, *ptrs, stats, out,
                    dd32 if scatter else out, *counts, q_blocks, num_k, scale2, splits, split_docs, q.numel(),
@@ -184,8 +186,8 @@ def soft_backward(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, lay: Sof
             dq = (out.sum(dim=0) if splits > 1 else out[0]).to(q.dtype)
     if scatter:
         dd = dd32 if d.dtype == torch.float32 else dd32.to(d.dtype)
-    elif need_dd:
-        dd = torch.zeros(d.shape, dtype=d.dtype, device=d.device)
+    elif need_dd:  # (padded: the kernel writes every token, 0 where masked; packed rows outside all documents: 0)
+        dd = (torch.empty if lay.layout == PADDED else torch.zeros)(d.shape, dtype=d.dtype, device=d.device)
         d_blocks = cdiv(lay.max_doc_len, cfg.block_n)
         programs = lay.n_sets * lay.n_docs * d_blocks * num_k
         if programs:
