@@ -118,3 +118,53 @@ def test_ragged_queries_on_the_gpu_equal_one_search_per_query(dtype):
             one = index.search(q, 10)
             torch.testing.assert_close(one[0], scores[number], rtol=1e-5, atol=1e-4)
             assert torch.equal(one[1], ids[number])
+
+
+@pytest.mark.parametrize("placement", ["host", "disk"])
+def test_back_to_back_streamed_searches_wait_for_each_other(tmp_path, placement):
+    # Three chunks: a search's last chunk is scored from buffer 0, which the next search's first copy refills. Each
+    # search waits for the last one's scoring of that buffer (and, staged, for its copy out of the pinned buffer):
+    # unsynchronised searches equal synchronised ones.
+    docs = random_docs(300)
+    lik.Index.build(docs, out=tmp_path / "ix", progress=False)
+    index = lik.Index.load(tmp_path / "ix", placement=placement, device="cuda", chunk_tokens=16_000)
+    assert len(index._chunk_source().plans) % 2 == 1
+    gen = torch.Generator().manual_seed(3)
+    queries = [torch.nn.functional.normalize(torch.randn(n, 32, 128, generator=gen), dim=-1).cuda() for n in
+               (256, 1, 256, 3, 256, 1)]  # fmt: skip
+    want = []
+    for Q in queries:
+        want.append(index.search(Q, 10))
+        torch.cuda.synchronize()
+    got = [index.search(Q, 10) for Q in queries]  # no synchronisation in between
+    for (ws, wi), (gs, gi) in zip(want, got):
+        assert torch.equal(gi, wi) and torch.equal(gs, ws)
+
+
+def test_one_query_search_host_path_is_two_merge_launches(monkeypatch):
+    # The resident search's merge: block top-k and one row merge that decodes, no torch.topk, nothing read back.
+    from lik.retrieval import keys
+
+    index = lik.Index.build(random_docs(3000), placement="gpu", progress=False)
+    Q = torch.nn.functional.normalize(torch.randn(32, 128), dim=-1).cuda()
+    index.search(Q, 10)
+    launched, launch = [], keys.launch
+
+    def recorded(kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(keys, "launch", recorded)
+    monkeypatch.setattr(torch.Tensor, "topk", lambda *a, **kw: pytest.fail("torch.topk in a resident search"))
+    scores, ids = index.search(Q, 10)
+    monkeypatch.undo()
+    assert launched == ["block_top_keys_kernel", "row_top_keys_kernel"]
+    exact = lik.maxsim_packed(Q, *_packed(index)).topk(10)
+    assert torch.equal(ids.cpu(), exact.indices.cpu())
+
+
+def _packed(index):
+    from lik.index.placement import coalesce
+
+    (whole,) = coalesce(index.segments)
+    return whole.tokens, whole.cu_seqlens.to(device="cuda", dtype=torch.int32)

@@ -88,3 +88,22 @@ def test_sort_fallback_of_older_triton(monkeypatch):
     monkeypatch.setattr(K, "_HAS_TOPK", False)
     scores = _scores(2, 130, seed=5)
     assert torch.equal(K.merge_keys(scores, 3, None, None, 6), _expected(scores, 3, None, None, 6))
+
+
+@pytest.mark.parametrize("k", [3, 65])
+@pytest.mark.parametrize("nan", [False, True])
+def test_decode_in_the_merge(k, nan):
+    # A search's last merge returns scores and ids (read from the keys in the same launch on the fused path).
+    scores, earlier = _scores(2, 200, seed=6), _scores(2, 50, seed=7)
+    if nan:  # NaN decoded as NaN, after every number, ties to the lower id
+        scores, earlier = torch.full((2, 200), float("nan")), torch.full((2, 50), float("nan"))
+        scores[:, 150] = -1.0
+    best = K.merge_keys(earlier, 500, None, None, 4)
+    got_scores, got_ids = K.merge_keys(scores, 3, None, best, k, decode=True)
+    want_scores, want_ids = K.decode_keys(_expected(scores, 3, None, best, k))
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_scores.nan_to_num(7.0), want_scores.nan_to_num(7.0))
+    assert got_scores.dtype == torch.float32 and got_ids.dtype == torch.int64
+    if nan:
+        assert got_scores[:, 0].tolist() == [-1.0, -1.0] and got_scores[:, 1:].isnan().all()
+        assert got_ids[0, :3].tolist() == [153, 3, 4]

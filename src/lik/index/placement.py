@@ -175,22 +175,27 @@ class ResidentSource(ChunkSource):
 
     def __init__(self, segments, plans, device):
         super().__init__(segments, plans, device)
-        # Offsets of every chunk, on the device once, so a search copies nothing per chunk.
+        # Offsets of every chunk, on the device once, so a search copies nothing per chunk; the chunks themselves
+        # (views) made once too: a search of a resident index slices nothing.
         self.offsets = [_chunk_offsets(self.segments[p.segment], p).to(self.device) for p in self.plans]
+        self._chunks = [self._chunk(number) for number in range(len(self.plans))]
+
+    def _chunk(self, number: int) -> Chunk:
+        plan = self.plans[number]
+        segment = self.segments[plan.segment]
+        scale = segment.scale
+        return Chunk(
+            segment.tokens[plan.token_start : plan.token_stop],
+            self.offsets[number],
+            None if scale is None else scale[plan.token_start : plan.token_stop],
+            plan.max_seqlen,
+            plan.first_id,
+            plan.num_docs,
+        )
 
     def chunks(self, plan_numbers):
-        for number in plan_numbers:
-            plan = self.plans[number]
-            segment = self.segments[plan.segment]
-            scale = segment.scale
-            yield Chunk(
-                segment.tokens[plan.token_start : plan.token_stop],
-                self.offsets[number],
-                None if scale is None else scale[plan.token_start : plan.token_stop],
-                plan.max_seqlen,
-                plan.first_id,
-                plan.num_docs,
-            )
+        chunks = self._chunks
+        return (chunks[number] for number in plan_numbers)
 
 
 class StreamedSource(ChunkSource):
@@ -223,6 +228,8 @@ class StreamedSource(ChunkSource):
                 torch.empty(capacity if has_scale else 0, dtype=side).pin_memory() for _ in range(2)
             ]
         self.copy_stream = torch.cuda.Stream(device=self.device)
+        self.freed: list[torch.cuda.Event | None] = [None, None]
+        self.copied_into: list[torch.cuda.Event | None] = [None, None]
         if hasattr(os, "posix_fadvise"):  # chunks are read front to back: ask for a large readahead
             for handle in {id(s.region.handle): s.region.handle for s in self.segments if s.region}.values():
                 os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -269,9 +276,12 @@ class StreamedSource(ChunkSource):
     def chunks(self, plan_numbers):
         plan_numbers = list(plan_numbers)
         compute = torch.cuda.current_stream(self.device)
-        freed: list[torch.cuda.Event | None] = [None, None]  # scoring of the slot's last chunk is done
-        copied_into: list[torch.cuda.Event | None] = [None, None]  # the slot's last copy is done
-        pending = self._copy(plan_numbers[0], 0, None, None) if plan_numbers else None
+        # Kept from one search to the next (searches hold the lock, one at a time): the first copies of a search
+        # wait for the previous search's scoring of the same slot, and the CPU waits for its last copy out of a
+        # staging buffer before refilling it (no host sync between searches otherwise).
+        freed = self.freed  # scoring of the slot's last chunk is done
+        copied_into = self.copied_into  # the slot's last copy is done
+        pending = self._copy(plan_numbers[0], 0, freed[0], copied_into[0]) if plan_numbers else None
         for position, number in enumerate(plan_numbers):
             slot = position % 2
             copied, offsets = pending

@@ -56,7 +56,7 @@ def check_queries(Q, q_mask, cu_seqlens_q, d: int, dtype: torch.dtype
     if not Q.is_floating_point() or Q.dtype in EIGHT_BIT:
         raise TypeError(f"Q must be a float tensor, got {Q.dtype}")
     if dtype not in EIGHT_BIT:
-        Q = Q.to(dtype)
+        Q = Q if Q.dtype == dtype else Q.to(dtype)
     elif Q.dtype == torch.float64:
         Q = Q.float()  # 8-bit scoring quantizes fp16 / bf16 / fp32 queries
     if ragged is not None:
@@ -86,7 +86,6 @@ def search_chunks(
                           selection, k)
 
 
-@torch.no_grad()
 def search_buckets(
     queries: Sequence[QueryBucket],
     n_queries: int,
@@ -103,18 +102,16 @@ def search_buckets(
     caller: a bucket is quantized once for an 8-bit index, and each chunk goes to packed MaxSim's internal scoring
     entry, with no check repeated and no host synchronisation. A chunk whose ``[Nq, documents]`` scores would pass
     :data:`~lik.retrieval.exact.DEFAULT_BUDGET_BYTES` is scored in runs of documents. ``scorer(bucket, tokens, cu,
-    scale) -> fp32 [n, documents]`` replaces packed MaxSim (a compressed index's residual scorer)."""
+    scale) -> fp32 [n, documents]`` replaces packed MaxSim (a compressed index's residual scorer). Inference only:
+    :meth:`lik.Index.search` calls it under ``torch.no_grad``.
+
+    A search of one query is host bound before its one scoring launch (a GPU-resident corpus is one chunk): nothing
+    is allocated, moved or launched here that the search does not use (the host path's ops are pinned by
+    tests/index/test_search_host_path.py)."""
     device = source.device
-    best_scores = torch.empty(n_queries, 0, dtype=torch.float32, device=device)
-    best_ids = torch.empty(n_queries, 0, dtype=torch.int64, device=device)
     if k == 0 or n_queries == 0:
-        return best_scores, best_ids
-    queries = [
-        bucket._replace(q=bucket.q.to(device, non_blocking=True),
-                        mask=None if bucket.mask is None else bucket.mask.to(device, non_blocking=True),
-                        index=None if bucket.index is None else bucket.index.to(device, non_blocking=True))
-        for bucket in queries
-    ]
+        return _no_result(n_queries, device)
+    queries = [bucket if _on(bucket, device) else _moved(bucket, device) for bucket in queries]
     # Every chunk's selected positions go to the device in one copy, not one per chunk. A chunk without positions
     # scores all its documents; positions already on the device (the live documents of an index with removed
     # ones, cached there) are used as they are: removed documents are never candidates, with no host sync.
@@ -130,7 +127,8 @@ def search_buckets(
     plans = [source.plans[n] for n in numbers]
     keyed = all(p.first_id + p.num_docs < MAX_ID for p in plans)
     step = max(1, DEFAULT_BUDGET_BYTES // (n_queries * BYTES_PER_CANDIDATE))
-    packed, best = None, None
+    last = len(plans) == 1 and plans[0].num_docs <= step  # the only merge is the last one
+    packed, best, best_scores, best_ids = None, None, None, None
     for chunk, plan, local in zip(source.chunks(numbers), plans, locals_):
         if packed is None:
             packed = [(b, b if scorer else packed_query(b.q, b.mask, chunk.tokens.dtype)) for b in queries]
@@ -146,15 +144,33 @@ def search_buckets(
                     continue
                 local = (host_local[lo:hi] - a).to(device, non_blocking=True)
             if keyed:
-                best = merge_keys(scores if local is None else scores[:, local], first_id, local, best, k)
+                # One chunk scored in one run (a GPU-resident index): its merge also decodes, no launch after it.
+                best = merge_keys(scores if local is None else scores[:, local], first_id, local, best, k, last)
                 continue
             ids = torch.arange(first_id, first_id + scores.shape[1], device=device)
             if local is not None:
                 scores, ids = scores[:, local], ids[local]
+            if best_scores is None:
+                best_scores, best_ids = _no_result(n_queries, device)
             best_scores, best_ids = merge_top_k(best_scores, best_ids, scores, ids.expand(n_queries, -1), k)
     if keyed and best is not None:
-        return decode_keys(best)
-    return best_scores, best_ids
+        return best if last else decode_keys(best)
+    return _no_result(n_queries, device) if best_scores is None else (best_scores, best_ids)
+
+
+def _no_result(n_queries: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(n_queries, 0, dtype=torch.float32, device=device),
+            torch.empty(n_queries, 0, dtype=torch.int64, device=device))
+
+
+def _on(bucket: QueryBucket, device: torch.device) -> bool:
+    """Whether every tensor of ``bucket`` is on ``device`` already (the usual case: no ``.to`` call per search)."""
+    return all(t is None or t.device == device for t in (bucket.q, bucket.mask, bucket.index))
+
+
+def _moved(bucket: QueryBucket, device: torch.device) -> QueryBucket:
+    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    return bucket._replace(q=move(bucket.q), mask=move(bucket.mask), index=move(bucket.index))
 
 
 def _scored(packed, n_queries: int, chunk: Chunk, plan: ChunkPlan, source: ChunkSource, step: int, score):

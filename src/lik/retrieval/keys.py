@@ -102,16 +102,24 @@ def block_top_keys_kernel(scores_ptr, ids_ptr, out_ptr, n, n_blocks, first_id, s
 
 
 @triton.jit(do_not_specialize=["n", "k", "stride_iq", "stride_oq"])
-def row_top_keys_kernel(keys_ptr, out_ptr, n, k, stride_iq, stride_oq, WIDTH: tl.constexpr, K: tl.constexpr,
-                        OUT: tl.constexpr, HAS_TOPK: tl.constexpr):
+def row_top_keys_kernel(keys_ptr, out_ptr, scores_ptr, ids_ptr, n, k, stride_iq, stride_oq, WIDTH: tl.constexpr,
+                        K: tl.constexpr, OUT: tl.constexpr, HAS_TOPK: tl.constexpr, DECODE: tl.constexpr):
     """The ``k <= K`` largest of row ``q``'s ``n <= WIDTH`` keys (program ``q``), largest first, into
-    ``out[q, :k]``."""
+    ``out[q, :k]``; with ``DECODE``, their scores and ids instead (``scores`` / ``ids [Nq, k]``, row stride
+    ``stride_oq``), as :func:`decode_keys_kernel` reads them: the end of a search in the same launch."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, WIDTH)
     key = tl.load(keys_ptr + row * stride_iq + cols, mask=cols < n, other=-9223372036854775808)
     top = _largest(key, K, HAS_TOPK)
     slots = tl.arange(0, OUT)
-    tl.store(out_ptr + row * stride_oq + slots, top, mask=slots < k)
+    if DECODE:
+        ordered = (top >> 32).to(tl.int32)
+        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+        score = tl.where(ordered == -2147483648, float("nan"), bits.to(tl.float32, bitcast=True))
+        tl.store(scores_ptr + row * stride_oq + slots, score, mask=slots < k)
+        tl.store(ids_ptr + row * stride_oq + slots, 4294967295 - (top & 4294967295), mask=slots < k)
+    else:
+        tl.store(out_ptr + row * stride_oq + slots, top, mask=slots < k)
 
 
 def candidate_keys(scores: torch.Tensor, first_id: int, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,49 +143,58 @@ def candidate_keys(scores: torch.Tensor, first_id: int, ids: torch.Tensor | None
     return keys
 
 
-def top_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+def top_keys(keys: torch.Tensor, k: int, decode: bool = False):
     """The ``k`` largest keys of each row ``[Nq, n]``, largest first (``k`` at most the row's length): one program a
-    row for ``k <= FUSED_K`` and ``n <= ROW_WIDTH`` where kernels run, ``torch.topk`` otherwise."""
+    row for ``k <= FUSED_K`` and ``n <= ROW_WIDTH`` where kernels run, ``torch.topk`` otherwise. ``decode``: their
+    ``(scores, ids)`` (:func:`decode_keys`; in the same launch on the fused path)."""
     n_queries, n = keys.shape
     top = max(2, next_power_of_2(k))  # (a top of one is a different reduction in older Triton's tl.topk)
     if not (uses_kernels(keys) and 0 < k and top <= FUSED_K and n <= ROW_WIDTH and n_queries):
-        return keys.topk(k, dim=-1, sorted=True).values
+        best = keys.topk(k, dim=-1, sorted=True).values
+        return decode_keys(best) if decode else best
     if keys.stride(-1) != 1:
         keys = keys.contiguous()
     width = max(next_power_of_2(n), top)
-    out = torch.empty((n_queries, k), dtype=torch.int64, device=keys.device)
-    launch(row_top_keys_kernel, (n_queries,), keys, out, n, k, keys.stride(0), out.stride(0), WIDTH=width, K=top,
-           OUT=top if _HAS_TOPK else width, HAS_TOPK=_HAS_TOPK, num_warps=4 if width <= 2048 else 8)
-    return out
+    device = keys.device
+    if decode:
+        scores = torch.empty((n_queries, k), dtype=torch.float32, device=device)
+        out = ids = torch.empty((n_queries, k), dtype=torch.int64, device=device)
+    else:
+        out = scores = ids = torch.empty((n_queries, k), dtype=torch.int64, device=device)
+    launch(row_top_keys_kernel, (n_queries,), keys, out, scores, ids, n, k, keys.stride(0), out.stride(0),
+           WIDTH=width, K=top, OUT=top if _HAS_TOPK else width, HAS_TOPK=_HAS_TOPK, DECODE=decode,
+           num_warps=4 if width <= 2048 else 8)
+    return (scores, ids) if decode else out
 
 
 def merge_keys(scores: torch.Tensor, first_id: int, ids: torch.Tensor | None, best: torch.Tensor | None,
-               k: int) -> torch.Tensor:
+               k: int, decode: bool = False):
     """The ``k`` largest keys, largest first, of float32 ``scores [Nq, n]`` (ids as for :func:`candidate_keys`) and
     the keys ``best [Nq, k']`` kept so far (None: none): ``[Nq, min(k, n + k')]``. Where kernels run and ``k <=
     FUSED_K``, each block of 1 024 candidates is cut to its top ``k`` in the kernel that makes the keys (the
     ``[Nq, n]`` keys are never written), then one :func:`top_keys` launch merges; otherwise every key is made and
-    one ``torch.topk`` merges."""
+    one ``torch.topk`` merges. ``decode``: the ``(scores, ids)`` of those keys instead (a search's last merge)."""
     n_queries, n = scores.shape
     top = max(2, next_power_of_2(k))
     k = min(k, n + (0 if best is None else best.shape[1]))
     if not uses_kernels(scores) or top > FUSED_K or n <= top or n_queries == 0:
         keys = candidate_keys(scores, first_id, ids)
         keys = keys if best is None else torch.cat([best, keys], dim=1)
-        return top_keys(keys, k)
+        return top_keys(keys, k, decode)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     n_blocks = cdiv(n, _BLOCK)
     width = 0 if best is None else best.shape[1]
     # The best so far first, then each block's top (ties cannot happen: keys are distinct).
     reduced = torch.empty((n_queries, width + n_blocks * top), dtype=torch.int64, device=scores.device)
+    blocks = reduced
     if width:
         reduced[:, :width] = best
-    blocks = reduced[:, width:]
+        blocks = reduced[:, width:]
     launch(block_top_keys_kernel, (n_queries * n_blocks,), scores, blocks if ids is None else ids, blocks, n,
            n_blocks, first_id, scores.stride(0), reduced.stride(0), HAS_IDS=ids is not None, BLOCK=_BLOCK, K=top,
            OUT=top if _HAS_TOPK else _BLOCK, HAS_TOPK=_HAS_TOPK)
-    return top_keys(reduced, k)
+    return top_keys(reduced, k, decode)
 
 
 @triton.jit(do_not_specialize=["n"])
