@@ -18,6 +18,7 @@ def _merge_workload():
         scores = torch.randn(rows, n, generator=gen)
         best = K.merge_keys(scores, 5, None, None, k)
         K.merge_keys(scores, 2**31, torch.arange(n), best, k)
+        K.merge_keys(scores, 0, None, None, k, decode=True)  # a search's last merge, decoded in the launch
 
 
 @pytest.mark.parametrize("has_topk", [True, pytest.param(False, marks=pytest.mark.slow)])
