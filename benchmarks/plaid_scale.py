@@ -183,16 +183,20 @@ def run(args, pb) -> int:
                 return
 
     placement = "gpu" if cuda else "auto"
-    index = lik.Index.build(
-        batches(),
-        codec="plaid",
-        nbits=nbits,
-        num_centroids=num_centroids,
-        train_tokens=train_tokens,
-        placement=placement,
-        device=device,
-        progress=False,
-    )
+    try:
+        index = lik.Index.build(
+            batches(),
+            codec="plaid",
+            nbits=nbits,
+            num_centroids=num_centroids,
+            train_tokens=train_tokens,
+            placement=placement,
+            device=device,
+            progress=False,
+        )
+    except Exception as error:  # noqa: BLE001 (the report keeps what was reached, then the error propagates)
+        say("build", {**built, "failed": f"{type(error).__name__}: {error}"[:400], "s": time.perf_counter() - t0})
+        raise
     _sync(device)
     build_s = time.perf_counter() - t0
     codec = index.codec
