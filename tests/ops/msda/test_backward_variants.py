@@ -33,6 +33,7 @@ def grids(monkeypatch):
 def test_each_variant_gives_the_reference_gradients(rng, monkeypatch, grids, variant, hw, points, dim):
     """Odd levels (a 1x1 one), P = 3 and 1, D = 5 (a masked channel tail); locations partly off the maps."""
     problem = rand_problem(rng, 2, 5, 3, dim, hw, points)
+    value_device = problem[0].device
     ref = reference64(*problem)
     monkeypatch.setattr(backward_module, "_VARIANT", variant)
     got = with_grads(ms_deform_attn, *problem)
@@ -42,13 +43,17 @@ def test_each_variant_gives_the_reference_gradients(rng, monkeypatch, grids, var
     rows = 2 * 5 * 3
     block_rows = options["BLOCK_R"]
     assert kernel is backward_module.msda_bwd_kernel
-    split = variant in ("split", "auto")  # auto: one or two row blocks, fewer than 64 per SM (1 off CUDA)
+    parts = variant.split("+")
+    split = "split" in parts or "auto" in parts  # auto: one or two row blocks, fewer than 64 per SM (1 off CUDA)
     assert grid[0] == -(-rows // block_rows) * (len(hw) if split else 1)
     assert options.get("SPLIT_LEVELS", False) == split
-    assert options["num_stages"] == {"s2": 2, "s3": 3}.get(variant, 1)
+    assert options["num_stages"] == (3 if "s3" in parts else 1)
+    config = backward_module.msda_backward_config(n_rows=rows, dim=dim, n_points=points, device=value_device)
+    default = config.block_rows
+    assert block_rows == max(1, default // (4 if "r4" in parts else 2 if "r2" in parts else 1))
 
 
-@pytest.mark.parametrize("variant", ["split", "r2"])
+@pytest.mark.parametrize("variant", ["split", "r4", "auto+r2"])
 def test_variants_with_a_point_table_and_a_nan_location(rng, monkeypatch, variant):
     """RT-DETRv2's layout (unequal points per level through the point table) gives the default launch's gradients;
     so does a NaN location (it reaches no pixel: the other points' gradients stay finite)."""
