@@ -12,7 +12,8 @@ only while the time budget lasts, each writing ``plaid_scale.json`` as it ends:
    (median of 3);
 2. the exhaustive scan of the first ``--recall-queries`` queries: the reference. ``recall_vs_scan`` is the share
    of candidate generation's top 10 that the scan's top 10 holds (or that scores at least the scan's 10th);
-3. exact MaxSim of those queries over the regenerated fp16 corpus: recall@10 of both against it;
+3. exact MaxSim of those queries over the regenerated fp16 corpus: recall@10 of both against it, and their
+   ratio (``candidates_over_scan``, the 5M comparison's "recall_vs_exhaustive");
 4. ``--sweep`` settings (``n_probe:candidates``), their batch and one-query times and recall against the scan.
 
 The build stops taking chunks past ``--build-budget-s`` (the index then holds fewer tokens, which the report
@@ -277,6 +278,8 @@ def run(args, pb) -> int:
                 row["scan_recall_at_10"] = pb.recall_at_k(scan[1], exact)
             if cand is not None:
                 row["candidates_recall_at_10"] = pb.recall_at_k(cand[1][:R], exact)
+            if scan is not None and cand is not None:  # the 5M bench's "recall_vs_exhaustive"
+                row["candidates_over_scan"] = row["candidates_recall_at_10"] / max(row["scan_recall_at_10"], 1e-9)
             say("exact", row)
         except Exception as error:  # noqa: BLE001
             say("exact", {"failed": f"{type(error).__name__}: {error}"[:400]})

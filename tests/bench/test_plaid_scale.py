@@ -58,6 +58,8 @@ def test_scale_run_on_cpu(bench, tmp_path, monkeypatch):
     assert 0.5 <= stages["scan"]["recall_vs_scan"] <= 1.0
     assert 0.0 < stages["exact"]["scan_recall_at_10"] <= 1.0
     assert 0.0 < stages["exact"]["candidates_recall_at_10"] <= 1.0
+    exact = stages["exact"]
+    assert exact["candidates_over_scan"] == exact["candidates_recall_at_10"] / exact["scan_recall_at_10"]
     assert [row["n_probe"] for row in stages["sweep"]] == [2] and "recall_vs_scan" in stages["sweep"][0]
 
 
