@@ -179,9 +179,12 @@ def soft_backward(grad: torch.Tensor, q: torch.Tensor, d: torch.Tensor, lay: Sof
         alloc = torch.zeros if lay.layout == PAIRS else torch.empty
         out = alloc((splits, *q.shape) if need_dq else (1,), dtype=torch.float32, device=q.device)
         if programs:
+            dq_kw = kw
+            if scatter and cfg.block_m >= 64:  # (the gather's tiles, out and Q's rows for the scatter: 4 warps spill)
+                dq_kw = dict(kw, num_warps=max(8, kw["num_warps"]))
             launch(soft_bwd_dq_kernel, (programs * splits,), grad, q, d, *ptrs, stats, out,
                    dd32 if scatter else out, *counts, q_blocks, num_k, scale2, splits, split_docs, q.numel(),
-                   *strides, HAS_Q_MASK=lay.q_mask is not None, STORE_DQ=need_dq, DD_ATOMIC=scatter, **kw)
+                   *strides, HAS_Q_MASK=lay.q_mask is not None, STORE_DQ=need_dq, DD_ATOMIC=scatter, **dq_kw)
         if need_dq:
             dq = (out.sum(dim=0) if splits > 1 else out[0]).to(q.dtype)
     if scatter:
