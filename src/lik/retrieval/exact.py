@@ -16,7 +16,7 @@ import torch
 from ..core.precision import accumulation_dtype
 from ..ops.maxsim.function import score_canonical
 from ..ops.maxsim.validation import MaxSimInputs
-from .keys import MAX_ID, decode_keys, merge_keys
+from .keys import MAX_ID, merge_keys
 from .queries import assemble, buckets, ragged_queries
 
 __all__ = ["search", "merge_top_k", "rank", "DEFAULT_BUDGET_BYTES", "BYTES_PER_CANDIDATE"]
@@ -181,14 +181,14 @@ def search(
         parts = [(bucket, score_canonical(_documents(bundle, start, stop))) for bucket, bundle in bundles]
         chunk_scores = parts[0][1] if ragged is None else assemble(parts, n_queries, stop - start, score_dtype, device)
         if keyed:
-            best = merge_keys(chunk_scores, start, None, best, k)
+            best = merge_keys(chunk_scores, start, None, best, k, decode=stop == n_docs)  # the last also decodes
             continue
         chunk_indices = torch.arange(start, stop, device=device).expand(n_queries, -1)
         if best_scores is None:
             best_scores, best_indices = chunk_scores[:, :0], chunk_indices[:, :0]
         best_scores, best_indices = merge_top_k(best_scores, best_indices, chunk_scores, chunk_indices, k)
     if keyed:
-        best_scores, best_indices = decode_keys(best)
+        best_scores, best_indices = best
     return finish(best_scores), finish(best_indices)
 
 
