@@ -3,7 +3,7 @@
     python3 benchmarks/plaid_bench.py --out $OUT/plaid                  # ~5M tokens, nbits 2 and 4 (< 150 s, H200)
     python3 benchmarks/plaid_bench.py --quick --out $OUT/plaid          # ~1M tokens
     python3 benchmarks/plaid_bench.py --tokens 20000000 --out ...       # any size that fits in memory
-    python3 benchmarks/plaid_bench.py --scale [--tokens N] --out ...    # 1B tokens streamed, lik only, nbits 2
+    python3 benchmarks/plaid_bench.py --scale [--tokens N] --out ...    # 1B tokens streamed: benchmarks/plaid_scale.py
     python3 benchmarks/plaid_bench.py --smoke --out ...                 # tiny, any device: the plumbing
 
 Data: clustered synthetic tokens, d = 128, fp16: ``--centres`` random unit centres; each document (60-140 tokens)
