@@ -14,7 +14,7 @@ sm90 = pytest.importorskip("tests.test_compile_sm90")
 
 def _merge_workload():
     gen = torch.Generator().manual_seed(0)
-    for rows, n, k in ((1, 50_000, 10), (32, 50_000, 1), (2, 5000, 64), (3, 3000, 16)):
+    for rows, n, k in ((1, 50_000, 10), (1, 500_000, 10), (32, 50_000, 1), (2, 5000, 64), (3, 3000, 16)):
         scores = torch.randn(rows, n, generator=gen)
         best = K.merge_keys(scores, 5, None, None, k)
         K.merge_keys(scores, 2**31, torch.arange(n), best, k)
