@@ -41,7 +41,7 @@ def _both(Q, D, q_mask, d_mask, dtype, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("reduction,kw", SOFT)
+@pytest.mark.parametrize("reduction,kw", SOFT[:2])  # top-k's random-data cells: test_soft_topk_selection.py
 @pytest.mark.parametrize("shape", [(16, 32, 16, 180, 128), (2, 300, 3, 1030, 128), (3, 7, 5, 33, 256),
                                    (2, 9, 3, 40, 1000)])
 def test_soft_reductions_against_float64(dtype, reduction, kw, shape):
@@ -57,12 +57,12 @@ def test_soft_reductions_against_float64(dtype, reduction, kw, shape):
 @pytest.mark.parametrize("top_k", [4, 16])
 @pytest.mark.parametrize("scorer", ["maxsim", "half_kernels"])
 def test_topk_on_exact_data_with_ties(dtype, top_k, scorer):
-    """Exact similarities with many ties (``topk_on_exact_data``), in the fp32 path ``lik.maxsim`` takes for half
-    inputs and in the half-precision kernels themselves."""
+    """Exact similarities with many ties (``topk_on_exact_data``), through lik.maxsim (atomic dD) and through the
+    autograd node directly (atomic-free dD)."""
     topk_on_exact_data("cuda", dtype, top_k, scorer, (6, 32, 9, 200, 128))
 
 
-@pytest.mark.parametrize("reduction,kw", [("max", {}), *SOFT[::2]])
+@pytest.mark.parametrize("reduction,kw", [("max", {}), SOFT[0]])
 def test_normalized_and_packed_on_device(reduction, kw):
     rng = torch.Generator().manual_seed(1)
     Q, D, q_mask, d_mask = rand_problem(rng, 8, 32, 8, 100, 128)

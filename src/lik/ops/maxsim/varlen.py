@@ -198,7 +198,7 @@ def _with_options(kernels: bool, inputs: PackedInputs, deterministic: bool, opti
             inputs = replace(inputs, max_seqlen_q=int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0)
         lay = packed_layout(inputs, max_seqlen_d)
         return apply_soft(inputs.q, inputs.d, lay, options, None if scale is None else (
-            scale[:, None] if inputs.pairs else scale))
+            scale[:, None] if inputs.pairs else scale), deterministic)
     needs_grad = _needs_grad(inputs)
     if needs_grad and not torch.compiler.is_compiling():
         return MaxSimPackedFunction.apply(inputs.q, inputs.d, inputs.cu_q, inputs.cu_d, inputs.q_mask,
