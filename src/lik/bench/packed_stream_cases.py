@@ -2,7 +2,7 @@
 
 * ``packed-stream/short-<dtype>-nq<N>``: 50 000 documents of 60-140 tokens (uniform, ~5.0M tokens), ``N`` = 1, 32
   or 256 queries of 32 tokens;
-* ``packed-stream/colpali-<dtype>-nq<N>``: 5 000 pages of 1 030 tokens (5.15M tokens), ``N`` = 1 or 32.
+* ``packed-stream/colpali-<dtype>-nq<N>``: 5 000 pages of 1 030 tokens (5.15M tokens), ``N`` = 1, 32 or 256.
 
 d = 128, L2-normalised random data; dtype fp16, int8 or fp8 (the corpus quantized by ``lik.quantize``, the
 queries too, outside the timed call). Methods: ``lik`` (``lik.maxsim_packed`` as the heuristic of
@@ -125,7 +125,7 @@ def _reference(s: dict) -> torch.Tensor:
 
 
 def packed_stream_cases() -> list[Case]:
-    """The cases, in table order: short documents (Nq 1, 32, 256), then ColPali pages (Nq 1, 32), per dtype."""
+    """The cases, in table order: short documents, then ColPali pages (Nq 1, 32, 256 each), per dtype."""
     methods = {
         "lik": CaseMethod(_call),
         "lik-stream": CaseMethod(_forced(True)),
@@ -134,7 +134,7 @@ def packed_stream_cases() -> list[Case]:
     cases = []
     for kind, label, counts in (
         ("short", "50 000 docs of 60-140 tokens", (1, 32, 256)),
-        ("colpali", "5 000 pages of 1 030 tokens", (1, 32)),
+        ("colpali", "5 000 pages of 1 030 tokens", (1, 32, 256)),
     ):
         for tag in _DTYPES:
             for nq in counts:
