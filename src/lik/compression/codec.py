@@ -11,7 +11,9 @@ The arithmetic is ColBERT's CPU path (``colbert/indexing/codecs/residual.py``, c
 
 So lik's codes, bytes and fp32 decode equal ColBERT's CPU ones bit for bit. ColBERT's GPU path differs from its
 own CPU path: it subtracts in fp16 (a residual within an fp16 rounding of a cutoff can land in the next bucket) and
-decodes in fp16; lik keeps fp32 on every device and casts the normalised result to the requested dtype.
+decodes in fp16; lik keeps fp32 on every device and casts the normalised result to the requested dtype, except
+that on a GPU fp16 tokens choose their centroid by fp16 products with fp32 sums in one fused kernel
+(:func:`lik.compression.nearest_centroid`), as ColBERT's GPU path multiplies in fp16.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .kmeans import kmeans
+from .nearest import nearest_centroid
 from .packing import check_nbits_and_dim, pack_residual_bits, packed_dim, unpack_residual_bits
 from .sampling import bucket_cutoffs_and_weights, split_heldout
 
@@ -128,6 +131,9 @@ class ResidualCodec:
     def compress_into_codes(self, embs: torch.Tensor) -> torch.Tensor:
         """int32 ``[N]``: the centroid of largest inner product for each row of float ``embs`` ``[N, d]``."""
         embs = self._check_embs(embs)
+        if embs.is_cuda:  # fused: no [K, N] fp32 block (it would be 262 TB at 1e9 tokens x 2**16 centroids)
+            product = torch.float16 if embs.dtype == torch.float16 else torch.float32
+            return nearest_centroid(embs, self.centroids, bias=None, product_dtype=product)[0]
         codes = torch.empty(embs.shape[0], dtype=torch.int32, device=self.device)
         # ColBERT's block (its 2**29 score elements) and orientation, so equal inputs give equal products.
         step = max(1, (1 << 29) // self.num_centroids)
