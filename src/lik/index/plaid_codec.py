@@ -35,7 +35,6 @@ __all__ = [
     "CODECS",
     "NBITS",
     "TRAIN_TOKENS",
-    "TRAIN_TOKENS_GPU",
     "CODEC_FILE",
     "check_codec",
     "CodecTrainer",
@@ -51,9 +50,6 @@ NBITS = (1, 2, 4)
 # Tokens the codec is trained on (ColBERTv2's sample of them): 1 Mi tokens at d = 128 are 512 MB of fp32 on the
 # build's device, and give k-means a few hundred tokens per centroid at ColBERT's centroid count.
 TRAIN_TOKENS = 1 << 20
-# On a GPU k-means is cheap: 4 Mi tokens, about fast-plaid's sample at 5M tokens (~3.9M), so ColBERT's rule gives
-# 2**15 centroids there (a 1 Mi prefix cost 0.010 of 4-bit recall@10 on the CPU against a whole-corpus sample).
-TRAIN_TOKENS_GPU = 1 << 22
 CODEC_FILE = "codec.safetensors"
 
 
@@ -95,7 +91,7 @@ def _positive(value, name: str) -> int | None:
 
 class CodecTrainer:
     """A codec to come: trained by :func:`lik.compression.train_codec` on the first ``train_tokens`` tokens a
-    build sees (default :data:`TRAIN_TOKENS`, :data:`TRAIN_TOKENS_GPU` on a CUDA device), on ``device``, with
+    build sees (default :data:`TRAIN_TOKENS`), on ``device``, with
     ``num_centroids`` centroids (default ColBERTv2's rule on those tokens; any positive count, a power of two or
     not). ``codec`` is ``None`` until then. Both arguments are checked here, before any document is read
     (one-line errors naming them)."""
@@ -105,9 +101,7 @@ class CodecTrainer:
     ):
         self.nbits, self.device, self.seed = nbits, device, seed
         train_tokens = _positive(train_tokens, "train_tokens")
-        on_gpu = device is not None and torch.device(device).type == "cuda"
-        default = TRAIN_TOKENS_GPU if on_gpu else TRAIN_TOKENS
-        self.train_tokens = default if train_tokens is None else train_tokens
+        self.train_tokens = TRAIN_TOKENS if train_tokens is None else train_tokens
         self.num_centroids = _positive(num_centroids, "num_centroids")
         self.codec: ResidualCodec | None = None
 
