@@ -143,11 +143,14 @@ def test_back_to_back_streamed_searches_wait_for_each_other(tmp_path, placement)
 
 def test_one_query_search_host_path_is_two_merge_launches(monkeypatch):
     # The resident search's merge: block top-k and one row merge that decodes, no torch.topk, nothing read back.
+    # The query is in the index's dtype (float16), as the reference below needs: maxsim_packed takes Q and d in one
+    # dtype and raises a TypeError for a float32 Q against float16 tokens.
     from lik.retrieval import keys
 
     index = lik.Index.build(random_docs(3000), placement="gpu", progress=False)
-    Q = torch.nn.functional.normalize(torch.randn(32, 128), dim=-1).cuda()
+    Q = torch.nn.functional.normalize(torch.randn(32, 128), dim=-1).to("cuda", index.dtype)
     index.search(Q, 10)
+    torch.cuda.synchronize()
     launched, launch = [], keys.launch
 
     def recorded(kernel, *args, **kwargs):
@@ -156,11 +159,16 @@ def test_one_query_search_host_path_is_two_merge_launches(monkeypatch):
 
     monkeypatch.setattr(keys, "launch", recorded)
     monkeypatch.setattr(torch.Tensor, "topk", lambda *a, **kw: pytest.fail("torch.topk in a resident search"))
-    scores, ids = index.search(Q, 10)
-    monkeypatch.undo()
+    torch.cuda.set_sync_debug_mode("error")  # a read back (.item(), a device-to-host copy) raises in the search
+    try:
+        scores, ids = index.search(Q, 10)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.undo()
     assert launched == ["block_top_keys_kernel", "row_top_keys_kernel"]
     exact = lik.maxsim_packed(Q, *_packed(index)).topk(10)
     assert torch.equal(ids.cpu(), exact.indices.cpu())
+    torch.testing.assert_close(scores.cpu(), exact.values.cpu(), rtol=1e-5, atol=1e-4)
 
 
 def _packed(index):
