@@ -190,7 +190,8 @@ def which(path, corpora, **load) -> str | None:
 
 def assert_clean(parent, name="ix", allow_version_1_leftovers=False):
     """Only the index remains: no staging directories beside it, one generation and its manifest inside."""
-    assert sorted(os.listdir(parent)) == [name]
+    left = sorted(os.listdir(parent))
+    assert left == [name], f"left beside the index: {left}"
     generation = read_json(parent / name / "manifest.json")["generation"]
     inside = set(os.listdir(parent / name)) - {generation, "manifest.json"}
     if allow_version_1_leftovers:

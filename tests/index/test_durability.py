@@ -307,12 +307,16 @@ def test_leftovers_are_removed_only_when_provably_a_dead_writers(tmp_path, corpo
         ".ix.tmp-00000000000b": record % (dead, "another-host"),  # cannot tell: kept
         ".ix.tmp-00000000000c": None,  # no marker (not lik's): kept
         ".ix.old-00000000000d": None,  # what an older lik renamed aside: may be the only copy, kept
+        ".ix.tmp-00000000000e": "",  # an empty marker beside data: kept
     }
     for name, marker in leftovers.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "data").write_text("x")
         if marker is not None:
             (tmp_path / name / ".lik-writer").write_text(marker)
+    killed_before_its_record = tmp_path / ".ix.tmp-00000000000f"  # only an empty marker: removed
+    killed_before_its_record.mkdir()
+    (killed_before_its_record / ".lik-writer").write_text("")
     stray = tmp_path / "ix" / "gen-0123456789abcdef0123456789abcdef"  # a killed replace's generation: removed
     stray.mkdir()
     (stray / ".lik-generation").write_text("")
@@ -324,6 +328,7 @@ def test_leftovers_are_removed_only_when_provably_a_dead_writers(tmp_path, corpo
     lik.Index.build(corpora["new"], out=tmp_path / "ix", overwrite=True, progress=False)
     assert sorted(os.listdir(tmp_path)) == sorted(["ix", *(n for n in leftovers if n != ".ix.tmp-0123456789ab")])
     assert not stray.exists() and not empty.exists() and unmarked.exists()
+    assert not killed_before_its_record.exists()
 
 
 # ------------------------------------------------------------------ readers during a replace

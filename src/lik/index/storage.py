@@ -202,16 +202,28 @@ def _is_empty(path) -> bool:
     return False
 
 
+def _only_an_empty_marker(path) -> bool:
+    """The directory holds nothing but an empty writer marker: a writer killed between creating its marker and
+    writing its record into it."""
+    with contextlib.suppress(OSError), os.scandir(path) as entries:
+        found = list(entries)
+        return (len(found) == 1 and found[0].name == WRITER_MARKER and found[0].is_file(follow_symlinks=False)
+                and found[0].stat(follow_symlinks=False).st_size == 0)
+    return False
+
+
 def remove_dead_staging(parent: Path, name: str) -> None:
-    """Remove ``.NAME.tmp-*`` directories beside ``NAME`` whose writer marker names a dead process, and empty ones
-    (what a removal killed between its last two steps leaves; a writer whose new, empty staging directory vanishes
-    makes another)."""
+    """Remove ``.NAME.tmp-*`` directories beside ``NAME`` whose writer marker names a dead process, empty ones (what
+    a removal killed between its last two steps leaves) and ones holding only an empty marker (a writer killed
+    before its record was written); a live writer whose staging directory vanishes while it sets it up makes
+    another."""
     pattern = re.compile(re.escape(f".{name}.tmp-") + r"[0-9a-f]{12}")
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent):
             if pattern.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                if _is_empty(entry.path) or _writer_is_dead(Path(entry.path) / WRITER_MARKER):
-                    remove_marked(entry.path, WRITER_MARKER)
+                path = entry.path
+                if _is_empty(path) or _only_an_empty_marker(path) or _writer_is_dead(Path(path) / WRITER_MARKER):
+                    remove_marked(path, WRITER_MARKER)
 
 
 def is_lik_index(path: Path) -> bool:
@@ -289,21 +301,20 @@ class IndexWriter:
         for _ in range(8):
             staging = parent / f".{self.destination.name}.tmp-{uuid.uuid4().hex[:12]}"
             os.mkdir(staging)
+            self.staging = staging
             try:
                 _write_new_file(staging / WRITER_MARKER, _writer_record(), durable=False)  # only a hint for cleanup
+                os.mkdir(staging / self.generation)
+                _write_new_file(staging / self.generation / GENERATION_MARKER, "", durable=False)  # the name is all
             except FileNotFoundError:
-                continue  # another writer's cleanup took it while it was still empty
-            self.staging = staging
-            break
-        else:
-            raise OSError(f"path: cannot create a staging directory beside {str(self.destination)!r}")
-        try:
-            os.mkdir(staging / self.generation)
-            _write_new_file(staging / self.generation / GENERATION_MARKER, "", durable=False)  # empty: the name is all
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
+                # Another writer's cleanup took it before its record was in: start again elsewhere.
+                self.__exit__()
+                continue
+            except BaseException:
+                self.__exit__()
+                raise
+            return self
+        raise OSError(f"path: cannot create a staging directory beside {str(self.destination)!r}")
 
     def __exit__(self, *exc) -> None:
         if self.staging is not None:
