@@ -407,10 +407,8 @@ class Index:
             counts = rank_counts(world, positions, state.ids.removed_positions(), k, state.num_docs)
             scores, ids = gather_top_k(scores, ids, k, counts)
         scores, ids = scores.to(where), ids.to(where)
-        if mode is not None or rescored or self.num_shards > 1:  # candidate generation pads with -1
-            ids = torch.where(ids >= 0, state.ids.ids_of(ids.clamp(min=0)), -1)
-        else:  # an exact search returns stored positions only: three launches fewer after the scoring
-            ids = state.ids.ids_of(ids)
+        padded = mode is not None or rescored or self.num_shards > 1  # candidates and rank merges pad with -1
+        ids = torch.where(ids >= 0, state.ids.ids_of(ids.clamp(min=0)), -1) if padded else state.ids.ids_of(ids)
         return (scores[0], ids[0]) if squeeze else (scores, ids)
 
     def __repr__(self) -> str:
