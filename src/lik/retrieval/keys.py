@@ -59,32 +59,10 @@ def _largest(x, K: tl.constexpr, HAS_TOPK: tl.constexpr):
         return tl.sort(x, descending=True)
 
 
-@triton.jit(do_not_specialize=["n", "n_blocks", "first_id", "stride_sq", "stride_kq"])
-def candidate_keys_kernel(scores_ptr, ids_ptr, keys_ptr, n, n_blocks, first_id, stride_sq, stride_kq,
-                          HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
-    """``keys[q, j]`` of ``scores[q, j]`` (float32, unit stride along j) and id ``first_id + ids[j]`` (``ids``:
-    int64 positions, or ``j`` itself without ``HAS_IDS``); program ``q * n_blocks + b`` takes block ``b`` of row
-    ``q``."""
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // n_blocks
-    cols = (pid - row * n_blocks) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < n
-    score = tl.load(scores_ptr + row * stride_sq + cols, mask=inside, other=0.0)
-    if HAS_IDS:
-        ids = tl.load(ids_ptr + cols, mask=inside, other=0) + first_id
-    else:
-        ids = cols + first_id
-    tl.store(keys_ptr + row * stride_kq + cols, _ordered_key(score, ids), mask=inside)
-
-
-@triton.jit(do_not_specialize=["n", "n_blocks", "first_id", "stride_sq", "stride_oq"])
-def block_top_keys_kernel(scores_ptr, ids_ptr, out_ptr, n, n_blocks, first_id, stride_sq, stride_oq,
-                          HAS_IDS: tl.constexpr, BLOCK: tl.constexpr, K: tl.constexpr, OUT: tl.constexpr,
-                          HAS_TOPK: tl.constexpr):
-    """The ``K`` largest keys of block ``b`` of row ``q`` (program ``q * n_blocks + b``; candidates as for
-    :func:`candidate_keys_kernel`), largest first, into ``out[q, b * K : (b + 1) * K]``; a block of fewer than ``K``
-    candidates pads with int64 min. ``OUT``: ``K`` with tl.topk, ``BLOCK`` (the sorted block, its first ``K``
-    stored) without."""
+@triton.jit
+def _block_keys(scores_ptr, ids_ptr, n, n_blocks, first_id, stride_sq, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``q * n_blocks + b``'s row ``q``, block ``b``, the block's columns, which of them are below ``n``, and
+    their keys (of ``scores[q, j]`` and id ``first_id + ids[j]``, or ``first_id + j`` without ``HAS_IDS``)."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
     block = pid - row * n_blocks
@@ -95,7 +73,29 @@ def block_top_keys_kernel(scores_ptr, ids_ptr, out_ptr, n, n_blocks, first_id, s
         ids = tl.load(ids_ptr + cols, mask=inside, other=0) + first_id
     else:
         ids = cols + first_id
-    key = tl.where(inside, _ordered_key(score, ids), -9223372036854775808)
+    return row, block, cols, inside, _ordered_key(score, ids)
+
+
+@triton.jit(do_not_specialize=["n", "n_blocks", "first_id", "stride_sq", "stride_kq"])
+def candidate_keys_kernel(scores_ptr, ids_ptr, keys_ptr, n, n_blocks, first_id, stride_sq, stride_kq,
+                          HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
+    """``keys[q, j]`` of ``scores[q, j]`` (float32, unit stride along j) and id ``first_id + ids[j]`` (``ids``:
+    int64 positions, or ``j`` itself without ``HAS_IDS``); program ``q * n_blocks + b`` takes block ``b`` of row
+    ``q``."""
+    row, block, cols, inside, key = _block_keys(scores_ptr, ids_ptr, n, n_blocks, first_id, stride_sq, HAS_IDS, BLOCK)
+    tl.store(keys_ptr + row * stride_kq + cols, key, mask=inside)
+
+
+@triton.jit(do_not_specialize=["n", "n_blocks", "first_id", "stride_sq", "stride_oq"])
+def block_top_keys_kernel(scores_ptr, ids_ptr, out_ptr, n, n_blocks, first_id, stride_sq, stride_oq,
+                          HAS_IDS: tl.constexpr, BLOCK: tl.constexpr, K: tl.constexpr, OUT: tl.constexpr,
+                          HAS_TOPK: tl.constexpr):
+    """The ``K`` largest keys of block ``b`` of row ``q`` (program ``q * n_blocks + b``; candidates as for
+    :func:`candidate_keys_kernel`), largest first, into ``out[q, b * K : (b + 1) * K]``; a block of fewer than ``K``
+    candidates pads with int64 min. ``OUT``: ``K`` with tl.topk, ``BLOCK`` (the sorted block, its first ``K``
+    stored) without."""
+    row, block, cols, inside, key = _block_keys(scores_ptr, ids_ptr, n, n_blocks, first_id, stride_sq, HAS_IDS, BLOCK)
+    key = tl.where(inside, key, -9223372036854775808)
     top = _largest(key, K, HAS_TOPK)
     slots = tl.arange(0, OUT)
     tl.store(out_ptr + row * stride_oq + block * K + slots, top, mask=slots < K)
