@@ -3,22 +3,18 @@ the JSON and table it writes, the bars it derives, and its floor scorer's gradie
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "host_path.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def host_path():
-    spec = importlib.util.spec_from_file_location("host_path_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/host_path.py", "host_path_script")
 
 
 def test_arguments(host_path, monkeypatch, tmp_path):

@@ -12,15 +12,12 @@ import pathlib
 import pytest
 import torch
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "plaid_bench.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("plaid_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/plaid_bench.py", "plaid_bench")
 
 
 @pytest.fixture

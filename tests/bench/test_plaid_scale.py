@@ -7,12 +7,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.scripts import load_script
+
 TINY = [
     "--scale", "--tokens", "1500", "--centres", "8", "--min-len", "6", "--max-len", "14", "--chunk-tokens", "400",
     "--queries", "6", "--q-len", "4", "--recall-queries", "4", "--n-probe", "4", "--candidates", "16",
@@ -21,10 +21,7 @@ TINY = [
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"benchmarks/{name}.py", name)
 
 
 @pytest.fixture(scope="module")

@@ -3,21 +3,17 @@ a missing peer is a skipped row with its reason, and the JSON holds the table it
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "pylate_retrieval.py"
+from tests.scripts import load_script as load_repo_script
+
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("pylate_retrieval", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_script("benchmarks/pylate_retrieval.py", "pylate_retrieval")
 
 
 def test_recall_counts_ties_at_the_kth_score():

@@ -4,22 +4,17 @@ errors. On the CPU ``gpu`` is skipped and the other placements run lik's PyTorch
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "index_bench.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("index_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/index_bench.py", "index_bench")
 
 
 @pytest.fixture(autouse=True)

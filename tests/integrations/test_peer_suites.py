@@ -4,7 +4,6 @@ UNEXPECTED, and a run reports per suite with an exit status that says whether an
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,19 +11,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.scripts import REPO, load_script
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("peer_suites", REPO / "tools" / "peer_suites.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+    return load_script("tools/peer_suites.py", "peer_suites")
 
 
 def _fake_sdist(root: Path, suite: str, sdist: str, tests: dict[str, str], package: dict[str, str]) -> Path:
