@@ -141,6 +141,13 @@ def test_choice_of_path(monkeypatch):
     assert cfg is not None and cfg.block_m == 256 and cfg.block_t == 64 and cfg.max_registers == 128
     one = packed_stream_config(**{**args, "n_queries": 1}, n_rows=5_000_000, n_docs=50_000)
     assert one is not None and one.block_m == 32 and one.block_t == 128
+    int8_args = {**args, "dtype": torch.int8}
+    assert packed_stream_config(**{**int8_args, "n_queries": 1}, n_rows=5_000_000, n_docs=50_000) is None  # the loop
+    assert packed_stream_config(**int8_args, n_rows=5_000_000, n_docs=50_000) is not None  # 32 queries stream
+    fp8_one = packed_stream_config(
+        **{**args, "dtype": torch.float8_e4m3fn, "n_queries": 1}, n_rows=5_000_000, n_docs=50_000
+    )
+    assert fp8_one is not None and fp8_one.block_m == 64 and fp8_one.programs_per_sm == 3
     assert packed_stream_config(**args, n_rows=5_150_000, n_docs=5_000) is None  # ColPali pages: the document loop
     assert packed_stream_config(**args, n_rows=5_000 * 256, n_docs=5_000) is not None  # 4 tiles of 64, the limit
     assert packed_stream_config(**args, n_rows=5_000 * 257, n_docs=5_000) is None
