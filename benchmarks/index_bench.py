@@ -54,9 +54,10 @@ def sync(cuda: bool) -> None:
 
 def measure(fn, cuda: bool, cap_s: float, min_runs: int, latency: bool = False) -> dict:
     """``{"ms": median, "runs": n}`` of timed calls of ``fn`` after one warm-up (which also compiles): at least
-    ``min_runs``, more (up to 1000) while the timed runs have taken under ``cap_s``. On CUDA the calls run back to
-    back, each between two events, as a stream of searches runs (and as ``triton.testing.do_bench`` times): host
-    time under the device's is hidden, so ``Nq / ms`` is the throughput. ``latency``: also ``p50_ms`` / ``p99_ms``
+    ``min_runs``, more (up to 1000) while the timed runs take under ``cap_s`` (on CUDA: as many as one synchronised
+    call's time fits in ``cap_s``). On CUDA the calls run back to back, each between two events, as a stream of
+    searches runs (and as ``triton.testing.do_bench`` times): host time under the device's is hidden, so
+    ``Nq / ms`` is the throughput. ``latency``: also ``p50_ms`` / ``p99_ms``
     of single synchronised calls on the wall clock, as one user waiting for one search sees them."""
     fn()
     sync(cuda)
@@ -66,8 +67,14 @@ def measure(fn, cuda: bool, cap_s: float, min_runs: int, latency: bool = False) 
 
     times, start = [], time.perf_counter()
     if cuda:
-        pairs = []
-        while more(len(pairs), start):
+        # Calls queued without a wait return before the device runs them: their count comes from one timed call,
+        # not the host's clock (which would queue up to 1000 calls of a 300 ms search).
+        fn()
+        sync(cuda)
+        once_s = time.perf_counter() - start
+        planned = max(min_runs, min(1000, int(cap_s / max(once_s, 1e-6))))
+        pairs, start = [], time.perf_counter()
+        while len(pairs) < planned:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             fn()
