@@ -4,12 +4,14 @@ chunk that last used it was handed back, and the search result equals the reside
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 import lik
 from lik.index import placement as placement_module
-from lik.index.placement import ResidentSource, StreamedSource, plan_chunks
+from lik.index.placement import ResidentSource, StreamedSource, plan_chunks, read_into
 from lik.index.search import search_chunks, select_chunks
 
 from .helpers import grid_docs, grid_queries, install_fake_cuda
@@ -32,6 +34,8 @@ def test_streamed_chunks_equal_resident_chunks(fake_cuda, monkeypatch, tmp_path,
     docs = grid_docs(rng)
     index = lik.Index.build(docs, dtype=dtype, shard_tokens=9, progress=False, device="cpu")
     staged = source != "memory"
+    monkeypatch.setattr(placement_module, "READ_PIECE_BYTES", 16)  # chunks of a file read by several threads
+    monkeypatch.setattr(placement_module, "READ_THREADS", 3)
     if source.startswith("file"):
         index.save(tmp_path / "ix")
         rank = dict(shard=1, num_shards=2) if source == "file-rank" else {}
@@ -69,3 +73,39 @@ def test_streamed_chunks_equal_resident_chunks(fake_cuda, monkeypatch, tmp_path,
         got = search_chunks(Q, None, streamed, selection, k)
         want = search_chunks(Q, None, resident, selection, k)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+class _CountingPool(ThreadPoolExecutor):
+    def __init__(self, workers):
+        super().__init__(workers)
+        self.submitted = 0
+
+    def submit(self, *args, **kwargs):
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+@pytest.mark.parametrize("size, max_pieces, pieces", [(101, 4, 4), (101, 3, 3), (20, 4, 2), (13, 4, 0), (0, 4, 0)])
+def test_read_into_splits_a_read_among_threads(tmp_path, size, max_pieces, pieces):
+    data = bytes(range(256)) * 2
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    out = torch.full((size,), 7, dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as file, _CountingPool(4) as pool:
+        read_into(file, 37, out, pool, max_pieces=max_pieces, piece_bytes=10)
+        assert pool.submitted == pieces  # 0: one read on the calling thread (under two pieces' worth)
+    assert out.tolist() == list(data[37 : 37 + size])
+    fp32 = torch.empty(3, 5)  # any dtype: its bytes are filled
+    with open(path, "rb", buffering=0) as file, ThreadPoolExecutor(2) as pool:
+        read_into(file, 1, fp32[1:], pool, piece_bytes=8)
+    assert fp32[1:].flatten().view(torch.uint8).tolist() == list(data[1:41])
+
+
+def test_read_into_past_the_end_of_the_file_names_it(tmp_path):
+    path = tmp_path / "shard-00000.safetensors"
+    path.write_bytes(bytes(100))
+    with open(path, "rb", buffering=0) as file, ThreadPoolExecutor(3) as pool:
+        with pytest.raises(ValueError, match=r"shard-00000\.safetensors: file ended before byte 130"):
+            read_into(file, 70, torch.empty(60, dtype=torch.uint8), pool, max_pieces=2, piece_bytes=10)  # [100, 130)
+        with pytest.raises(ValueError, match="file ended before byte 101"):
+            read_into(file, 0, torch.empty(101, dtype=torch.uint8))
