@@ -4,8 +4,13 @@ batches are refused by name; the progress bar counts documents per second."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import threading
+
 import pytest
 import torch
+from tqdm import tqdm
 
 import lik
 from lik.index import DocumentBatch, building
@@ -110,6 +115,39 @@ def test_progress_bar_counts_documents_per_second(rng, capsys):
     lik.Index.build(as_batches(grid_docs(rng, LENGTHS)), progress=True)
     err = capsys.readouterr().err
     assert "index documents" in err and "10doc" in err.replace(" ", "") and "doc/s" in err
+
+
+def test_hidden_progress_constructs_no_tqdm(rng, tmp_path, capsys, monkeypatch):
+    def no_tqdm(*args, **kwargs):
+        raise AssertionError("a hidden progress bar constructed tqdm")
+
+    monkeypatch.setattr(building, "tqdm", no_tqdm)
+    docs = grid_docs(rng, LENGTHS)
+    for progress in (False, None):  # None: bars on a terminal only, and pytest's stderr is no terminal
+        index = lik.Index.build(docs, shard_tokens=9, progress=progress)
+        index.save(tmp_path / f"ix-{progress}", progress=progress)
+    assert capsys.readouterr().err == ""
+    assert list(building.progress_bar([1, 2], progress=False)) == [1, 2]
+    with pytest.raises(AssertionError, match="constructed tqdm"):
+        building.progress_bar(progress=True, desc="shown")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks a child (POSIX only)")
+def test_a_child_killed_holding_tqdms_lock_does_not_stall_a_quiet_save(rng, tmp_path, monkeypatch):
+    """tqdm's class lock is shared with forked children: one killed while holding it (say, inside a bar's update)
+    leaves it held for good, and a bar constructed afterwards in the parent would wait forever."""
+    monkeypatch.setattr(tqdm, "_lock", multiprocessing.RLock())  # (this test's own lock, poisoned below)
+    index = lik.Index.build(grid_docs(rng, LENGTHS), shard_tokens=9, progress=False)
+    pid = os.fork()
+    if pid == 0:
+        tqdm.get_lock().acquire()
+        os._exit(0)  # exits holding it, as a killed child would
+    os.waitpid(pid, 0)
+    saved = threading.Thread(target=index.save, args=(tmp_path / "ix",), kwargs={"progress": False}, daemon=True)
+    saved.start()
+    saved.join(timeout=60)
+    assert not saved.is_alive(), "save(progress=False) waited on tqdm's lock"
+    assert len(lik.Index.load(tmp_path / "ix")) == len(LENGTHS)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ Documents come one by one (``[L_i, d]`` tensors) or as :class:`DocumentBatch` es
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -19,16 +20,34 @@ from ..ops.quantization import quantize
 from .format import EIGHT_BIT, Shard
 from .plaid_codec import CodecTrainer
 
-__all__ = ["DocumentBatch", "as_int", "quiet", "shards_from", "pack", "BATCH_TOKENS"]
+__all__ = ["DocumentBatch", "as_int", "progress_bar", "shards_from", "pack", "BATCH_TOKENS"]
 
 # Tokens converted per batch: large enough that the per-batch launches and copy are nothing next to the data
 # (256 Ki tokens at d = 128 are 64 MB of fp16), small enough that a batch is a fraction of a shard.
 BATCH_TOKENS = 1 << 18
 
 
-def quiet(progress: bool | None) -> bool | None:
-    """tqdm's ``disable``: ``None`` (the default) shows bars on a terminal only."""
-    return None if progress is None else not progress
+class _HiddenBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(iterable=None, *, progress: bool | None, **options):
+    """A tqdm bar (over ``iterable``, or one to ``update``) where ``progress`` asks for one (``None``: on a terminal
+    only), else ``iterable`` itself or a bar that does nothing. A hidden bar constructs no tqdm at all: tqdm's class
+    lock is shared with forked processes, so a child killed while holding it would stall the parent's next bar.
+
+    Example:
+        >>> for shard in progress_bar(shards, progress=None, desc="write shards", unit="shard"): ...
+    """
+    stderr = sys.stderr
+    shown = progress if progress is not None else stderr is not None and stderr.isatty()
+    if shown:
+        return tqdm(**options) if iterable is None else tqdm(iterable, **options)
+    return _HiddenBar() if iterable is None else iterable
 
 
 def as_int(value, name: str) -> int:
@@ -275,7 +294,7 @@ def shards_from(docs: Iterable, d, dtype, shard_tokens: int, progress, device=No
     trainer = codec if isinstance(codec, CodecTrainer) else None
     if trainer is not None and trainer.codec is None:
         batches = _trained_first(batches, trainer)
-    bar = tqdm(desc="index documents", unit="doc", disable=quiet(progress))
+    bar = progress_bar(progress=progress, desc="index documents", unit="doc")
     try:
         for parts, lengths, _ in batches:
             if staging is not None and parts[0].device.type == "cpu":

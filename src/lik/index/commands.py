@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from .building import progress_bar
 from .format import DTYPES, MANIFEST_NAME, read_manifest
 from .index import Index
 from .plaid_codec import codec_flags, describe
@@ -413,7 +413,7 @@ def run_search(args: argparse.Namespace) -> int:
         index.search(Q[: args.batch_size].to(device), args.k, q_mask[: args.batch_size].to(device))[1].cpu()
     scores, ids, latencies = [], [], []
     start = time.perf_counter()
-    for first in tqdm(range(0, Q.shape[0], args.batch_size), desc="search", unit="batch", disable=None):  # TTY only
+    for first in progress_bar(range(0, Q.shape[0], args.batch_size), progress=None, desc="search", unit="batch"):
         batch = slice(first, first + args.batch_size)
         called = time.perf_counter()
         s, i = index.search(Q[batch].to(device), args.k, q_mask[batch].to(device))

@@ -10,9 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from .building import as_int, quiet
+from .building import as_int, progress_bar
 from .documents import IdSpace, live_selection
 from .plaid_codec import CODEC_FILE, write_codec
 from .format import Shard
@@ -115,7 +114,7 @@ def write_index(
     shards are consumed (a build trains it on its first batches); its file is written beside the shards.
     ``rescore``: the dtype of the shards' exact copies (a compressed index's), recorded with the codec."""
     with IndexWriter(path, overwrite=overwrite) as writer:
-        for number, shard in enumerate(tqdm(shards, desc="write shards", unit="shard", disable=quiet(progress))):
+        for number, shard in enumerate(progress_bar(shards, progress=progress, desc="write shards", unit="shard")):
             width = shard.tokens.shape[1]
             if codec is None and d is not None and width != d:
                 raise ValueError(f"docs: shard {number} has d={width}, expected d={d}")
