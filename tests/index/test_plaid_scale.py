@@ -34,7 +34,9 @@ def test_scoring_groups_change_nothing(index, monkeypatch):
         monkeypatch.setattr(plaid_search, "SCORED_PAIRS", per_group * n_candidates)
         grouped = index.search(Q, 4, q_mask, n_probe=2, candidates=n_candidates)
         assert torch.equal(grouped[1], one_group[1])
-        torch.testing.assert_close(grouped[0], one_group[0], rtol=0, atol=0)
+        # Off the GPU each group's scores are one BLAS product, whose sums a CPU blocks by the product's shape: equal
+        # to an ulp or two (the GPU kernel scores each pair alone, bit for bit).
+        torch.testing.assert_close(grouped[0], one_group[0], rtol=5e-7, atol=0)
         # And both are the exact scores of the codec's decoded documents.
         found = grouped[1] >= 0
         assert found.any()
