@@ -16,6 +16,7 @@ import lik
 from lik.index import DocumentBatch, building
 
 from .helpers import grid_docs
+from .test_plaid import make_docs
 
 LENGTHS = (5, 0, 3, 7, 1, 4, 0, 2, 6, 3)
 
@@ -115,6 +116,12 @@ def test_progress_bar_counts_documents_per_second(rng, capsys):
     lik.Index.build(as_batches(grid_docs(rng, LENGTHS)), progress=True)
     err = capsys.readouterr().err
     assert "index documents" in err and "10doc" in err.replace(" ", "") and "doc/s" in err
+
+
+def test_progress_bar_says_when_a_compressed_build_trains_its_codec(capsys):
+    lik.Index.build(make_docs(3), codec="plaid", nbits=2, dtype=torch.float32, progress=True)  # 20 documents
+    err = capsys.readouterr().err
+    assert err.index("train codec") < err.rindex("index documents") and "20doc" in err.replace(" ", "")
 
 
 def test_hidden_progress_constructs_no_tqdm(rng, tmp_path, capsys, monkeypatch):

@@ -31,6 +31,9 @@ class _HiddenBar:
     def update(self, n: int = 1) -> None:
         pass
 
+    def set_description(self, desc: str) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -257,10 +260,11 @@ class _ShardFiller:
         return shard
 
 
-def _trained_first(batches: Iterator, trainer: CodecTrainer) -> Iterator:
+def _trained_first(batches: Iterator, trainer: CodecTrainer, bar) -> Iterator:
     """``batches`` as they come, after the codec was trained on the first ones (held back until the trainer's
-    ``train_tokens`` tokens, or the end, are in hand)."""
+    ``train_tokens`` tokens, or the end, are in hand); ``bar`` says so meanwhile."""
     held, count = [], 0
+    bar.set_description("train codec")
     for batch in batches:
         held.append(batch)
         count += sum(t.shape[0] for t in batch[0])
@@ -268,6 +272,7 @@ def _trained_first(batches: Iterator, trainer: CodecTrainer) -> Iterator:
             break
     if held:
         trainer.train([t for parts, _, _ in held for t in parts], [n for _, lengths, _ in held for n in lengths])
+    bar.set_description("index documents")
     yield from held
     del held
     yield from batches
@@ -292,9 +297,9 @@ def shards_from(docs: Iterable, d, dtype, shard_tokens: int, progress, device=No
         staging = _Staging(device)
     batches = _batches(docs, d, min(BATCH_TOKENS, shard_tokens))
     trainer = codec if isinstance(codec, CodecTrainer) else None
-    if trainer is not None and trainer.codec is None:
-        batches = _trained_first(batches, trainer)
     bar = progress_bar(progress=progress, desc="index documents", unit="doc")
+    if trainer is not None and trainer.codec is None:
+        batches = _trained_first(batches, trainer, bar)
     try:
         for parts, lengths, _ in batches:
             if staging is not None and parts[0].device.type == "cpu":
