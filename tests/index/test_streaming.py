@@ -4,6 +4,8 @@ chunk that last used it was handed back, and the search result equals the reside
 
 from __future__ import annotations
 
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -109,3 +111,25 @@ def test_read_into_past_the_end_of_the_file_names_it(tmp_path):
             read_into(file, 70, torch.empty(60, dtype=torch.uint8), pool, max_pieces=2, piece_bytes=10)  # [100, 130)
         with pytest.raises(ValueError, match="file ended before byte 101"):
             read_into(file, 0, torch.empty(101, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks a child (POSIX only)")
+def test_a_forked_child_reads_with_threads_of_its_own(tmp_path):
+    data = bytes(range(256)) * 4
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    out = torch.empty(1000, dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as file:
+        read_into(file, 3, out, placement_module.read_pool(), max_pieces=4, piece_bytes=100)  # the parent's threads
+        pid = os.fork()
+        if pid == 0:  # the inherited pool has no threads: work sent to it would never run
+            signal.alarm(30)
+            try:
+                child_out = torch.empty(1000, dtype=torch.uint8)
+                read_into(file, 3, child_out, placement_module.read_pool(), max_pieces=4, piece_bytes=100)
+                os._exit(0 if child_out.tolist() == list(data[3:1003]) else 1)
+            finally:
+                os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert out.tolist() == list(data[3:1003])

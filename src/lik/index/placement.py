@@ -26,13 +26,34 @@ from .format import Shard
 
 __all__ = [
     "PLACEMENTS", "Chunk", "ChunkPlan", "plan_chunks", "coalesce", "place_together", "ChunkSource", "ResidentSource",
-    "StreamedSource", "read_into", "READ_THREADS", "READ_PIECE_BYTES",
+    "StreamedSource", "read_into", "read_pool", "READ_THREADS", "READ_PIECE_BYTES",
 ]
 
 PLACEMENTS = ("auto", "gpu", "host", "disk")
 # Threads reading a chunk of a "disk" index, and the least bytes each takes (smaller reads stay on one thread).
 READ_THREADS = min(8, os.cpu_count() or 1)
 READ_PIECE_BYTES = 8 << 20
+_read_pool: ThreadPoolExecutor | None = None
+_read_pool_lock = threading.Lock()
+
+
+def read_pool() -> ThreadPoolExecutor:
+    """The process's threads for :func:`read_into` (every ``"disk"`` index shares them), made on first use."""
+    global _read_pool
+    with _read_pool_lock:
+        if _read_pool is None:
+            _read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="lik-read")
+        return _read_pool
+
+
+def _forget_read_pool() -> None:
+    # A forked child inherits the pool without its threads (work sent to it would never run): it makes its own.
+    global _read_pool, _read_pool_lock
+    _read_pool, _read_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_read_pool)
 
 
 @dataclass(frozen=True)
@@ -153,8 +174,8 @@ def read_into(file, offset: int, out: torch.Tensor, pool: Executor | None = None
     ``piece_bytes`` (default :data:`READ_PIECE_BYTES`) are read at once.
 
     Example:
-        >>> with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(4) as pool:
-        ...     read_into(f, 128, out, pool)  # out.nbytes bytes from byte 128 on
+        >>> with open(path, "rb", buffering=0) as f:
+        ...     read_into(f, 128, out, read_pool())  # out.nbytes bytes from byte 128 on
     """
     view = memoryview(out.view(-1).view(torch.uint8).numpy())
     max_pieces = READ_THREADS if max_pieces is None else max_pieces
@@ -249,7 +270,6 @@ class StreamedSource(ChunkSource):
         ]
         self.offsets_host = [_chunk_offsets(self.segments[p.segment], p).pin_memory() for p in self.plans]
         if staged:
-            self.read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="lik-read")
             self.staging = [torch.empty(capacity, dim, dtype=dtype).pin_memory() for _ in range(2)]
             self.scale_staging = [
                 torch.empty(capacity if has_scale else 0, dtype=side).pin_memory() for _ in range(2)
@@ -270,10 +290,10 @@ class StreamedSource(ChunkSource):
             # replacing the index meanwhile changes nothing this index reads.
             handle = region.handle
             tokens_at = region.tokens_offset + plan.token_start * region.row_bytes
-            read_into(handle, tokens_at, self.staging[slot][:n], self.read_pool)
+            read_into(handle, tokens_at, self.staging[slot][:n], read_pool())
             if scale is not None:
                 scale_at = region.scale_offset + 4 * plan.token_start
-                read_into(handle, scale_at, self.scale_staging[slot][:n], self.read_pool)
+                read_into(handle, scale_at, self.scale_staging[slot][:n], read_pool())
         else:
             self.staging[slot][:n].copy_(tokens)
             if scale is not None:
